@@ -1,0 +1,13 @@
+"""fusedopt: memory-lean drop-in torch.optim optimizers.
+
+Compressed optimizer state, master-weight splitting, one fused Triton kernel per parameter
+and gradient release during backward. ``fusedopt.kernels`` is internal.
+"""
+
+from .adamw import AdamW
+from .lion import Lion
+from .optimizer import FusedOptimizer
+from .sgd import SGD
+
+__version__ = "0.1.0"
+__all__ = ["AdamW", "SGD", "Lion", "FusedOptimizer", "__version__"]

@@ -1,0 +1,163 @@
+"""Optimizer checkpoints: save and load fusedopt state without losing or misreading anything.
+
+Two rules on top of torch's ``Optimizer.load_state_dict``:
+
+* State tensors keep their saved dtypes (torch casts floating state to the parameter dtype,
+  which would turn fp32 moments of a bf16 parameter into bf16).
+* As in torch, saved group options win (``state_bits`` and friends included); options the
+  saved groups lack (a ``torch.optim.AdamW`` checkpoint has no ``state_bits``) keep the
+  optimizer's own and the saved state is converted to them. Conversion that loses precision
+  is reported with a warning giving the error; anything that cannot be converted (missing
+  or unknown entries, wrong shapes, another algorithm) raises and leaves the optimizer as it was.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import defaultdict
+
+import torch
+
+from . import rng
+from .codecs import MomentCodec
+
+FORMAT = 1
+# torch.optim group keys that fusedopt ignores when loading a torch checkpoint (implementation
+# switches with no effect on the state); any other unknown key with a non-default value is refused.
+_IGNORED_FOREIGN_KEYS = {"foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay", "initial_lr"}
+
+
+def state_dict(optimizer, packed: dict) -> dict:
+    """Add fusedopt's optimizer-wide entries to torch's packed state dict."""
+    packed["fusedopt"] = {
+        "format": FORMAT,
+        "algorithm": optimizer.algorithm,
+        "seed": optimizer.seed,
+        "num_skipped_updates": optimizer.num_skipped_updates,
+    }
+    return packed
+
+
+def load_state_dict(optimizer, saved: dict) -> None:
+    """Load ``saved`` into ``optimizer`` (see the module docstring); all-or-nothing."""
+    saved = saved.copy()
+    for hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
+        result = hook(optimizer, saved)
+        if result is not None:
+            saved = result
+
+    meta = saved.get("fusedopt")
+    if meta is not None:
+        if meta.get("format", 0) > FORMAT:
+            raise ValueError(f"checkpoint format {meta.get('format')} is newer than this fusedopt ({FORMAT})")
+        if meta.get("algorithm") != optimizer.algorithm:
+            raise ValueError(
+                f"checkpoint holds {meta.get('algorithm')!r} state; it cannot be loaded into fusedopt."
+                f"{type(optimizer).__name__}"
+            )
+
+    groups = optimizer.param_groups
+    saved_groups = saved["param_groups"]
+    if len(groups) != len(saved_groups):
+        raise ValueError("loaded state dict has a different number of parameter groups")
+    if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
+        raise ValueError(
+            "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
+        )
+
+    new_groups = [_merge_group(optimizer, g, s) for g, s in zip(groups, saved_groups)]
+    seed = meta["seed"] if meta is not None else optimizer.seed
+    lossy: list[str] = []
+    new_state: defaultdict = defaultdict(dict)
+    ids = {pid: (p, g) for g, s in zip(new_groups, saved_groups) for pid, p in zip(s["params"], g["params"])}
+    for pid, param_state in saved["state"].items():
+        if pid not in ids:
+            raise ValueError(f"loaded state dict has state for parameter id {pid!r}, which no group lists")
+        p, group = ids[pid]
+        _, index = optimizer.position(p)
+        where = f"parameter {index} (shape {tuple(p.shape)})"
+        new_state[p] = _convert_param_state(optimizer, p, group, param_state, where, seed, index, lossy)
+
+    # Everything validated and converted: commit.
+    for i, group in enumerate(new_groups):
+        groups[i] = group
+    optimizer.state = new_state
+    optimizer.seed = seed
+    if meta is not None:
+        counter = meta["num_skipped_updates"]
+        optimizer.num_skipped_updates.copy_(torch.as_tensor(counter, dtype=torch.int64))
+    if lossy:
+        warnings.warn(
+            "checkpoint state was converted to this optimizer's state format with rounding: " + "; ".join(lossy),
+            stacklevel=3,
+        )
+    for hook in optimizer._optimizer_load_state_dict_post_hooks.values():
+        hook(optimizer)
+
+
+def _merge_group(optimizer, group: dict, saved_group: dict) -> dict:
+    merged = dict(group)
+    for key, value in saved_group.items():
+        if key == "params":
+            continue
+        if key in optimizer.defaults or key == "param_names":
+            merged[key] = value
+        elif key == "amsgrad":
+            if value:
+                raise ValueError("checkpoint was saved with amsgrad=True, which fusedopt does not support")
+        elif key not in _IGNORED_FOREIGN_KEYS:
+            raise ValueError(f"loaded parameter group has an option fusedopt does not know: {key!r}")
+    optimizer.check_group(merged)
+    return merged
+
+
+def _convert_param_state(optimizer, p, group, saved: dict, where: str, seed: int, index: int, lossy: list) -> dict:
+    if not isinstance(saved, dict):
+        raise ValueError(f"state of {where} is a {type(saved).__name__}, expected a dict")
+    saved = {k: v for k, v in saved.items() if v is not None}  # torch.optim.SGD saves momentum_buffer=None
+    codecs: dict[str, MomentCodec] = optimizer.codecs(p, group)
+    known = {"step"} | {slot + s for slot, codec in codecs.items() for s in codec.layout(p.shape)}
+    foreign_slots = {k for k in saved if k not in known and not any(k.startswith(slot) for slot in codecs)}
+    if foreign_slots:
+        raise ValueError(f"state of {where} has entries this optimizer does not keep: {sorted(foreign_slots)}")
+
+    step = _load_step(saved.get("step"), where, has_moments=any(k != "step" for k in saved), optimizer=optimizer)
+    out = {"step": torch.tensor(step, dtype=torch.float32, device=p.device)}
+    for i, (slot, codec) in enumerate(codecs.items()):
+        layout = codec.layout(p.shape)
+        entries = {s: saved.get(slot + s) for s in layout}
+        if all(isinstance(t, torch.Tensor) and (t.dtype, t.shape) == layout[s] for s, t in entries.items()):
+            out.update({slot + s: t.detach().to(p.device).clone() for s, t in entries.items()})
+            continue
+        value = saved.get(slot)
+        if value is None and not any(k.startswith(slot) for k in saved):
+            if step != 0:
+                raise ValueError(f"state of {where} lacks {slot!r} although it was updated {step:g} times")
+            out.update({slot + s: t for s, t in codec.zeros(p.shape, p.device).items()})
+            continue
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.shape != p.shape:
+            got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"state {slot!r} of {where} cannot be converted to {codec!r}: got {got}")
+        decoded = value.detach().to(p.device).float()
+        key = rng.host_key(seed, index, rng.STREAM_STATE + i)
+        encoded = codec.encode(decoded, lambda key=key: rng.uniform_bits(key, out["step"], p.shape, p.device))
+        error = (codec.decode(encoded) - decoded).abs().max().item() if decoded.numel() else 0.0
+        if error > 0:
+            scale = decoded.abs().max().item()
+            lossy.append(
+                f"{slot} of {where}: {value.dtype} -> {codec!r}, max abs error {error:.3g} (max |x| {scale:.3g})"
+            )
+        out.update({slot + s: t for s, t in encoded.items()})
+    return out
+
+
+def _load_step(value, where: str, *, has_moments: bool, optimizer) -> float:
+    if value is None:
+        if optimizer.algorithm == "sgd":  # torch.optim.SGD keeps no step: a buffer means it has stepped
+            return 1.0 if has_moments else 0.0
+        raise ValueError(f"state of {where} has no 'step' entry")
+    step = float(value.item() if isinstance(value, torch.Tensor) else value)
+    if not math.isfinite(step) or step < 0 or step != int(step) or step > 2**24:
+        raise ValueError(f"state of {where} has an invalid step count: {value!r}")
+    return step

@@ -1,0 +1,244 @@
+"""FusedOptimizer: the shared base of fusedopt's optimizers over ``torch.optim.Optimizer``.
+
+It owns what every algorithm shares: validation of the fusedopt options, lazy state
+initialisation through the codecs, dispatch of one parameter's update to a backend,
+gradient release (``fused=True``, see ``release.py``) and checkpoints (``checkpoint.py``).
+Subclasses give the algorithm: its state slots, hyperparameter validation and fp32 math.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from . import checkpoint
+from .codecs import PLANNED_STATE_BITS, SUPPORTED_STATE_BITS, MomentCodec, codec_for
+from .master import check_master_weight_bits, correction_zeros
+from .reference import ParamUpdate, UpdateMath, reference_update
+from .release import GradientRelease
+
+# Options that apply to the whole optimizer; a parameter group may not set them.
+OPTIMIZER_WIDE_OPTIONS = ("fused", "accumulation_steps", "seed")
+SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Moments that are never negative (an unsigned code can spend its sign bit on precision).
+NONNEGATIVE_SLOTS = ("exp_avg_sq",)
+
+
+def check_refused_options(**options) -> None:
+    """torch.optim options fusedopt does not implement: their off values are accepted, others refused."""
+    for name, value in options.items():
+        if value not in (None, False):
+            raise ValueError(f"{name}={value!r} is not supported by fusedopt (leave it at its default)")
+
+
+def check_number(name: str, value, *, low: float = 0.0, high: float | None = None, message: str | None = None):
+    """Raise torch's style of ValueError unless ``low <= value`` (and ``value < high`` when given)."""
+    if isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} as a Tensor is not supported by fusedopt; pass a float")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(message or f"Invalid {name}: {value}")
+    if value < low or (high is not None and value >= high):
+        raise ValueError(message or f"Invalid {name}: {value}")
+
+
+def check_betas(betas) -> None:
+    """Two coefficients in [0, 1), with torch's error messages."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"Invalid betas: {betas!r} (expected a pair of floats)")
+    for i, beta in enumerate(betas):
+        check_number("beta", beta, high=1.0, message=f"Invalid beta parameter at index {i}: {beta}")
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """Base class. Subclasses set ``algorithm`` and ``math`` and implement ``_slots``/``_check_group``."""
+
+    algorithm: str = ""
+    math: UpdateMath
+
+    def __init__(self, params, defaults: dict, *, fused: bool, accumulation_steps: int, seed: int):
+        if not isinstance(fused, bool):
+            raise ValueError(f"Invalid fused: {fused!r} (expected True or False)")
+        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+            raise ValueError(f"Invalid accumulation_steps: {accumulation_steps!r} (expected an integer >= 1)")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise ValueError(f"Invalid seed: {seed!r} (expected a non-negative integer)")
+        self.fused = fused
+        self.accumulation_steps = accumulation_steps
+        self.seed = seed
+        self._position: dict[torch.Tensor, tuple[int, int]] = {}  # param -> (group index, param index)
+        self._release: GradientRelease | None = None
+        super().__init__(params, defaults)
+        first = self.param_groups[0]["params"][0]
+        self.num_skipped_updates = torch.zeros((), dtype=torch.int64, device=first.device)
+        if fused:
+            self._release = GradientRelease(self)
+            self._release.attach(p for g in self.param_groups for p in g["params"])
+
+    # --- parameter groups ------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group (as torch), validating fusedopt's per-group options and the parameters."""
+        for key in OPTIMIZER_WIDE_OPTIONS:
+            if key in param_group:
+                raise ValueError(f"'{key}' is an optimizer-wide option; pass it to the constructor, not in a group")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="optimizer contains a parameter group with duplicate")
+            super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            if len(set(group["params"])) != len(group["params"]):
+                raise ValueError("a parameter group contains the same parameter more than once")
+            for p in group["params"]:
+                check_param(p)
+            self.check_group(group)
+        except Exception:
+            self.param_groups.pop()
+            raise
+        group_index = len(self.param_groups) - 1
+        for p in group["params"]:
+            self._position[p] = (group_index, len(self._position))
+        if self._release is not None:
+            self._release.attach(group["params"])
+
+    def check_group(self, group: dict) -> None:
+        """Validate every option of a (complete) group: the shared fusedopt ones, then the algorithm's."""
+        bits = group["state_bits"]
+        if bits in PLANNED_STATE_BITS:
+            raise NotImplementedError(
+                f"state_bits={bits} is not supported yet (supported: {', '.join(map(str, SUPPORTED_STATE_BITS))})"
+            )
+        if bits not in SUPPORTED_STATE_BITS or isinstance(bits, bool):
+            raise ValueError(f"Invalid state_bits: {bits!r} (expected 32, 16, 8 or 4)")
+        numel = group["min_compress_numel"]
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"Invalid min_compress_numel: {numel!r} (expected an integer >= 0)")
+        check_master_weight_bits(group["master_weight_bits"], {p.dtype for p in group["params"]})
+        if not isinstance(group["maximize"], bool):
+            raise ValueError(f"Invalid maximize: {group['maximize']!r} (expected True or False)")
+        self._check_hyperparameters(group)
+
+    def _check_hyperparameters(self, group: dict) -> None:
+        raise NotImplementedError
+
+    def _slots(self, group: dict) -> tuple[str, ...]:
+        """Names of the moment tensors this algorithm keeps under ``group``'s settings."""
+        raise NotImplementedError
+
+    def _hyper(self, group: dict) -> dict:
+        """The keyword arguments of ``math`` (plus ``maximize``) from a group."""
+        raise NotImplementedError
+
+    # --- state -----------------------------------------------------------------------------
+
+    def codecs(self, p: torch.Tensor, group: dict) -> dict[str, MomentCodec]:
+        """Slot name -> codec for parameter ``p`` under ``group``."""
+        bits, numel = group["state_bits"], group["min_compress_numel"]
+        return {
+            slot: codec_for(bits, p.shape, numel, signed=slot not in NONNEGATIVE_SLOTS) for slot in self._slots(group)
+        }
+
+    def position(self, p: torch.Tensor) -> tuple[dict, int]:
+        """The group holding ``p`` and ``p``'s index in the optimizer (a hash input)."""
+        group_index, index = self._position[p]
+        return self.param_groups[group_index], index
+
+    def ensure_state(self, p: torch.Tensor) -> dict:
+        """The state of ``p``, created (step 0, zero moments) on first use."""
+        state = self.state[p]
+        if not state:
+            group, _ = self.position(p)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            for slot, codec in self.codecs(p, group).items():
+                for suffix, tensor in codec.zeros(p.shape, p.device).items():
+                    state[slot + suffix] = tensor
+            state.update(correction_zeros(p, group["master_weight_bits"]))
+        return state
+
+    # --- the update ------------------------------------------------------------------------
+
+    def update_param(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None) -> None:
+        """Apply one optimizer update to ``p`` from ``grad`` (+ an accumulated buffer)."""
+        if grad.is_sparse:
+            raise RuntimeError(f"fusedopt.{type(self).__name__} does not support sparse gradients")
+        group, index = self.position(p)
+        job = ParamUpdate(
+            param=p,
+            grad=grad,
+            accum=accum,
+            state=self.ensure_state(p),
+            codecs=self.codecs(p, group),
+            hyper=self._hyper(group),
+            master_weight_bits=group["master_weight_bits"],
+            seed=self.seed,
+            index=index,
+            skipped=self.num_skipped_updates,
+        )
+        reference_update(type(self).math, job)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Update every parameter that still holds a gradient; run ``closure`` first if given.
+
+        With ``fused=True`` most parameters were already updated during backward; this updates
+        the rest (the unfused fallback) and starts a new accumulation window.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        releasing = self._release is not None and self._release.attached
+        for group in self.param_groups:
+            for p in group["params"]:
+                accum = self._release.take_buffer(p) if self._release is not None else None
+                grad = p.grad
+                if grad is None and accum is None:
+                    continue
+                if grad is None:
+                    grad, accum = accum, None
+                self.update_param(p, grad, accum)
+                if releasing:
+                    p.grad = None
+        if self._release is not None:
+            self._release.new_window()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch; also drops gradients the optimizer holds for accumulation."""
+        super().zero_grad(set_to_none=set_to_none)
+        if self._release is not None:
+            self._release.drop_buffers()
+
+    def remove_hooks(self) -> None:
+        """Detach gradient release from the parameters; ``step()`` then updates every parameter."""
+        if self._release is not None:
+            self._release.remove()
+
+    # --- checkpoints -----------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """As torch, plus a ``"fusedopt"`` entry (format, algorithm, seed, skipped-update counter)."""
+        if self._release is not None and self._release.holds_gradients():
+            raise RuntimeError(
+                "state_dict() during an unfinished gradient accumulation would lose the accumulated "
+                "gradients; call step() first"
+            )
+        return checkpoint.state_dict(self, super().state_dict())
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a fusedopt or torch.optim checkpoint; state keeps its saved dtypes (see checkpoint.py)."""
+        checkpoint.load_state_dict(self, state_dict)
+
+
+def check_param(p: torch.Tensor) -> None:
+    """Refuse parameters fusedopt cannot update, naming the problem."""
+    if p.is_complex():
+        raise ValueError(f"complex parameters are not supported (got a {p.dtype} parameter of shape {tuple(p.shape)})")
+    if p.dtype not in SUPPORTED_PARAM_DTYPES:
+        raise ValueError(
+            f"parameters of dtype {p.dtype} are not supported (shape {tuple(p.shape)}); "
+            "fusedopt optimizes float32, bfloat16 and float16 parameters"
+        )
+    if p.is_sparse:
+        raise ValueError("sparse parameters are not supported")

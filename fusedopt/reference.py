@@ -1,0 +1,129 @@
+"""Plain-PyTorch reference of every update: the CPU path and the oracle for the Triton kernels.
+
+One parameter at a time: decode the stored state to fp32, apply the algorithm's fp32 math,
+re-encode the state and write the parameter. A parameter whose gradient is not finite is
+left exactly as it was (parameter, state, step count): everything is computed, then
+committed with ``torch.where`` on a device-side flag, so no host synchronisation is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import rng
+from .codecs import MomentCodec
+from .master import read_master, write_master
+from .rounding import round_stochastic
+
+
+@dataclass
+class ParamUpdate:
+    """Everything one parameter's update needs (built by the optimizer, consumed by a backend)."""
+
+    param: torch.Tensor
+    grad: torch.Tensor  # gradient of this step (any float dtype)
+    accum: torch.Tensor | None  # earlier micro-batches' gradient, held by the optimizer (or None)
+    state: dict  # the parameter's optimizer state (updated in place)
+    codecs: dict[str, MomentCodec]  # slot name -> codec, in slot order
+    hyper: dict  # algorithm hyperparameters (floats and bools)
+    master_weight_bits: int | None
+    seed: int
+    index: int  # the parameter's index in the optimizer (a hash input)
+    skipped: torch.Tensor  # counter of skipped updates (0-d int64 tensor)
+
+
+# --- the algorithms' fp32 math -------------------------------------------------------------
+# Each takes the fp32 master ``p``, fp32 gradient ``g`` (already negated for maximize), the
+# decoded moments and the new step count (a 0-d tensor), and returns (p, moments).
+
+
+def adamw_math(p, g, moments, step, *, lr, beta1, beta2, eps, weight_decay):
+    """AdamW exactly as ``torch.optim.AdamW`` orders its operations (decoupled decay, eps outside sqrt)."""
+    step = step.double()
+    bias_correction1 = (1 - beta1**step).float()
+    bias_correction2_sqrt = (1 - beta2**step).sqrt().float()
+    m = moments["exp_avg"].lerp(g, 1 - beta1)
+    v = moments["exp_avg_sq"] * beta2 + g * g * (1 - beta2)
+    p = p * (1 - lr * weight_decay)
+    denom = v.sqrt() / bias_correction2_sqrt + eps
+    p = p - (m / denom) * (lr / bias_correction1)
+    return p, {"exp_avg": m, "exp_avg_sq": v}
+
+
+def sgd_math(p, g, moments, step, *, lr, momentum, dampening, nesterov, weight_decay):
+    """SGD with momentum, dampening and nesterov as ``torch.optim.SGD`` (first step: buffer = gradient)."""
+    d = g + p * weight_decay if weight_decay != 0 else g
+    new_moments = {}
+    if momentum != 0:
+        buf = torch.where(step == 1, d, moments["momentum_buffer"] * momentum + d * (1 - dampening))
+        new_moments["momentum_buffer"] = buf
+        d = d + buf * momentum if nesterov else buf
+    return p - d * lr, new_moments
+
+
+def lion_math(p, g, moments, step, *, lr, beta1, beta2, weight_decay):
+    """Lion (Chen et al. 2023): sign of an interpolated momentum, decoupled weight decay."""
+    m = moments["exp_avg"]
+    direction = (m * beta1 + g * (1 - beta1)).sign()
+    p = p * (1 - lr * weight_decay) - direction * lr
+    return p, {"exp_avg": m * beta2 + g * (1 - beta2)}
+
+
+UpdateMath = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+# --- the generic decode -> update -> encode -> commit chain ------------------------------------
+
+
+def _bits_for(job: ParamUpdate, stream: int, step: torch.Tensor, shape: torch.Size):
+    key = rng.host_key(job.seed, job.index, stream)
+    return lambda: rng.uniform_bits(key, step, shape, job.param.device)
+
+
+def reference_update(math: UpdateMath, job: ParamUpdate) -> None:
+    """Apply one update to ``job.param`` and its state with the plain-PyTorch reference."""
+    p, state, hyper = job.param, job.state, job.hyper
+    g = job.grad.float()
+    if job.accum is not None:
+        g = g + job.accum.float()
+    if hyper.get("maximize", False):
+        g = -g
+    ok = torch.isfinite(g).all()
+    step = state["step"] + ok.to(state["step"].dtype)
+
+    moments = {}
+    for slot, codec in job.codecs.items():
+        moments[slot] = codec.decode({s: state[slot + s] for s in codec.layout(p.shape)})
+    math_hyper = {k: v for k, v in hyper.items() if k != "maximize"}
+    master = read_master(p, state, job.master_weight_bits)
+    new_p, new_moments = math(master, g, moments, step, **math_hyper)
+
+    new_state = {}
+    for i, (slot, codec) in enumerate(job.codecs.items()):
+        encoded = codec.encode(new_moments[slot], _bits_for(job, rng.STREAM_STATE + i, step, p.shape))
+        new_state.update({slot + s: t for s, t in encoded.items()})
+    new_param, corrections = write_master(
+        p, new_p, state, job.master_weight_bits, _bits_for(job, rng.STREAM_PARAM, step, p.shape)
+    )
+    new_state.update(corrections)
+
+    # Commit, or keep everything as it was if the gradient was not finite.
+    p.copy_(torch.where(ok, new_param, p))
+    for key, value in new_state.items():
+        state[key].copy_(torch.where(ok, value, state[key]))
+    state["step"].copy_(step)
+    job.skipped.add_((~ok).to(job.skipped.device, torch.int64))
+
+
+def accumulate_low_precision(
+    buffer: torch.Tensor | None, grad: torch.Tensor, *, seed: int, index: int, micro_batch: int, step: torch.Tensor
+) -> torch.Tensor:
+    """Add a micro-batch gradient to a bf16/fp16 buffer with stochastic rounding (small parts survive)."""
+    if buffer is None:
+        return grad
+    total = buffer.float() + grad.float()
+    key = rng.host_key(seed, index, rng.STREAM_GRAD_ACCUM + micro_batch)
+    return round_stochastic(total, rng.uniform_bits(key, step, grad.shape, grad.device), grad.dtype)

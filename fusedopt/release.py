@@ -1,0 +1,119 @@
+"""Gradient release (``fused=True``): update each parameter inside backward, then free its gradient.
+
+A post-accumulate-grad hook on every trainable parameter counts the backward passes since
+the last ``step()``. Below ``accumulation_steps`` it leaves the gradient to accumulate
+(moving bf16/fp16 gradients into a buffer of the optimizer's, added with stochastic
+rounding, so contributions below one ulp survive); on the k-th it runs the same update
+``step()`` would and sets ``p.grad = None``, so a full set of gradients never exists. A
+further backward before ``step()`` is an error, never a second update.
+
+References are arranged so the optimizer can be garbage-collected: hooks hold a weak
+reference to this object, which holds a weak reference to the optimizer; a finaliser on
+the optimizer removes the hooks.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Iterable
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .reference import accumulate_low_precision
+from .rounding import LOW_PRECISION
+
+# param -> weakref to the GradientRelease whose hook it carries (one live owner per parameter)
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _hook(release_ref: weakref.ref, p: torch.Tensor) -> None:
+    release = release_ref()
+    if release is not None:
+        release.on_gradient(p)
+
+
+class GradientRelease:
+    """Hooks, backward counts and accumulation buffers of one fused optimizer."""
+
+    def __init__(self, optimizer):
+        self._optimizer = weakref.ref(optimizer)
+        self._handles: dict[int, tuple[weakref.ref, object]] = {}  # id(param) -> (param ref, hook handle)
+        self._counts: dict[torch.Tensor, int] = {}
+        self._buffers: dict[torch.Tensor, torch.Tensor] = {}
+        self.attached = True
+        weakref.finalize(optimizer, GradientRelease._remove_handles, self._handles)
+
+    def attach(self, params: Iterable[torch.Tensor]) -> None:
+        """Register the release hook on every trainable parameter in ``params``."""
+        params = [p for p in params if p.requires_grad]
+        for p in params:
+            owner = _OWNERS.get(p)
+            if owner is not None and owner() is not None and owner() is not self and owner().attached:
+                raise RuntimeError(
+                    f"a parameter of shape {tuple(p.shape)} already carries the gradient-release hook of another "
+                    "live fusedopt optimizer with fused=True; call remove_hooks() on that optimizer first"
+                )
+        for p in params:
+            hook = functools.partial(_hook, weakref.ref(self))
+            self._handles[id(p)] = (weakref.ref(p), p.register_post_accumulate_grad_hook(hook))
+            _OWNERS[p] = weakref.ref(self)
+
+    def remove(self) -> None:
+        """Remove every hook; the optimizer then behaves as ``fused=False``."""
+        for param_ref, _ in self._handles.values():
+            p = param_ref()
+            if p is not None and _OWNERS.get(p) is not None and _OWNERS[p]() is self:
+                del _OWNERS[p]
+        GradientRelease._remove_handles(self._handles)
+        self.attached = False
+
+    @staticmethod
+    def _remove_handles(handles: dict) -> None:
+        for _, handle in handles.values():
+            handle.remove()
+        handles.clear()
+
+    def on_gradient(self, p: torch.Tensor) -> None:
+        """Called by autograd once ``p.grad`` holds this backward's full gradient."""
+        optimizer = self._optimizer()
+        if optimizer is None or p.grad is None:
+            return
+        k = optimizer.accumulation_steps
+        n = self._counts.get(p, 0) + 1
+        if n > k:
+            raise RuntimeError(
+                f"fusedopt: a parameter of shape {tuple(p.shape)} received a gradient after its update was already "
+                f"applied in this backward pass (backward #{n} since the last step() with accumulation_steps={k}); "
+                f"call optimizer.step() once every {k} backward pass(es)"
+            )
+        self._counts[p] = n
+        with torch.no_grad():
+            if p.grad.is_sparse:
+                raise RuntimeError(f"fusedopt.{type(optimizer).__name__} does not support sparse gradients")
+            if n < k:
+                if p.dtype in LOW_PRECISION:
+                    _, index = optimizer.position(p)
+                    step = optimizer.ensure_state(p)["step"]
+                    self._buffers[p] = accumulate_low_precision(
+                        self._buffers.get(p), p.grad, seed=optimizer.seed, index=index, micro_batch=n, step=step
+                    )
+                    p.grad = None
+                return
+            optimizer.update_param(p, p.grad, self._buffers.pop(p, None))
+            p.grad = None
+
+    def take_buffer(self, p: torch.Tensor) -> torch.Tensor | None:
+        """Hand over (and forget) the accumulated gradient the optimizer holds for ``p``."""
+        return self._buffers.pop(p, None)
+
+    def holds_gradients(self) -> bool:
+        return bool(self._buffers)
+
+    def drop_buffers(self) -> None:
+        self._buffers.clear()
+
+    def new_window(self) -> None:
+        """``step()`` was called: the next backward starts a new accumulation window."""
+        self._counts.clear()

@@ -1,0 +1,68 @@
+"""Counter-based randomness: (seed, stream, parameter index, step, element index) -> 32 uniform bits.
+
+All randomness in fusedopt (stochastic rounding of state, of parameters written without a
+correction term, and of accumulated low-precision gradients) comes from this hash. There are
+no random buffers and the global RNG is never touched, so a run is a pure function of its
+seed and resuming from a checkpoint continues the same trajectory.
+
+The hash is built from murmur3's 32-bit finaliser (``fmix32``) only: xor, logical shifts
+and multiplication modulo 2**32. ``fusedopt.kernels.hashing`` writes the same function in
+Triton with native uint32 arithmetic, and the two agree bit for bit (tests/test_rng.py).
+Here, in plain PyTorch, values live in int64 tensors (torch has no general uint32
+arithmetic) and every product is split into 16-bit halves so no intermediate overflows.
+
+Layout of the key:
+  host  = fmix32(fmix32(fmix32(seed ^ GOLDEN) ^ param_index) ^ stream)   (Python ints)
+  h     = fmix32(host ^ step)                                             (step: device tensor)
+  bits  = fmix32(fmix32(h ^ idx_lo) ^ idx_hi)                             (per element)
+``step`` stays a device tensor (a skipped update leaves it unchanged without a host sync).
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+GOLDEN = 0x9E3779B9
+_C1 = 0x85EBCA6B
+_C2 = 0xC2B2AE35
+
+# Streams keep the draws of different roundings in one step independent.
+STREAM_PARAM = 1  # parameter written with stochastic rounding (no correction term)
+STREAM_STATE = 16  # + slot index: moment tensors (exp_avg, exp_avg_sq, momentum_buffer, ...)
+STREAM_GRAD_ACCUM = 1 << 20  # + micro-batch index: low-precision gradient accumulation
+
+
+def _mul32(x, c: int):
+    """(x * c) mod 2**32 for x in [0, 2**32), without leaving int64 (works on ints and tensors)."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & MASK32
+
+
+def fmix32(h):
+    """Murmur3 32-bit finaliser on a Python int or an int64 tensor holding uint32 values."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, _C1)
+    h = h ^ (h >> 13)
+    h = _mul32(h, _C2)
+    return h ^ (h >> 16)
+
+
+def host_key(seed: int, param_index: int, stream: int) -> int:
+    """The part of the key known on the host; passed to kernels as one uint32 scalar."""
+    h = fmix32((seed & MASK32) ^ GOLDEN)
+    h = fmix32(h ^ (param_index & MASK32))
+    return fmix32(h ^ (stream & MASK32))
+
+
+def uniform_bits(key: int, step: torch.Tensor, shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """32 uniform bits per element of a tensor of ``shape`` (row-major element index), as int64.
+
+    ``step`` is a 0-d tensor (any real dtype) holding the parameter's step count.
+    """
+    step_u32 = step.to(device=device, dtype=torch.int64).reshape(()) & MASK32
+    h = fmix32(step_u32 ^ key)
+    idx = torch.arange(shape.numel(), dtype=torch.int64, device=device).reshape(shape)
+    bits = fmix32(h ^ (idx & MASK32))
+    return fmix32(bits ^ (idx >> 32))

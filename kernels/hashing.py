@@ -1,0 +1,61 @@
+"""Counter-based hash in Triton, bit-identical to the PyTorch reference ``fusedopt.rng``.
+
+Same key layout as the reference (see its docstring): the host part arrives as one uint32
+scalar, the step is loaded from its device tensor, the element index is the row-major
+int64 offset. Native uint32 arithmetic wraps modulo 2**32, which the reference emulates.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def fmix32(h):
+    """Murmur3 32-bit finaliser on uint32 values."""
+    h ^= h >> 16
+    h *= 0x85EBCA6B
+    h ^= h >> 13
+    h *= 0xC2B2AE35
+    h ^= h >> 16
+    return h
+
+
+@triton.jit
+def step_hash(key, step_ptr):
+    """Fold the parameter's step count (a 0-d tensor in memory) into the host key."""
+    step = tl.load(step_ptr).to(tl.int64).to(tl.uint32)
+    return fmix32(step ^ key.to(tl.uint32))
+
+
+@triton.jit
+def element_bits(h, offsets):
+    """32 uniform bits for int64 element ``offsets`` under the per-step hash ``h``."""
+    lo = (offsets & 0xFFFFFFFF).to(tl.uint32)
+    hi = (offsets >> 32).to(tl.uint32)
+    return fmix32(fmix32(h ^ lo) ^ hi)
+
+
+@triton.jit
+def _uniform_bits_kernel(
+    out_ptr,  # int64 output, one uint32 value per element
+    step_ptr,  # 0-d step tensor
+    key,  # host part of the key (uint32)
+    n_elements,  # number of elements
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offsets = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = offsets < n_elements
+    bits = element_bits(step_hash(key, step_ptr), offsets)
+    tl.store(out_ptr + offsets, bits.to(tl.int64), mask=mask)
+
+
+def launch_uniform_bits(key: int, step: torch.Tensor, numel: int, device) -> torch.Tensor:
+    """Materialise the hash for ``numel`` elements (tests only: kernels draw bits in registers)."""
+    out = torch.empty(numel, dtype=torch.int64, device=device)
+    if numel == 0:
+        return out
+    block = 1024
+    _uniform_bits_kernel[(triton.cdiv(numel, block),)](out, step, key, numel, BLOCK=block)
+    return out
