@@ -102,17 +102,3 @@ def codec_for(state_bits: int, shape: torch.Size, min_compress_numel: int, *, si
 def stored_keys(slot: str, codec: MomentCodec) -> list[str]:
     """State keys holding ``slot`` under ``codec``."""
     return [slot + suffix for suffix in codec.layout(torch.Size([1, 1]))]
-
-
-def identify_codec(slot: str, saved: dict[str, torch.Tensor]) -> MomentCodec | None:
-    """Which codec wrote ``slot`` in a saved parameter state (None: the slot is absent)."""
-    value = saved.get(slot)
-    if value is None:
-        return None
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"state entry {slot!r} is a {type(value).__name__}, expected a tensor")
-    if value.dtype == torch.float32:
-        return FP32
-    if value.dtype == torch.bfloat16:
-        return BF16
-    raise ValueError(f"state entry {slot!r} has dtype {value.dtype}; no fusedopt codec stores it that way")
