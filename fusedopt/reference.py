@@ -46,7 +46,7 @@ def adamw_math(p, g, moments, step, *, lr, beta1, beta2, eps, weight_decay):
     bias_correction1 = (1 - beta1**step).float()
     bias_correction2_sqrt = (1 - beta2**step).sqrt().float()
     m = moments["exp_avg"].lerp(g, 1 - beta1)
-    v = moments["exp_avg_sq"] * beta2 + g * g * (1 - beta2)
+    v = torch.addcmul(moments["exp_avg_sq"] * beta2, g, g, value=1 - beta2)
     p = p * (1 - lr * weight_decay)
     denom = v.sqrt() / bias_correction2_sqrt + eps
     p = p - (m / denom) * (lr / bias_correction1)
@@ -55,21 +55,23 @@ def adamw_math(p, g, moments, step, *, lr, beta1, beta2, eps, weight_decay):
 
 def sgd_math(p, g, moments, step, *, lr, momentum, dampening, nesterov, weight_decay):
     """SGD with momentum, dampening and nesterov as ``torch.optim.SGD`` (first step: buffer = gradient)."""
-    d = g + p * weight_decay if weight_decay != 0 else g
+    # torch.add(..., alpha=) as torch.optim.SGD writes it (the CPU kernel fuses multiply and add)
+    d = torch.add(g, p, alpha=weight_decay) if weight_decay != 0 else g
     new_moments = {}
     if momentum != 0:
-        buf = torch.where(step == 1, d, moments["momentum_buffer"] * momentum + d * (1 - dampening))
+        decayed = torch.add(moments["momentum_buffer"] * momentum, d, alpha=1 - dampening)
+        buf = torch.where(step == 1, d, decayed)
         new_moments["momentum_buffer"] = buf
-        d = d + buf * momentum if nesterov else buf
-    return p - d * lr, new_moments
+        d = torch.add(d, buf, alpha=momentum) if nesterov else buf
+    return torch.add(p, d, alpha=-lr), new_moments
 
 
 def lion_math(p, g, moments, step, *, lr, beta1, beta2, weight_decay):
     """Lion (Chen et al. 2023): sign of an interpolated momentum, decoupled weight decay."""
     m = moments["exp_avg"]
     direction = (m * beta1 + g * (1 - beta1)).sign()
-    p = p * (1 - lr * weight_decay) - direction * lr
-    return p, {"exp_avg": m * beta2 + g * (1 - beta2)}
+    p = torch.add(p * (1 - lr * weight_decay), direction, alpha=-lr)
+    return p, {"exp_avg": torch.add(m * beta2, g, alpha=1 - beta2)}
 
 
 UpdateMath = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]

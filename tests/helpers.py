@@ -1,0 +1,73 @@
+"""Small models and loops shared by the tests."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A model with 2-D weights, 1-D biases, an odd-shaped and a non-contiguous parameter."""
+    gen = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    # non-contiguous leaf: a transposed view's storage, registered as a parameter
+    model.extra = torch.nn.Parameter(torch.randn(5, 3, generator=gen).t())
+    assert not model.extra.is_contiguous()
+    return model.to(dtype)
+
+
+def loss_fn(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model[2](model[1](model[0](x)))  # (n, 5)
+    return (out.float() ** 2).mean() + (model.extra.float() @ out.t().float()).sin().mean()
+
+
+def inputs(n_steps: int, seed: int = 1, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(4, 7, generator=gen).to(dtype) for _ in range(n_steps)]
+
+
+def groups(model: torch.nn.Module, **second) -> list[dict]:
+    """Three parameter groups: first layer, second layer with its own options, the extra param."""
+    return [
+        {"params": list(model[0].parameters())},
+        {"params": list(model[2].parameters()), **second},
+        {"params": [model.extra]},
+    ]
+
+
+def train(model, opt, xs, *, micro_batches: int = 1, closure: bool = False) -> None:
+    """Standard loop: ``micro_batches`` backward passes per ``step()``."""
+    for i in range(0, len(xs), micro_batches):
+        chunk = xs[i : i + micro_batches]
+        if closure:
+
+            def run(chunk=chunk):
+                for x in chunk:
+                    loss_fn(model, x).backward()
+                return torch.tensor(0.0)
+
+            opt.step(run)
+        else:
+            for x in chunk:
+                loss_fn(model, x).backward()
+            opt.step()
+        opt.zero_grad()
+
+
+def twins(seed: int = 0, dtype=torch.float32):
+    a = make_model(seed, dtype)
+    return a, copy.deepcopy(a)
+
+
+def assert_params_close(a, b, rtol=1e-5, atol=1e-7):
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def assert_params_equal(a, b):
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), f"{name} differs: max {(pa.float() - pb.float()).abs().max()}"

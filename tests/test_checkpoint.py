@@ -1,0 +1,228 @@
+"""Checkpoints: exact round trips, resume = no interruption, dtypes kept, conversions and refusals."""
+
+import copy
+import io
+
+import pytest
+import torch
+from helpers import assert_params_close, assert_params_equal, groups, inputs, train, twins
+
+import fusedopt
+
+
+def _save_load(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+CONFIGS = [
+    (fusedopt.AdamW, torch.float32, dict(state_bits=32)),
+    (fusedopt.AdamW, torch.bfloat16, dict(state_bits=16, master_weight_bits=None, min_compress_numel=0)),
+    (fusedopt.AdamW, torch.bfloat16, dict(state_bits=32, master_weight_bits=None)),
+    (fusedopt.SGD, torch.float16, dict(state_bits=16, momentum=0.9, master_weight_bits=None, min_compress_numel=0)),
+    (fusedopt.Lion, torch.float32, dict(state_bits=16, min_compress_numel=0)),
+]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("opt_cls,dtype,kwargs", CONFIGS)
+def test_resume_continues_the_same_trajectory_bit_for_bit(opt_cls, dtype, kwargs, fused):
+    xs = inputs(10, dtype=dtype)
+    straight, resumed = twins(dtype=dtype)
+    opt = opt_cls(groups(straight, lr=2e-3), lr=1e-2, seed=5, fused=fused, **kwargs)
+    train(straight, opt, xs)
+
+    first = opt_cls(groups(resumed, lr=2e-3), lr=1e-2, seed=5, fused=fused, **kwargs)
+    train(resumed, first, xs[:4])
+    saved = _save_load({"model": resumed.state_dict(), "opt": first.state_dict()})
+    del first
+    model = copy.deepcopy(resumed)
+    model.load_state_dict(saved["model"])
+    # a fresh optimizer with a different seed: the checkpoint's seed wins
+    second = opt_cls(groups(model, lr=2e-3), lr=1e-2, seed=99, fused=fused, **kwargs)
+    second.load_state_dict(saved["opt"])
+    assert second.seed == 5
+    train(model, second, xs[4:])
+    assert_params_equal(straight, model)
+    for p, q in zip(straight.parameters(), model.parameters()):
+        for key, value in opt.state[p].items():
+            assert torch.equal(value, second.state[q][key]), key
+            assert value.dtype == second.state[q][key].dtype
+
+
+def test_state_keeps_fp32_dtype_for_bf16_parameters():
+    """torch.optim.Optimizer.load_state_dict would cast fp32 moments to the bf16 parameter dtype."""
+    model, _ = twins(dtype=torch.bfloat16)
+    opt = fusedopt.AdamW(model.parameters(), state_bits=32, master_weight_bits=None)
+    train(model, opt, inputs(2, dtype=torch.bfloat16))
+    saved = _save_load(opt.state_dict())
+    other = fusedopt.AdamW(model.parameters(), state_bits=32, master_weight_bits=None)
+    other.load_state_dict(saved)
+    for p in model.parameters():
+        assert other.state[p]["exp_avg"].dtype == torch.float32
+        assert torch.equal(other.state[p]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
+        # loaded state is a copy: stepping one optimizer does not move the other's state
+        assert other.state[p]["exp_avg"].data_ptr() != opt.state[p]["exp_avg"].data_ptr()
+
+
+def test_saved_options_win_and_missing_ones_keep_the_optimizers():
+    model, _ = twins()
+    opt = fusedopt.AdamW(groups(model, lr=3e-3), lr=1e-2, state_bits=16, min_compress_numel=0)
+    train(model, opt, inputs(2))
+    saved = opt.state_dict()
+    other = fusedopt.AdamW(groups(model), lr=5e-2, state_bits=32, min_compress_numel=0)
+    other.load_state_dict(saved)
+    assert other.param_groups[1]["lr"] == 3e-3 and other.param_groups[0]["lr"] == 1e-2
+    assert all(g["state_bits"] == 16 for g in other.param_groups)
+    assert other.state[model[0].weight]["exp_avg"].dtype == torch.bfloat16
+    train(model, other, inputs(2))  # and it continues in the saved configuration
+    assert other.state[model[0].weight]["exp_avg"].dtype == torch.bfloat16
+
+
+def test_torch_adamw_checkpoint_loads_and_continues_like_torch():
+    a, b = twins()
+    ref = torch.optim.AdamW(groups(a, lr=3e-3), lr=1e-2, weight_decay=0.1)
+    train(a, ref, inputs(5))
+    b.load_state_dict(a.state_dict())
+    opt = fusedopt.AdamW(groups(b, lr=3e-3), lr=1e-2, weight_decay=0.1, state_bits=32)
+    opt.load_state_dict(_save_load(ref.state_dict()))
+    assert opt.param_groups[0]["state_bits"] == 32  # torch's groups have none: the optimizer's own
+    xs = inputs(10, seed=4)
+    train(a, ref, xs)
+    train(b, opt, xs)
+    assert_params_close(a, b)
+
+
+def test_torch_adamw_checkpoint_into_bf16_state_reports_the_rounding():
+    a, b = twins()
+    ref = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    train(a, ref, inputs(3))
+    opt = fusedopt.AdamW(b.parameters(), state_bits=16, min_compress_numel=0)
+    with pytest.warns(UserWarning, match=r"converted .* with rounding.*max abs error"):
+        opt.load_state_dict(ref.state_dict())
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        exact = ref.state[pa]["exp_avg"]
+        loaded = opt.state[pb]["exp_avg"]
+        if pb.ndim == 1:  # 1-D tensors keep exact fp32 moments under any state_bits
+            assert torch.equal(loaded, exact)
+            continue
+        assert loaded.dtype == torch.bfloat16
+        torch.testing.assert_close(loaded.float(), exact, rtol=2**-7, atol=0)
+
+
+def test_fusedopt_exact_state_loads_into_torch_adamw():
+    a, b = twins()
+    opt = fusedopt.AdamW(a.parameters(), lr=1e-2, state_bits=32)
+    train(a, opt, inputs(3))
+    b.load_state_dict(a.state_dict())
+    ref = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    ref.load_state_dict(_save_load(opt.state_dict()))
+    xs = inputs(5, seed=8)
+    train(a, opt, xs)
+    train(b, ref, xs)
+    assert_params_close(a, b)
+
+
+def test_torch_sgd_checkpoint_loads_into_fusedopt_sgd():
+    a, b = twins()
+    ref = torch.optim.SGD(a.parameters(), lr=1e-2, momentum=0.9)
+    train(a, ref, inputs(3))
+    b.load_state_dict(a.state_dict())
+    opt = fusedopt.SGD(b.parameters(), lr=1e-2, momentum=0.9, state_bits=32)
+    opt.load_state_dict(ref.state_dict())
+    xs = inputs(5, seed=8)
+    train(a, ref, xs)
+    train(b, opt, xs)
+    assert_params_close(a, b)
+
+
+def test_counters_and_seed_are_saved():
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    opt = fusedopt.AdamW([w], state_bits=32, seed=11)
+    w.grad = torch.full_like(w, float("nan"))
+    opt.step()
+    saved = _save_load(opt.state_dict())
+    assert saved["fusedopt"]["seed"] == 11 and int(saved["fusedopt"]["num_skipped_updates"]) == 1
+    other = fusedopt.AdamW([w], state_bits=32)
+    other.load_state_dict(saved)
+    assert int(other.num_skipped_updates) == 1 and other.seed == 11
+
+
+def _broken(mutate):
+    model, _ = twins()
+    opt = fusedopt.AdamW(model.parameters(), state_bits=32)
+    train(model, opt, inputs(2))
+    saved = copy.deepcopy(opt.state_dict())
+    mutate(saved)
+    return model, opt, saved
+
+
+def _drop_moment(sd):
+    del sd["state"][0]["exp_avg_sq"]
+
+
+def _bad_shape(sd):
+    sd["state"][0]["exp_avg"] = torch.zeros(3, 3)
+
+
+def _unknown_entry(sd):
+    sd["state"][0]["max_exp_avg_sq"] = torch.zeros(1)
+
+
+def _amsgrad(sd):
+    sd["param_groups"][0]["amsgrad"] = True
+
+
+def _other_algorithm(sd):
+    sd["fusedopt"]["algorithm"] = "sgd"
+
+
+def _group_count(sd):
+    sd["param_groups"].append(dict(sd["param_groups"][0], params=[]))
+
+
+def _bad_step(sd):
+    sd["state"][1]["step"] = torch.tensor(-1.0)
+
+
+def _bad_state_bits(sd):
+    sd["param_groups"][0]["state_bits"] = 12
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (_drop_moment, "lacks 'exp_avg_sq'"),
+        (_bad_shape, "cannot be converted"),
+        (_unknown_entry, "does not keep"),
+        (_amsgrad, "amsgrad"),
+        (_other_algorithm, "'sgd' state"),
+        (_group_count, "number of parameter groups"),
+        (_bad_step, "invalid step"),
+        (_bad_state_bits, "Invalid state_bits"),
+    ],
+)
+def test_incompatible_checkpoints_are_refused_and_leave_the_optimizer_intact(mutate, match):
+    model, opt, saved = _broken(mutate)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(saved)
+    after = opt.state_dict()
+    assert before["param_groups"] == after["param_groups"]
+    for i, state in before["state"].items():
+        for key, value in state.items():
+            assert torch.equal(after["state"][i][key], value)
+
+
+def test_sgd_checkpoint_into_adamw_is_refused():
+    model, _ = twins()
+    sgd = fusedopt.SGD(model.parameters(), momentum=0.9, state_bits=32)
+    train(model, sgd, inputs(1))
+    with pytest.raises(ValueError, match="'sgd' state"):
+        fusedopt.AdamW(model.parameters(), state_bits=32).load_state_dict(sgd.state_dict())
+    ref = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train(model, ref, inputs(1))
+    with pytest.raises(ValueError, match="'momentum'"):
+        fusedopt.AdamW(model.parameters(), state_bits=32).load_state_dict(ref.state_dict())

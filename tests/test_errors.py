@@ -1,0 +1,110 @@
+"""Bad input gets an error that names the problem, at construction or at the step."""
+
+import pytest
+import torch
+
+import fusedopt
+
+
+def _w(*shape, dtype=torch.float32):
+    return torch.nn.Parameter(torch.randn(*shape, dtype=dtype))
+
+
+CONSTRUCTION_ERRORS = [
+    (fusedopt.AdamW, dict(lr=-1.0), "Invalid learning rate: -1.0"),
+    (fusedopt.AdamW, dict(lr=torch.tensor(1e-3)), "as a Tensor is not supported"),
+    (fusedopt.AdamW, dict(eps=-1e-8), "Invalid epsilon value"),
+    (fusedopt.AdamW, dict(betas=(1.0, 0.999)), "Invalid beta parameter at index 0: 1.0"),
+    (fusedopt.AdamW, dict(betas=(0.9, -0.1)), "Invalid beta parameter at index 1: -0.1"),
+    (fusedopt.AdamW, dict(betas=(0.9,)), "Invalid betas"),
+    (fusedopt.AdamW, dict(weight_decay=-0.1), "Invalid weight_decay value"),
+    (fusedopt.AdamW, dict(lr=float("nan")), "Invalid learning rate"),
+    (fusedopt.AdamW, dict(amsgrad=True), "amsgrad=True is not supported"),
+    (fusedopt.AdamW, dict(foreach=True), "foreach=True is not supported"),
+    (fusedopt.AdamW, dict(capturable=True), "capturable=True is not supported"),
+    (fusedopt.AdamW, dict(differentiable=True), "differentiable=True is not supported"),
+    (fusedopt.AdamW, dict(state_bits=7), "Invalid state_bits: 7"),
+    (fusedopt.AdamW, dict(state_bits=True), "Invalid state_bits"),
+    (fusedopt.AdamW, dict(state_bits=32, master_weight_bits=16), "Invalid master_weight_bits: 16"),
+    (fusedopt.AdamW, dict(state_bits=32, min_compress_numel=-1), "Invalid min_compress_numel"),
+    (fusedopt.AdamW, dict(state_bits=32, accumulation_steps=0), "Invalid accumulation_steps: 0"),
+    (fusedopt.AdamW, dict(state_bits=32, accumulation_steps=2.5), "Invalid accumulation_steps"),
+    (fusedopt.AdamW, dict(state_bits=32, seed=-3), "Invalid seed"),
+    (fusedopt.AdamW, dict(state_bits=32, fused="yes"), "Invalid fused"),
+    (fusedopt.AdamW, dict(state_bits=32, maximize=1), "Invalid maximize"),
+    (fusedopt.SGD, dict(momentum=-0.5), "Invalid momentum value"),
+    (fusedopt.SGD, dict(nesterov=True), "Nesterov momentum requires a momentum and zero dampening"),
+    (fusedopt.SGD, dict(momentum=0.9, dampening=0.1, nesterov=True), "Nesterov momentum requires"),
+    (fusedopt.SGD, dict(foreach=True), "foreach=True is not supported"),
+    (fusedopt.Lion, dict(betas=(0.9, 1.5)), "Invalid beta parameter at index 1"),
+    (fusedopt.Lion, dict(weight_decay=-1), "Invalid weight_decay value"),
+]
+
+
+@pytest.mark.parametrize("opt_cls,kwargs,match", CONSTRUCTION_ERRORS)
+def test_invalid_options_are_refused(opt_cls, kwargs, match):
+    kwargs = {"state_bits": 32, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        opt_cls([_w(4, 4)], **kwargs)
+
+
+def test_off_values_of_refused_options_are_accepted():
+    fusedopt.AdamW([_w(3, 3)], amsgrad=False, foreach=None, capturable=False, differentiable=False, state_bits=32)
+    fusedopt.AdamW([_w(3, 3)], foreach=False, state_bits=32)
+    fusedopt.SGD([_w(3, 3)], foreach=None, differentiable=False, state_bits=32)
+
+
+@pytest.mark.parametrize("key,value", [("fused", True), ("accumulation_steps", 2), ("seed", 1)])
+def test_optimizer_wide_options_in_a_group_are_refused(key, value):
+    with pytest.raises(ValueError, match=f"'{key}' is an optimizer-wide option"):
+        fusedopt.AdamW([{"params": [_w(3, 3)], key: value}], state_bits=32)
+
+
+def test_invalid_group_option_is_refused_and_the_group_not_added():
+    opt = fusedopt.AdamW([_w(3, 3)], state_bits=32)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        opt.add_param_group({"params": [_w(2, 2)], "lr": -1})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [_w(2, 2)], "state_bits": 16, "lr": 1e-2})
+    assert opt.param_groups[1]["state_bits"] == 16
+
+
+def test_same_parameter_twice_is_refused():
+    w = _w(3, 3)
+    with pytest.raises(ValueError, match="same parameter more than once"):
+        fusedopt.AdamW([w, w], state_bits=32)
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        fusedopt.AdamW([{"params": [w]}, {"params": [w]}], state_bits=32)
+
+
+@pytest.mark.parametrize(
+    "param,match",
+    [
+        (torch.nn.Parameter(torch.randn(3, 3, dtype=torch.complex64)), "complex parameters are not supported"),
+        (_w(3, 3, dtype=torch.float64), "torch.float64 are not supported"),
+    ],
+)
+def test_unsupported_parameters_are_refused(param, match):
+    with pytest.raises(ValueError, match=match):
+        fusedopt.AdamW([param], state_bits=32)
+
+
+def test_empty_parameter_list_is_refused():
+    with pytest.raises(ValueError, match="empty parameter list"):
+        fusedopt.AdamW([], state_bits=32)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_sparse_gradients_are_refused(fused):
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = fusedopt.AdamW(emb.parameters(), state_bits=32, fused=fused)
+    before = emb.weight.clone()
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        emb(torch.tensor([1, 2])).sum().backward()
+        opt.step()
+    assert torch.equal(emb.weight, before)
+
+
+def test_master_weight_bits_is_ignored_for_fp32_parameters():
+    for bits in (24, 32, None):
+        fusedopt.AdamW([_w(3, 3)], state_bits=32, master_weight_bits=bits)
