@@ -8,6 +8,15 @@ from .adamw import AdamW
 from .lion import Lion
 from .optimizer import FusedOptimizer
 from .sgd import SGD
+from .weights import load_master_state_dict, master_state_dict
 
 __version__ = "0.1.0"
-__all__ = ["AdamW", "SGD", "Lion", "FusedOptimizer", "__version__"]
+__all__ = [
+    "AdamW",
+    "SGD",
+    "Lion",
+    "FusedOptimizer",
+    "master_state_dict",
+    "load_master_state_dict",
+    "__version__",
+]

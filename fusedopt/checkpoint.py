@@ -21,6 +21,7 @@ import torch
 
 from . import rng
 from .codecs import MomentCodec
+from .master import MASTER_CORRECTION, convert_correction
 
 FORMAT = 1
 # torch.optim group keys that fusedopt ignores when loading a torch checkpoint (implementation
@@ -116,6 +117,8 @@ def _convert_param_state(optimizer, p, group, saved: dict, where: str, seed: int
     if not isinstance(saved, dict):
         raise ValueError(f"state of {where} is a {type(saved).__name__}, expected a dict")
     saved = {k: v for k, v in saved.items() if v is not None}  # torch.optim.SGD saves momentum_buffer=None
+    # Master-weight correction: copied, widened, or zero when absent (master = the loaded bf16 value).
+    correction = convert_correction(p, group["master_weight_bits"], saved.pop(MASTER_CORRECTION, None), where)
     codecs: dict[str, MomentCodec] = optimizer.codecs(p, group)
     known = {"step"} | {slot + s for slot, codec in codecs.items() for s in codec.layout(p.shape)}
     foreign_slots = {k for k in saved if k not in known and not any(k.startswith(slot) for slot in codecs)}
@@ -149,6 +152,7 @@ def _convert_param_state(optimizer, p, group, saved: dict, where: str, seed: int
                 f"{slot} of {where}: {value.dtype} -> {codec!r}, max abs error {error:.3g} (max |x| {scale:.3g})"
             )
         out.update({slot + s: t for s, t in encoded.items()})
+    out.update(correction)
     return out
 
 

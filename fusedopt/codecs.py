@@ -2,7 +2,8 @@
 
 A codec turns the fp32 moment into a dict of storage tensors and back. The keys are
 suffixes appended to the slot name in the parameter's state (``""`` for a single tensor,
-e.g. ``state["exp_avg"]``; block-quantized codecs will add ``".codes"``/``".scales"``).
+e.g. ``state["exp_avg"]``; the block-quantized codecs of ``codec_blockwise`` keep
+``".codes"`` and ``".scales"``).
 Every codec has a pure-PyTorch encode/decode: it is the CPU path and the reference the
 Triton kernels are tested against.
 """
@@ -81,8 +82,8 @@ class Bf16Codec(MomentCodec):
 FP32 = Fp32Codec()
 BF16 = Bf16Codec()
 
-SUPPORTED_STATE_BITS = (32, 16)
-PLANNED_STATE_BITS = (8, 4)
+SUPPORTED_STATE_BITS = (32, 16, 8, 4)
+PLANNED_STATE_BITS: tuple[int, ...] = ()
 
 
 def codec_for(state_bits: int, shape: torch.Size, min_compress_numel: int, *, signed: bool = True) -> MomentCodec:
@@ -96,7 +97,11 @@ def codec_for(state_bits: int, shape: torch.Size, min_compress_numel: int, *, si
         return FP32
     if state_bits == 16:
         return BF16
-    raise NotImplementedError(f"state_bits={state_bits} is not supported yet (supported: 32, 16)")
+    if state_bits in (8, 4):
+        from .codec_blockwise import block_codec  # imports this module (MomentCodec)
+
+        return block_codec(state_bits, signed, torch.Size(shape))
+    raise ValueError(f"Invalid state_bits: {state_bits!r} (expected 32, 16, 8 or 4)")
 
 
 def stored_keys(slot: str, codec: MomentCodec) -> list[str]:

@@ -15,8 +15,9 @@ import torch
 
 from . import checkpoint
 from .codecs import PLANNED_STATE_BITS, SUPPORTED_STATE_BITS, MomentCodec, codec_for
-from .master import check_master_weight_bits, correction_zeros
-from .reference import ParamUpdate, UpdateMath, reference_update
+from .master import check_master_weight_bits, correction_zeros, master_value
+from .backend import run_update
+from .reference import ParamUpdate, UpdateMath
 from .release import GradientRelease
 
 # Options that apply to the whole optimizer; a parameter group may not set them.
@@ -69,6 +70,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.seed = seed
         self._position: dict[torch.Tensor, tuple[int, int]] = {}  # param -> (group index, param index)
         self._release: GradientRelease | None = None
+        self._kernel_scratch: dict[torch.Tensor, torch.Tensor] = {}
         super().__init__(params, defaults)
         first = self.param_groups[0]["params"][0]
         self.num_skipped_updates = torch.zeros((), dtype=torch.int64, device=first.device)
@@ -156,6 +158,17 @@ class FusedOptimizer(torch.optim.Optimizer):
             state.update(correction_zeros(p, group["master_weight_bits"]))
         return state
 
+    def master_weight(self, p: torch.Tensor) -> torch.Tensor:
+        """The full-precision master of parameter ``p`` as a new fp32 tensor.
+
+        bf16/fp16 parameters with ``master_weight_bits`` 24/32: the parameter plus its correction
+        (exactly the fp32 master for 32 on bf16); otherwise the parameter's value in fp32.
+        """
+        if not isinstance(p, torch.Tensor) or p not in self._position:
+            raise ValueError("master_weight(p): p is not a parameter of this optimizer")
+        group, _ = self.position(p)
+        return master_value(p, self.state.get(p), group["master_weight_bits"])
+
     # --- the update ------------------------------------------------------------------------
 
     def update_param(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None) -> None:
@@ -175,7 +188,14 @@ class FusedOptimizer(torch.optim.Optimizer):
             index=index,
             skipped=self.num_skipped_updates,
         )
-        reference_update(type(self).math, job)
+        run_update(self.algorithm, type(self).math, job, self._scratch)
+
+    def _scratch(self, p: torch.Tensor) -> torch.Tensor:
+        """The kernel's per-parameter int32[3] (non-finite flag, ticket, status): zero between updates."""
+        scratch = self._kernel_scratch.get(p)
+        if scratch is None:
+            scratch = self._kernel_scratch[p] = torch.zeros(3, dtype=torch.int32, device=p.device)
+        return scratch
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -40,16 +40,23 @@ class ParamUpdate:
 # decoded moments and the new step count (a 0-d tensor), and returns (p, moments).
 
 
+def _fp32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
 def adamw_math(p, g, moments, step, *, lr, beta1, beta2, eps, weight_decay):
     """AdamW exactly as ``torch.optim.AdamW`` orders its operations (decoupled decay, eps outside sqrt)."""
+    # Bias corrections in fp64 (torch computes them from a Python step); the step size from lr
+    # rounded to fp32, as the Triton kernel receives it.
     step = step.double()
-    bias_correction1 = (1 - beta1**step).float()
-    bias_correction2_sqrt = (1 - beta2**step).sqrt().float()
+    step_size = (_fp32(lr) / (1 - beta1**step)).float()
+    inv_bias_correction2_sqrt = (1 / (1 - beta2**step).sqrt()).float()
     m = moments["exp_avg"].lerp(g, 1 - beta1)
     v = torch.addcmul(moments["exp_avg_sq"] * beta2, g, g, value=1 - beta2)
     p = p * (1 - lr * weight_decay)
-    denom = v.sqrt() / bias_correction2_sqrt + eps
-    p = p - (m / denom) * (lr / bias_correction1)
+    # torch's vectorised CPU sqrt is not correctly rounded; the fp64 one is, like the kernel's sqrt_rn
+    denom = v.double().sqrt().float() * inv_bias_correction2_sqrt + eps
+    p = p - (m / denom) * step_size
     return p, {"exp_avg": m, "exp_avg_sq": v}
 
 

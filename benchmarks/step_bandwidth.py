@@ -1,0 +1,148 @@
+"""Optimizer step time and achieved bandwidth for ~1e9 bf16 elements in large 2-D tensors (GPU).
+
+Usage (on a CUDA machine):  python benchmarks/step_bandwidth.py [--out results.json] [--quick]
+
+For each configuration: median time of a full ``opt.step()`` over 8 tensors of 8192 x 16384
+(1.07e9 elements), the bytes it must move by the byte model below, and that over the time,
+against a device-to-device copy measured in the same process (bytes read + written).
+Also: host time per parameter of a step over many tiny parameters (launch overhead).
+
+Byte model per element (read + write), fusedopt: gradient read twice (finite check, update)
+2 + 2, parameter 2 + 2, correction 1 + 1 (int8) or 2 + 2 (int16), each 8-bit moment 1 + 1 and
+each 4-bit moment 0.5 + 0.5, block scales (1 byte per 32 elements) read + written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import fusedopt
+
+SHAPE = (8192, 16384)
+N_TENSORS = 8
+
+
+def _time_ms(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 4 GiB device-to-device copy (bytes read + written)."""
+    src = torch.empty(2**31, dtype=torch.int16, device="cuda").random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    ms = _time_ms(lambda: dst.copy_(src), 20)
+    return 2 * src.numel() * 2 / ms / 1e6
+
+
+def fusedopt_bytes(state_bits: int, master_weight_bits) -> float:
+    grad = 2 + 2
+    param = 2 + 2
+    corr = {None: 0, 24: 2, 32: 4}[master_weight_bits]
+    moments = {8: 2 * 2, 4: 2 * 1, 16: 2 * 4, 32: 2 * 8}[state_bits]
+    scales = 2 * 2 / 32 if state_bits in (8, 4) else 0
+    return grad + param + corr + moments + scales
+
+
+def bench_config(name, make_opt, bytes_per_element, reps) -> dict:
+    params = [torch.nn.Parameter(torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16)) for _ in range(N_TENSORS)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = make_opt(params)
+    for _ in range(2):
+        opt.step()
+    torch.cuda.synchronize()
+    ms = _time_ms(opt.step, reps)
+    n = N_TENSORS * SHAPE[0] * SHAPE[1]
+    result = dict(name=name, ms=ms, elements=n, bytes_per_element=bytes_per_element)
+    result["GBps"] = bytes_per_element * n / ms / 1e6
+    del opt, params
+    torch.cuda.empty_cache()
+    return result
+
+
+def host_overhead_us(n_params: int = 2000) -> dict:
+    params = [torch.nn.Parameter(torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)) for _ in range(n_params)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = fusedopt.AdamW(params, lr=1e-3, min_compress_numel=0)
+    for _ in range(3):
+        opt.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        opt.step()
+    host = (time.perf_counter() - t0) / 5
+    torch.cuda.synchronize()
+    return dict(params=n_params, host_us_per_param=host / n_params * 1e6)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--reps", type=int, default=10)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    import triton
+
+    env = dict(
+        torch=torch.__version__,
+        triton=triton.__version__,
+        device=torch.cuda.get_device_name(),
+        fusedopt=fusedopt.__version__,
+    )
+    copy_gbps = copy_bandwidth()
+    configs = [
+        ("fusedopt 8-bit / 24 (default)", 8, 24),
+        ("fusedopt 8-bit / None", 8, None),
+        ("fusedopt 4-bit / 24", 4, 24),
+        ("fusedopt 8-bit / 32", 8, 32),
+        ("fusedopt 16-bit / None", 16, None),
+        ("fusedopt 32-bit / 32", 32, 32),
+    ]
+    results = []
+    for name, bits, master in configs:
+        results.append(
+            bench_config(
+                name,
+                lambda ps, b=bits, m=master: fusedopt.AdamW(ps, lr=1e-4, state_bits=b, master_weight_bits=m),
+                fusedopt_bytes(bits, master),
+                args.reps,
+            )
+        )
+        print(f"{name:34s} {results[-1]['ms']:8.3f} ms  {results[-1]['GBps']:7.0f} GB/s", flush=True)
+    for name, kw in [("torch AdamW fused (bf16 state)", dict(fused=True)), ("torch AdamW foreach", dict(foreach=True))]:
+        results.append(bench_config(name, lambda ps, kw=kw: torch.optim.AdamW(ps, lr=1e-4, **kw), 14, args.reps))
+        print(f"{name:34s} {results[-1]['ms']:8.3f} ms  {results[-1]['GBps']:7.0f} GB/s", flush=True)
+    overhead = host_overhead_us()
+    print(f"copy bandwidth {copy_gbps:.0f} GB/s; host time per parameter {overhead['host_us_per_param']:.1f} us")
+    print("\n| configuration | ms / step | bytes/elem | GB/s | % of copy |\n|---|---|---|---|---|")
+    for r in results:
+        r["fraction_of_copy"] = r["GBps"] / copy_gbps
+        cells = [r["name"], f"{r['ms']:.3f}", f"{r['bytes_per_element']:.2f}", f"{r['GBps']:.0f}"]
+        print("| " + " | ".join(cells) + f" | {100 * r['fraction_of_copy']:.0f}% |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(env=env, copy_GBps=copy_gbps, results=results, host_overhead=overhead), f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

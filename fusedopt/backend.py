@@ -1,0 +1,121 @@
+"""Which path runs an update: the fused Triton kernel or the PyTorch reference.
+
+``FUSEDOPT_BACKEND`` (read at every update, so tests and users can switch it):
+
+* ``auto`` (default): CUDA tensors the kernel supports run the kernel; everything else
+  (CPU tensors, non-contiguous parameters, formats the kernel lacks) runs the reference.
+* ``reference``: always the PyTorch reference.
+* ``triton``: always the kernel; an unsupported case is an error naming the reason. On CPU
+  tensors this needs ``TRITON_INTERPRET=1`` (Triton's interpreter), set before the first
+  update (Triton reads it when the kernels are first imported).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from . import rng
+from .codecs import BF16, FP32, MomentCodec
+from .master import MASTER_CORRECTION
+from .reference import ParamUpdate, UpdateMath, reference_update
+
+BACKENDS = ("auto", "triton", "reference")
+
+
+def backend_choice() -> str:
+    """The value of ``FUSEDOPT_BACKEND``, validated."""
+    choice = os.environ.get("FUSEDOPT_BACKEND", "auto").strip().lower() or "auto"
+    if choice not in BACKENDS:
+        raise ValueError(f"FUSEDOPT_BACKEND={choice!r} is invalid; expected one of {', '.join(BACKENDS)}")
+    return choice
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _moment_format(codec: MomentCodec):
+    from .kernels.update import MomentFormat
+
+    if codec is FP32:
+        return MomentFormat(32)
+    if codec is BF16:
+        return MomentFormat(16)
+    from .codec_blockwise import BlockCodec
+
+    if isinstance(codec, BlockCodec) and codec.power in (1, 2):
+        return MomentFormat(
+            codec.state_bits,
+            signed=codec.signed,
+            power=codec.power,
+            qmax=codec.qmax,
+            k=codec.k,
+            min_exponent=codec.min_exponent,
+            threshold=codec.mantissa_threshold,
+            top=codec.top,
+            block=codec.block,
+        )
+    return None
+
+
+def unsupported_reason(job: ParamUpdate) -> str | None:
+    """Why the kernel cannot run this update (None: it can)."""
+    p = job.param
+    tensors = [p, job.grad, job.state["step"], job.skipped] + ([job.accum] if job.accum is not None else [])
+    if any(t.device != p.device for t in tensors):
+        return "parameter, gradient and optimizer state are on different devices"
+    if not (p.is_contiguous() and job.grad.is_contiguous() and (job.accum is None or job.accum.is_contiguous())):
+        return "non-contiguous parameter or gradient"
+    correction = job.state.get(MASTER_CORRECTION)
+    if p.dtype != torch.float32 and job.master_weight_bits is not None and correction is None:
+        return "a split parameter without its correction tensor"
+    if len(job.codecs) > 2 or any(_moment_format(c) is None for c in job.codecs.values()):
+        return f"moment format {list(job.codecs.values())} is not in the kernel"
+    return None
+
+
+def run_update(algorithm: str, math: UpdateMath, job: ParamUpdate, scratch) -> None:
+    """Apply one update through the chosen path. ``scratch(p)`` gives the kernel's int32[3] buffer."""
+    choice = backend_choice()
+    if choice == "reference":
+        return reference_update(math, job)
+    on_gpu = job.param.is_cuda
+    if choice == "auto" and not on_gpu:
+        return reference_update(math, job)
+    if choice == "triton" and not on_gpu and not _interpreting():
+        raise RuntimeError("FUSEDOPT_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 (Triton's CPU interpreter)")
+    reason = unsupported_reason(job)
+    if reason is not None:
+        if choice == "triton":
+            raise RuntimeError(f"FUSEDOPT_BACKEND=triton: the fused kernel cannot run this update: {reason}")
+        return reference_update(math, job)
+    _launch(algorithm, job, scratch(job.param))
+
+
+def _launch(algorithm: str, job: ParamUpdate, scratch: torch.Tensor) -> None:
+    from .kernels.update import launch_update
+
+    state = job.state
+    moments = []
+    for i, (slot, codec) in enumerate(job.codecs.items()):
+        fmt = _moment_format(codec)
+        values = state[slot] if fmt.fmt in (32, 16) else state[slot + ".codes"]
+        scales = state.get(slot + ".scales")
+        moments.append((fmt, values, scales, rng.host_key(job.seed, job.index, rng.STREAM_STATE + i)))
+    launch_update(
+        algorithm,
+        job.param,
+        job.grad,
+        job.accum,
+        state.get(MASTER_CORRECTION) if job.param.dtype != torch.float32 and job.master_weight_bits else None,
+        moments,
+        state["step"],
+        scratch,
+        job.skipped,
+        rng.host_key(job.seed, job.index, rng.STREAM_PARAM),
+        job.hyper,
+    )

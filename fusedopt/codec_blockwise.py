@@ -1,0 +1,257 @@
+"""Block-quantized moments: the codecs of ``state_bits=8`` and ``state_bits=4``.
+
+Format of one moment tensor of ``n`` elements, taken flattened in row-major order:
+
+* **Blocks** of ``block`` = 32 consecutive elements; the last block may be partial.
+* **Scales** (``<slot>.scales``, uint8, shape ``(ceil(n / 32),)``): one byte per block holding
+  a biased power-of-two exponent ``s``; the block's exponent is ``e = s - 127`` (the E8M0
+  scale of the OCP microscaling formats). No mantissa: every scaling below is a multiply
+  by a power of two, exact in fp32 on CPU and GPU alike, and the exponent range is fp32's,
+  so fine-tuning moments (|g| ~ 1e-8, v ~ 1e-16) are not flushed to zero as by fp16 scales.
+* **Codes** (``<slot>.codes``, uint8): a magnitude ``q`` in ``[0, qmax]`` and, for signed
+  moments, a sign bit above it (sign-magnitude, zero always positive). 8 bits: one code per
+  byte, shape of the parameter. 4 bits: two per byte, element ``2i`` in the low nibble,
+  shape ``(ceil(n / 2),)``.
+* **Value** ``= ±q**p * 2**(e - k)`` with ``k = ceil(log2(qmax**p))``, so the largest level
+  is just below ``2**e``. ``p = 1``: linear levels (signed m); ``p = 2``: levels evenly
+  spaced in ``sqrt(|x|)`` (the nonnegative v, where Adam uses ``sqrt(v)``). ``q**p < 2**24``,
+  so decode is exact.
+
+========  ==========================  =====  ====  ==========  =====================
+ bits      moment                     qmax    p     k          bytes/element (+scale)
+========  ==========================  =====  ====  ==========  =====================
+ 8         signed (m, momentum)        127    1     7          1 + 1/32 = 1.031
+ 8         nonnegative (v)             255    2     16         1 + 1/32 = 1.031
+ 4         signed                      7      1     3          1/2 + 1/32 = 0.531
+ 4         nonnegative                 15     2     8          1/2 + 1/32 = 0.531
+========  ==========================  =====  ====  ==========  =====================
+
+AdamW at 8 bits keeps 2.06 bytes per element for both moments, 1.06 at 4 bits. The choice
+of these parameters (against linear v, fp32 scales, other block sizes) is measured in
+``docs/codecs.md``.
+
+Encode, element by element (what the Triton kernel repeats in registers):
+
+1. ``e = E(absmax of the block's new values) + 1 + (mantissa(absmax) > thr)``, clamped to
+   ``[k - 126, 127]``: the smallest exponent whose top level ``qmax**p * 2**(e - k)`` covers
+   the block. The clamps keep ``2**(e - k)`` and ``2**(k - e)`` normal fp32 numbers (values
+   beyond ``2**127`` saturate; values below ``2**-126`` round on that grid).
+2. ``t = min(|x| * 2**(k - e), qmax**p)`` (exact; inf and NaN saturate).
+3. ``lo = floor(t ** (1/p))`` (corrected by one so that ``lo**p <= t < (lo + 1)**p``).
+4. Stochastic rounding, unbiased in the value itself: ``q = lo + (u * gap < t - lo**p)`` with
+   ``gap = (lo + 1)**p - lo**p`` and ``u = (bits >> 8) * 2**-24``. Both sides are exact or
+   one correctly rounded product, so CPU and GPU agree bit for bit. Nearest rounding would
+   freeze the EMA (``0.999 * v`` rounds back to ``v``); this keeps its decay exact in
+   expectation, and an exact level (zero included) stays put.
+5. Nonnegative moments: a nonzero ``v`` never becomes 0 (``q = max(q, 1)`` where ``x > 0``).
+   An Adam element with ``m != 0`` and a decoded ``v = 0`` would step by ``m / eps``; rounding
+   up instead errs towards a smaller step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from .codecs import BitsFn, MomentCodec
+
+BLOCK = 32
+_SCALE_BIAS = 127
+_MAX_EXPONENT = 127
+
+
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """2**exponent as fp32 for int32 exponents in [-126, 127], built from the bit pattern (exact)."""
+    return ((exponent + 127) << 23).view(torch.float32)
+
+
+# --- level maps: code magnitude q (int32) <-> value in units of the block's 2**(e - k) --------
+
+
+class PowerLevels:
+    """Levels ``q**p`` for ``q`` in [0, qmax] (p = 1: linear; p = 2: evenly spaced in sqrt)."""
+
+    def __init__(self, qmax: int, power: int):
+        if not 1 <= power <= 4 or qmax**power >= 1 << 24:
+            raise ValueError(f"levels q**{power} up to q={qmax} are not exact in fp32")
+        self.qmax, self.power, self.top = qmax, power, qmax**power
+
+    def level(self, q: torch.Tensor) -> torch.Tensor:
+        """q**p in fp32, exact (integers below 2**24)."""
+        q = q.to(torch.float32)
+        level = q
+        for _ in range(self.power - 1):
+            level = level * q
+        return level
+
+    def quantize(self, t: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """``t`` in [0, top] -> q (int32): ``lo`` with ``lo**p <= t < (lo + 1)**p``, plus one when
+        ``u * gap < t - lo**p``. ``u`` uniform in [0, 1) rounds stochastically, 0.5 to nearest."""
+        p = self.power
+        root = t if p == 1 else t.sqrt() if p == 2 else t.sqrt().sqrt() if p == 4 else t.pow(1.0 / 3.0)
+        lo = root.floor()
+        if p > 1:  # the root is rounded: fix its floor by at most one either way, exactly
+            lo = lo - (self.level(lo) > t).to(torch.float32)
+            lo = lo + (self.level(lo + 1) <= t).to(torch.float32)
+        low = self.level(lo)
+        up = u * (self.level(lo + 1) - low) < t - low  # differences of integers and t: exact
+        return lo.to(torch.int32) + up.to(torch.int32)
+
+    def __repr__(self):
+        return f"q**{self.power}"
+
+
+class FloatLevels:
+    """Minifloat levels: ``ebits`` exponent and ``mbits`` mantissa bits, subnormals, no inf/NaN.
+
+    Code q = (E << mbits) | f means f (E = 0) or (2**mbits + f) * 2**(E - 1): a constant
+    relative step of 2**-mbits over 2**ebits - 1 binades (the element formats of OCP MX).
+    """
+
+    def __init__(self, ebits: int, mbits: int):
+        self.ebits, self.mbits = ebits, mbits
+        self.qmax = (1 << (ebits + mbits)) - 1
+        self.top = ((2 << mbits) - 1) << ((1 << ebits) - 2)
+
+    def level(self, q: torch.Tensor) -> torch.Tensor:
+        big_e = q >> self.mbits
+        f = (q & ((1 << self.mbits) - 1)).to(torch.float32)
+        return torch.where(big_e == 0, f, (f + (1 << self.mbits)) * _pow2((big_e - 1).clamp(min=0)))
+
+    def quantize(self, t: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        m = self.mbits
+        pattern = t.view(torch.int32)
+        binade = (pattern >> 23) - 127  # floor(log2 t) for t >= 1
+        normal = t >= (1 << m)
+        # Truncating t's mantissa to m bits gives the level below; the step is a power of two.
+        lo = torch.where(normal, (pattern & -(1 << (23 - m))).view(torch.float32), t.floor())
+        step = torch.where(normal, _pow2((binade - m).clamp(min=0)), 1.0)
+        q_lo = torch.where(
+            normal, ((binade - m + 1) << m) | ((pattern >> (23 - m)) & ((1 << m) - 1)), lo.to(torch.int32)
+        )
+        return q_lo + (u * step < t - lo).to(torch.int32)  # all exact
+
+    def __repr__(self):
+        return f"E{self.ebits}M{self.mbits}"
+
+
+class BlockCodec(MomentCodec):
+    """A block-quantized moment (see the module docstring); immutable, one per (format, shape)."""
+
+    def __init__(self, bits: int, signed: bool, levels, block: int, shape: torch.Size):
+        if bits not in (8, 4) or levels.qmax != (1 << (bits - signed)) - 1 or block < 2 or block & (block - 1):
+            raise ValueError(f"unsupported block format: bits={bits}, signed={signed}, {levels!r}, block={block}")
+        self.state_bits = bits
+        self.signed = signed
+        self.levels = levels
+        self.block = block  # a power of two (so 4-bit pairs never straddle blocks)
+        self.shape = torch.Size(shape)
+        self.qmax, self.top = levels.qmax, levels.top
+        self.power = getattr(levels, "power", None)  # q**power levels (None: minifloat levels)
+        self.k = (self.top - 1).bit_length()  # top <= 2**k < 2 * top
+        # e = E(absmax) + 1 covers the block iff the absmax mantissa 1.f <= 2 * top / 2**k.
+        self.mantissa_threshold = ((self.top << 24) >> self.k) - (1 << 23)
+        self.min_exponent = self.k - 126
+
+    # --- layout ------------------------------------------------------------------------------
+
+    def _blocks(self, shape: torch.Size) -> int:
+        return -(-shape.numel() // self.block)
+
+    def _codes_shape(self, shape: torch.Size) -> torch.Size:
+        return shape if self.state_bits == 8 else torch.Size([-(-shape.numel() // 2)])
+
+    def layout(self, shape):
+        shape = torch.Size(shape)
+        return {
+            ".codes": (torch.uint8, self._codes_shape(shape)),
+            ".scales": (self.scale_dtype, torch.Size([self._blocks(shape)])),
+        }
+
+    def zeros(self, shape, device):
+        # The canonical encoding of zeros, so encode(decode(zeros)) == zeros.
+        shape = torch.Size(shape)
+        codes = torch.zeros(self._codes_shape(shape), dtype=torch.uint8, device=device)
+        absmax = torch.zeros(self._blocks(shape), dtype=torch.float32, device=device)
+        return {".codes": codes, ".scales": self.block_scales(absmax)}
+
+    # --- scales: the only part that knows the scale format ------------------------------------
+
+    scale_dtype = torch.uint8
+
+    def block_scales(self, absmax: torch.Tensor) -> torch.Tensor:
+        """Stored scale of each block from its fp32 absmax (step 1 of the docstring)."""
+        pattern = absmax.view(torch.int32)
+        biased = (pattern >> 23) & 0xFF
+        e = biased - 126 + ((pattern & 0x7FFFFF) > self.mantissa_threshold).to(torch.int32)
+        return (e.clamp(self.min_exponent, _MAX_EXPONENT) + _SCALE_BIAS).to(torch.uint8)
+
+    def level_units(self, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(value of one level unit, its inverse) per block, fp32; both exact powers of two."""
+        # Any byte gives finite units: the exponent is clamped as on encode.
+        e = (scales.to(torch.int32) - _SCALE_BIAS).clamp(self.min_exponent, _MAX_EXPONENT)
+        return _pow2(e - self.k), _pow2(self.k - e)
+
+    # --- decode ------------------------------------------------------------------------------
+
+    def _unpack(self, codes: torch.Tensor, n_padded: int) -> torch.Tensor:
+        codes = codes.reshape(-1).to(torch.int32)
+        if self.state_bits == 4:
+            codes = torch.stack((codes & 0xF, codes >> 4), dim=1).reshape(-1)
+        return F.pad(codes, (0, n_padded - codes.numel()))
+
+    def decode(self, stored):
+        n, nb = self.shape.numel(), self._blocks(self.shape)
+        codes = self._unpack(stored[".codes"], nb * self.block).view(nb, self.block)
+        unit, _ = self.level_units(stored[".scales"])
+        x = self.levels.level(codes & self.qmax) * unit.unsqueeze(1)
+        if self.signed:
+            x = torch.where((codes >> (self.state_bits - 1)) != 0, -x, x)
+        return x.reshape(-1)[:n].reshape(self.shape)
+
+    # --- encode ------------------------------------------------------------------------------
+
+    def encode(self, x: torch.Tensor, bits: BitsFn):
+        n, nb = self.shape.numel(), self._blocks(self.shape)
+        pad = nb * self.block - n
+        x = F.pad(x.reshape(-1).float(), (0, pad)).view(nb, self.block)
+        mag = x.abs()
+        scales = self.block_scales(mag.amax(dim=1))
+        t = mag * self.level_units(scales)[1].unsqueeze(1)
+        t = torch.where(t < self.top, t, float(self.top))  # saturate (also inf and NaN)
+        u = ((bits().reshape(-1) >> 8).to(torch.int32)).to(torch.float32) * 2.0**-24
+        q = self.levels.quantize(t, F.pad(u, (0, pad)).view(nb, self.block))
+        if self.signed:
+            q = q | (((x < 0) & (q > 0)).to(torch.int32) << (self.state_bits - 1))
+        else:
+            q = torch.where((q == 0) & (x > 0), 1, q)
+        codes = q.reshape(-1)
+        if self.state_bits == 4:
+            codes = codes.view(-1, 2)  # nb * block is even
+            codes = codes[:, 0] | (codes[:, 1] << 4)
+        codes = codes[: self._codes_shape(self.shape).numel()].to(torch.uint8)
+        return {
+            ".codes": codes.reshape(self._codes_shape(self.shape)),
+            ".scales": scales,
+        }
+
+    def __repr__(self):
+        kind = "signed" if self.signed else "unsigned"
+        return f"BlockCodec(bits={self.state_bits}, {kind}, levels={self.levels!r}, block={self.block})"
+
+
+# The chosen level maps: (bits, signed) -> levels (see the module docstring and docs/codecs.md).
+LEVELS = {
+    (8, True): PowerLevels(127, 1),
+    (8, False): PowerLevels(255, 2),
+    (4, True): PowerLevels(7, 1),
+    (4, False): PowerLevels(15, 2),
+}
+
+
+@functools.cache
+def block_codec(bits: int, signed: bool, shape: torch.Size) -> BlockCodec:
+    """The shared codec of a ``bits``-bit moment of ``shape`` (signed: m, momentum; else v)."""
+    return BlockCodec(bits, signed, LEVELS[bits, signed], BLOCK, shape)

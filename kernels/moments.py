@@ -1,0 +1,138 @@
+"""Moment storage inside the update kernel: decode to fp32 in registers, encode back.
+
+Device-side twins of the PyTorch codecs (``fusedopt.codecs`` and ``fusedopt.codec_blockwise``):
+
+* ``FMT = 0``: no moment (SGD without momentum).
+* ``FMT = 32``: fp32.  ``FMT = 16``: bf16 with stochastic rounding (16 random bits added below
+  the bf16 mantissa, then truncation: the same integer arithmetic as the reference, so no
+  fp32->bf16 conversion is involved and CPU interpreter and GPU agree bit for bit).
+* ``FMT = 8 / 4``: blocks of ``QBLOCK`` elements, one E8M0 byte scale per block, sign-magnitude
+  codes, levels ``q**POWER``; 4-bit codes packed two per byte (element ``2i`` in the low
+  nibble). Scales are computed from the block's new values, in the same pass.
+
+A program owns ``BLOCK`` consecutive elements starting at a multiple of ``BLOCK`` (a multiple
+of ``QBLOCK``), so its quantisation blocks are whole and no other program touches them.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _pow2(e):
+    """2**e as fp32 from int32 exponents in [-126, 127] (exact: built from the bit pattern)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _level(q, POWER: tl.constexpr):
+    if POWER == 1:
+        return q
+    else:
+        return q * q
+
+
+@triton.jit
+def load_moment(
+    ptr,  # fp32 / bf16 values, or uint8 codes
+    scale_ptr,  # uint8 E8M0 block scales (FMT 8/4)
+    start,  # first element of this program (int64, multiple of BLOCK)
+    n_elements,
+    FMT: tl.constexpr,
+    SIGNED: tl.constexpr,
+    POWER: tl.constexpr,
+    QMAX: tl.constexpr,  # largest magnitude code
+    K: tl.constexpr,  # level exponent: the top level is just below 2**K
+    MIN_E: tl.constexpr,  # smallest block exponent
+    BLOCK: tl.constexpr,
+    QBLOCK: tl.constexpr,
+):
+    offs = start + tl.arange(0, BLOCK).to(tl.int64)
+    mask = offs < n_elements
+    if FMT == 32:
+        return tl.load(ptr + offs, mask=mask, other=0.0)
+    elif FMT == 16:
+        return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    elif FMT == 0:
+        return tl.zeros([BLOCK], dtype=tl.float32)
+    else:
+        if FMT == 8:
+            codes = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32)
+        else:
+            pair = start // 2 + tl.arange(0, BLOCK // 2).to(tl.int64)
+            packed = tl.load(ptr + pair, mask=pair < (n_elements + 1) // 2, other=0).to(tl.int32)
+            codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK])
+        NB: tl.constexpr = BLOCK // QBLOCK
+        blocks = start // QBLOCK + tl.arange(0, NB).to(tl.int64)
+        n_blocks = (n_elements + QBLOCK - 1) // QBLOCK
+        scales = tl.load(scale_ptr + blocks, mask=blocks < n_blocks, other=127).to(tl.int32)
+        e = tl.minimum(tl.maximum(scales - 127, MIN_E), 127)
+        unit = _pow2(e - K)
+        levels = _level((codes & QMAX).to(tl.float32), POWER)
+        x = tl.reshape(tl.reshape(levels, [NB, QBLOCK]) * unit[:, None], [BLOCK])
+        if SIGNED:
+            x = tl.where(((codes >> (FMT - 1)) & 1) != 0, -x, x)
+        return x
+
+
+@triton.jit
+def store_moment(
+    x,  # fp32 new values of this program's elements
+    rbits,  # uint32 uniform bits per element (stochastic rounding)
+    ptr,
+    scale_ptr,
+    start,
+    n_elements,
+    FMT: tl.constexpr,
+    SIGNED: tl.constexpr,
+    POWER: tl.constexpr,
+    QMAX: tl.constexpr,
+    K: tl.constexpr,
+    MIN_E: tl.constexpr,
+    THRESHOLD: tl.constexpr,  # absmax mantissa above which the block exponent goes one up
+    TOP: tl.constexpr,  # largest level, QMAX**POWER
+    BLOCK: tl.constexpr,
+    QBLOCK: tl.constexpr,
+):
+    offs = start + tl.arange(0, BLOCK).to(tl.int64)
+    mask = offs < n_elements
+    if FMT == 32:
+        tl.store(ptr + offs, x, mask=mask)
+    elif FMT == 16:
+        pattern = (x.to(tl.int32, bitcast=True) + (rbits & 0xFFFF).to(tl.int32)) & -65536
+        tl.store(ptr + offs, pattern.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)
+    elif FMT != 0:
+        NB: tl.constexpr = BLOCK // QBLOCK
+        x = tl.where(mask, x, 0.0)
+        mag = tl.reshape(tl.abs(x), [NB, QBLOCK])
+        absmax = tl.max(mag, axis=1)
+        pattern = absmax.to(tl.int32, bitcast=True)
+        e = ((pattern >> 23) & 0xFF) - 126 + ((pattern & 0x7FFFFF) > THRESHOLD).to(tl.int32)
+        e = tl.minimum(tl.maximum(e, MIN_E), 127)
+        blocks = start // QBLOCK + tl.arange(0, NB).to(tl.int64)
+        n_blocks = (n_elements + QBLOCK - 1) // QBLOCK
+        tl.store(scale_ptr + blocks, (e + 127).to(tl.uint8), mask=blocks < n_blocks)
+        t = mag * _pow2(K - e)[:, None]
+        t = tl.where(t < TOP, t, TOP * 1.0)  # saturate (inf and NaN too)
+        t = tl.reshape(t, [BLOCK])
+        if POWER == 1:
+            lo = tl.floor(t)
+        else:
+            lo = tl.floor(tl.sqrt(t))
+            lo = lo - (lo * lo > t).to(tl.float32)  # the root is rounded: fix floor() exactly
+            lo = lo + ((lo + 1.0) * (lo + 1.0) <= t).to(tl.float32)
+        low = _level(lo, POWER)
+        gap = _level(lo + 1.0, POWER) - low
+        u = (rbits >> 8).to(tl.int32).to(tl.float32) * (1.0 / 16777216.0)
+        q = (lo + (u * gap < t - low).to(tl.float32)).to(tl.int32)
+        if SIGNED:
+            q = q | (((x < 0) & (q > 0)).to(tl.int32) << (FMT - 1))
+        else:
+            q = tl.where((q == 0) & (x > 0), 1, q)
+        if FMT == 8:
+            tl.store(ptr + offs, q.to(tl.uint8), mask=mask)
+        else:
+            low_nibble, high_nibble = tl.split(tl.reshape(q, [BLOCK // 2, 2]))
+            pair = start // 2 + tl.arange(0, BLOCK // 2).to(tl.int64)
+            packed = (low_nibble | (high_nibble << 4)).to(tl.uint8)
+            tl.store(ptr + pair, packed, mask=pair < (n_elements + 1) // 2)

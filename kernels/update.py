@@ -1,0 +1,355 @@
+"""The fused optimizer step: one launch per parameter does decode -> update -> write -> encode.
+
+Two kernels per parameter update:
+
+1. ``_check_kernel`` reads the gradient once and finds out whether it is finite. Its last
+   program (a ticket counter) commits the step bookkeeping on the device: ``step += ok``,
+   ``skipped += !ok`` and a status word the update reads. No host synchronisation.
+2. ``_update_kernel`` reads gradient, parameter (and correction) and the encoded moments,
+   applies AdamW / SGD / Lion in fp32 registers exactly as ``fusedopt.reference`` orders the
+   operations, writes the parameter and re-encodes the moments (new block scales included).
+   If the status says the gradient was not finite, every program returns at once.
+
+Per-step scalars (lr, betas, the step count, bias corrections) are runtime values: changing
+them never recompiles. The step count is read from device memory; bias corrections are
+computed from it in fp64.
+
+NOTE: never autotune these kernels: they update their inputs in place, and autotuning runs
+a kernel several times. Block sizes and warps are fixed here.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fusedopt.kernels.hashing import element_bits, step_hash
+from fusedopt.kernels.master import load_master, store_master
+from fusedopt.kernels.moments import load_moment, store_moment
+
+ALGORITHMS = {"adamw": 0, "sgd": 1, "lion": 2}
+BLOCK = 1024  # elements per update program (a multiple of every quantisation block)
+NUM_WARPS = 4
+CHECK_TILE = 2048  # elements per iteration of the finite check
+CHECK_TILES = 8  # iterations per check program (fewer programs: fewer ticket atomics)
+
+
+@dataclass(frozen=True)
+class MomentFormat:
+    """How one moment is stored, as the kernel needs it (built from a fusedopt codec)."""
+
+    fmt: int  # 0 none, 32 fp32, 16 bf16, 8 / 4 block codes
+    signed: bool = True
+    power: int = 1
+    qmax: int = 0
+    k: int = 0
+    min_exponent: int = 0
+    threshold: int = 0
+    top: int = 0
+    block: int = 32
+
+
+NO_MOMENT = MomentFormat(0)
+
+
+@triton.jit
+def _as_f32(x):
+    """A runtime scalar argument as an fp32 tensor (a Python float in the interpreter)."""
+    return x + tl.zeros([], tl.float32)
+
+
+@triton.jit(do_not_specialize=["n_elements"])
+def _check_kernel(
+    grad_ptr,  # this step's gradient
+    accum_ptr,  # gradient accumulated by the optimizer (HAS_ACCUM)
+    scratch_ptr,  # int32[3]: non-finite flag, ticket counter, status read by the update
+    step_ptr,  # fp32 0-d step count
+    skipped_ptr,  # int64 0-d skipped-update counter
+    n_elements,
+    HAS_ACCUM: tl.constexpr,
+    TILE: tl.constexpr,
+    TILES: tl.constexpr,
+):
+    start = tl.program_id(0).to(tl.int64) * (TILE * TILES)
+    bad = 0
+    for i in range(TILES):
+        offs = start + i * TILE + tl.arange(0, TILE).to(tl.int64)
+        mask = offs < n_elements
+        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_ACCUM:
+            g += tl.load(accum_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        bad = tl.maximum(bad, tl.max((tl.abs(g) < float("inf")) == 0, axis=0).to(tl.int32))
+    tl.atomic_max(scratch_ptr, bad, mask=bad > 0)
+    ticket = tl.atomic_add(scratch_ptr + 1, 1)
+    if ticket == tl.num_programs(0) - 1:  # the last program: every flag is in
+        final = tl.atomic_xchg(scratch_ptr, 0)
+        tl.store(scratch_ptr + 2, final)
+        tl.store(step_ptr, tl.load(step_ptr) + (1 - final).to(tl.float32))
+        tl.store(skipped_ptr, tl.load(skipped_ptr) + final.to(tl.int64))
+        tl.store(scratch_ptr + 1, 0)
+
+
+@triton.jit(do_not_specialize=["n_elements", "key_param", "key_m", "key_v"])
+def _update_kernel(
+    param_ptr,  # parameter, updated in place
+    corr_ptr,  # master-weight correction (int8 / int16, MASTER == 2)
+    grad_ptr,  # gradient
+    accum_ptr,  # accumulated gradient (HAS_ACCUM)
+    m_ptr,  # first moment / momentum: values or codes
+    m_scale_ptr,  # its block scales (8/4-bit)
+    v_ptr,  # AdamW second moment
+    v_scale_ptr,
+    step_ptr,  # step count, already advanced by the check kernel
+    status_ptr,  # non-zero: the gradient was not finite, touch nothing
+    n_elements,
+    key_param,  # host parts of the hash keys (uint32)
+    key_m,
+    key_v,
+    lr,
+    beta1,  # AdamW / Lion beta1; SGD momentum
+    beta2,
+    eps,
+    decay,  # 1 - lr * weight_decay (AdamW, Lion)
+    weight_decay,  # SGD's coupled decay
+    lerp_weight,  # 1 - beta1 (AdamW, Lion); 1 - dampening (SGD)
+    one_minus_beta2,
+    log2_beta1_hi,  # AdamW bias corrections: log2(beta) = hi + lo
+    log2_beta1_lo,
+    log2_beta2_hi,
+    log2_beta2_lo,
+    ALGO: tl.constexpr,
+    MASTER: tl.constexpr,
+    PARAM_BF16: tl.constexpr,
+    CORR_BITS: tl.constexpr,  # 8 or 16 extra master bits (MASTER == 2)
+    STOCHASTIC_MASTER: tl.constexpr,  # whether the split rounds (all but bf16 + int16)
+    HAS_ACCUM: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    M_FMT: tl.constexpr,
+    M_SIGNED: tl.constexpr,
+    M_POWER: tl.constexpr,
+    M_QMAX: tl.constexpr,
+    M_K: tl.constexpr,
+    M_MIN_E: tl.constexpr,
+    M_THR: tl.constexpr,
+    M_TOP: tl.constexpr,
+    V_FMT: tl.constexpr,
+    V_SIGNED: tl.constexpr,
+    V_POWER: tl.constexpr,
+    V_QMAX: tl.constexpr,
+    V_K: tl.constexpr,
+    V_MIN_E: tl.constexpr,
+    V_THR: tl.constexpr,
+    V_TOP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    QBLOCK: tl.constexpr,
+):
+    if tl.load(status_ptr) == 0:
+        # fp32 scalars everywhere (the interpreter would otherwise compute with Python doubles)
+        lr, beta1, beta2, eps, decay = _as_f32(lr), _as_f32(beta1), _as_f32(beta2), _as_f32(eps), _as_f32(decay)
+        weight_decay, lerp_weight, one_minus_beta2 = (
+            _as_f32(weight_decay),
+            _as_f32(lerp_weight),
+            _as_f32(one_minus_beta2),
+        )
+        start = tl.program_id(0).to(tl.int64) * BLOCK
+        offs = start + tl.arange(0, BLOCK).to(tl.int64)
+        mask = offs < n_elements
+        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_ACCUM:
+            g += tl.load(accum_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if MAXIMIZE:
+            g = -g
+        step = tl.load(step_ptr)
+        p = load_master(param_ptr, corr_ptr, offs, mask, MASTER, PARAM_BF16, CORR_BITS)
+        m = load_moment(
+            m_ptr, m_scale_ptr, start, n_elements, M_FMT, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, BLOCK, QBLOCK
+        )
+        v = load_moment(
+            v_ptr, v_scale_ptr, start, n_elements, V_FMT, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, BLOCK, QBLOCK
+        )
+        if ALGO == 0:  # AdamW, as torch.optim.AdamW orders it
+            step64 = step.to(tl.float64)
+            # beta**step in fp64 from log2(beta) passed as two fp32 halves (~48 bits)
+            log2_beta1 = _as_f32(log2_beta1_hi).to(tl.float64) + _as_f32(log2_beta1_lo).to(tl.float64)
+            log2_beta2 = _as_f32(log2_beta2_hi).to(tl.float64) + _as_f32(log2_beta2_lo).to(tl.float64)
+            bias_correction1 = 1.0 - tl.exp2(step64 * log2_beta1)
+            bias_correction2 = 1.0 - tl.exp2(step64 * log2_beta2)
+            step_size = (lr.to(tl.float64) / bias_correction1).to(tl.float32)
+            inv_bias_correction2_sqrt = (1.0 / tl.sqrt(bias_correction2)).to(tl.float32)  # fp64: IEEE
+            # torch.lerp: fma(w, g - m, m), or g - (g - m) * (1 - w) for w >= 0.5
+            if lerp_weight < 0.5:
+                m = tl.fma(lerp_weight, g - m, m)
+            else:
+                m = tl.fma(-(g - m), 1.0 - lerp_weight, g)
+            v = tl.fma(one_minus_beta2 * g, g, v * beta2)  # torch.addcmul
+            p = p * decay
+            denom = tl.sqrt_rn(v) * inv_bias_correction2_sqrt + eps
+            p = p - tl.div_rn(m, denom) * step_size
+        elif ALGO == 1:  # SGD, as torch.optim.SGD (torch.add(x, y, alpha=a) is fma(a, y, x))
+            d = tl.fma(weight_decay, p, g)
+            if M_FMT != 0:
+                m = tl.where(step == 1.0, d, tl.fma(lerp_weight, d, m * beta1))
+                if NESTEROV:
+                    d = tl.fma(beta1, m, d)
+                else:
+                    d = m
+            p = tl.fma(-lr, d, p)
+        else:  # Lion
+            c = m * beta1 + g * lerp_weight
+            direction = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
+            p = tl.fma(-lr, direction, p * decay)
+            m = tl.fma(one_minus_beta2, g, m * beta2)
+        store_moment(
+            m,
+            element_bits(step_hash(key_m, step_ptr), offs),
+            m_ptr,
+            m_scale_ptr,
+            start,
+            n_elements,
+            M_FMT,
+            M_SIGNED,
+            M_POWER,
+            M_QMAX,
+            M_K,
+            M_MIN_E,
+            M_THR,
+            M_TOP,
+            BLOCK,
+            QBLOCK,
+        )
+        store_moment(
+            v,
+            element_bits(step_hash(key_v, step_ptr), offs),
+            v_ptr,
+            v_scale_ptr,
+            start,
+            n_elements,
+            V_FMT,
+            V_SIGNED,
+            V_POWER,
+            V_QMAX,
+            V_K,
+            V_MIN_E,
+            V_THR,
+            V_TOP,
+            BLOCK,
+            QBLOCK,
+        )
+        store_master(
+            p,
+            element_bits(step_hash(key_param, step_ptr), offs),
+            param_ptr,
+            corr_ptr,
+            offs,
+            mask,
+            MASTER,
+            PARAM_BF16,
+            CORR_BITS,
+            STOCHASTIC_MASTER,
+        )
+
+
+def _split_log2(name: str, beta: float) -> dict:
+    """log2(beta) as two fp32 values whose sum carries about 48 bits (beta in (0, 1))."""
+    value = math.log2(beta) if beta > 0 else -1e30
+    hi = float(torch.tensor(value, dtype=torch.float32))
+    return {f"{name}_hi": hi, f"{name}_lo": value - hi}
+
+
+def _moment_args(prefix: str, fmt: MomentFormat) -> dict:
+    return {
+        f"{prefix}_FMT": fmt.fmt,
+        f"{prefix}_SIGNED": fmt.signed,
+        f"{prefix}_POWER": fmt.power,
+        f"{prefix}_QMAX": fmt.qmax,
+        f"{prefix}_K": fmt.k,
+        f"{prefix}_MIN_E": fmt.min_exponent,
+        f"{prefix}_THR": fmt.threshold,
+        f"{prefix}_TOP": fmt.top,
+    }
+
+
+def launch_update(
+    algorithm: str,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    accum: torch.Tensor | None,
+    correction: torch.Tensor | None,
+    moments: list[tuple[MomentFormat, torch.Tensor | None, torch.Tensor | None, int]],
+    step: torch.Tensor,
+    scratch: torch.Tensor,
+    skipped: torch.Tensor,
+    key_param: int,
+    hyper: dict,
+) -> None:
+    """Update one parameter in place. ``moments``: up to two (format, values, scales, key).
+
+    The caller guarantees contiguous tensors on one device and supported formats
+    (``fusedopt.backend`` checks); this only launches.
+    """
+    n = param.numel()
+    (m_fmt, m_val, m_scales, key_m), (v_fmt, v_val, v_scales, key_v) = (moments + [(NO_MOMENT, None, None, 0)] * 2)[:2]
+    has_accum = accum is not None
+    check_programs = triton.cdiv(max(n, 1), CHECK_TILE * CHECK_TILES)
+    _check_kernel[(check_programs,)](
+        grad,
+        accum if has_accum else grad,
+        scratch,
+        step,
+        skipped,
+        n,
+        HAS_ACCUM=has_accum,
+        TILE=CHECK_TILE,
+        TILES=CHECK_TILES,
+    )
+    if n == 0:
+        return
+    qblock = max(m_fmt.block, v_fmt.block)
+    algo = ALGORITHMS[algorithm]
+    lr = hyper["lr"]
+    args = dict(lr=lr, beta1=0.0, beta2=0.0, eps=0.0, decay=1.0, weight_decay=0.0, lerp_weight=0.0)
+    args.update(one_minus_beta2=0.0, **_split_log2("log2_beta1", 0.5), **_split_log2("log2_beta2", 0.5))
+    if algo == 1:  # SGD: beta1 carries the momentum, lerp_weight 1 - dampening
+        args.update(beta1=hyper["momentum"], weight_decay=hyper["weight_decay"], lerp_weight=1 - hyper["dampening"])
+    else:
+        beta1, beta2 = hyper["beta1"], hyper["beta2"]
+        args.update(beta1=beta1, beta2=beta2, decay=1 - lr * hyper["weight_decay"])
+        args.update(lerp_weight=1 - beta1, one_minus_beta2=1 - beta2)
+        if algo == 0:
+            args.update(eps=hyper["eps"], **_split_log2("log2_beta1", beta1), **_split_log2("log2_beta2", beta2))
+    dummy = param  # unused pointer arguments (their constexpr switches are off)
+    corr_bits = 0 if correction is None else (16 if correction.dtype == torch.int16 else 8)
+    _update_kernel[(triton.cdiv(n, BLOCK),)](
+        param,
+        correction if correction is not None else dummy,
+        grad,
+        accum if has_accum else dummy,
+        m_val if m_val is not None else dummy,
+        m_scales if m_scales is not None else dummy,
+        v_val if v_val is not None else dummy,
+        v_scales if v_scales is not None else dummy,
+        step,
+        scratch[2:],
+        n,
+        key_param,
+        key_m,
+        key_v,
+        **args,
+        ALGO=algo,
+        MASTER=0 if param.dtype == torch.float32 else (1 if correction is None else 2),
+        PARAM_BF16=param.dtype == torch.bfloat16,
+        CORR_BITS=corr_bits,
+        STOCHASTIC_MASTER=not (param.dtype == torch.bfloat16 and corr_bits == 16),
+        HAS_ACCUM=has_accum,
+        MAXIMIZE=bool(hyper.get("maximize", False)),
+        NESTEROV=bool(hyper.get("nesterov", False)),
+        **_moment_args("M", m_fmt),
+        **_moment_args("V", v_fmt),
+        BLOCK=BLOCK,
+        QBLOCK=qblock,
+        num_warps=NUM_WARPS,
+        enable_fp_fusion=False,  # the reference rounds every operation; fma only where torch uses one
+    )
