@@ -14,7 +14,10 @@ arithmetic) and every product is split into 16-bit halves so no intermediate ove
 Layout of the key:
   host  = fmix32(fmix32(fmix32(seed ^ GOLDEN) ^ param_index) ^ stream)   (Python ints)
   h     = fmix32(host ^ step)                                             (step: device tensor)
-  bits  = fmix32(fmix32(h ^ idx_lo) ^ idx_hi)                             (per element)
+  bits  = fmix32((h ^ idx_lo) + idx_hi * GOLDEN)                          (per element)
+One finaliser per element and stream keeps the kernel's integer work small (it is memory-bound
+only while the arithmetic stays cheap); fmix32 is a bijection with full avalanche, so
+consecutive indices give independent-looking bits.
 ``step`` stays a device tensor (a skipped update leaves it unchanged without a host sync).
 """
 
@@ -61,8 +64,16 @@ def uniform_bits(key: int, step: torch.Tensor, shape: torch.Size, device: torch.
 
     ``step`` is a 0-d tensor (any real dtype) holding the parameter's step count.
     """
-    step_u32 = step.to(device=device, dtype=torch.int64).reshape(()) & MASK32
-    h = fmix32(step_u32 ^ key)
+    h = step_hash(key, step.to(device))
     idx = torch.arange(shape.numel(), dtype=torch.int64, device=device).reshape(shape)
-    bits = fmix32(h ^ (idx & MASK32))
-    return fmix32(bits ^ (idx >> 32))
+    return element_bits(h, idx)
+
+
+def element_bits(h, idx: torch.Tensor) -> torch.Tensor:
+    """Bits of elements ``idx`` (int64 row-major indices) under the per-step hash ``h``."""
+    return fmix32(((h ^ (idx & MASK32)) + _mul32(idx >> 32, GOLDEN)) & MASK32)
+
+
+def step_hash(key: int, step: torch.Tensor) -> torch.Tensor:
+    """The per-step part of the hash (a 0-d int64 tensor on the step's device)."""
+    return fmix32((step.to(torch.int64).reshape(()) & MASK32) ^ key)

@@ -33,7 +33,7 @@ def element_bits(h, offsets):
     """32 uniform bits for int64 element ``offsets`` under the per-step hash ``h``."""
     lo = (offsets & 0xFFFFFFFF).to(tl.uint32)
     hi = (offsets >> 32).to(tl.uint32)
-    return fmix32(fmix32(h ^ lo) ^ hi)
+    return fmix32((h ^ lo) + hi * 0x9E3779B9)
 
 
 @triton.jit
@@ -41,21 +41,22 @@ def _uniform_bits_kernel(
     out_ptr,  # int64 output, one uint32 value per element
     step_ptr,  # 0-d step tensor
     key,  # host part of the key (uint32)
+    first,  # element index of out[0] (int64)
     n_elements,  # number of elements
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    offsets = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    mask = offsets < n_elements
-    bits = element_bits(step_hash(key, step_ptr), offsets)
-    tl.store(out_ptr + offsets, bits.to(tl.int64), mask=mask)
+    local = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = local < n_elements
+    bits = element_bits(step_hash(key, step_ptr), local + first)
+    tl.store(out_ptr + local, bits.to(tl.int64), mask=mask)
 
 
-def launch_uniform_bits(key: int, step: torch.Tensor, numel: int, device) -> torch.Tensor:
-    """Materialise the hash for ``numel`` elements (tests only: kernels draw bits in registers)."""
+def launch_uniform_bits(key: int, step: torch.Tensor, numel: int, device, first: int = 0) -> torch.Tensor:
+    """The hash of elements ``first .. first + numel - 1`` (tests only: kernels draw bits in registers)."""
     out = torch.empty(numel, dtype=torch.int64, device=device)
     if numel == 0:
         return out
     block = 1024
-    _uniform_bits_kernel[(triton.cdiv(numel, block),)](out, step, key, numel, BLOCK=block)
+    _uniform_bits_kernel[(triton.cdiv(numel, block),)](out, step, key, first, numel, BLOCK=block)
     return out

@@ -19,6 +19,17 @@ def test_triton_hash_matches_reference_bit_for_bit(device, seed, index, stream, 
     assert torch.equal(ref, tri)
 
 
+def test_indices_beyond_two_to_the_32_agree(device):
+    """Tensors over 2**32 elements: the high index bits enter the hash identically."""
+    key, step = rng.host_key(9, 3, rng.STREAM_STATE), torch.tensor(4.0, device=device)
+    first = 2**32 - 700
+    idx = torch.arange(first, first + 1500, dtype=torch.int64, device=device)
+    ref = rng.element_bits(rng.step_hash(key, step), idx)
+    tri = launch_uniform_bits(key, step, 1500, device, first=first)
+    assert torch.equal(ref, tri)
+    assert not torch.equal(ref[:700], ref[700 : 700 + 700])  # no wrap-around repetition
+
+
 def test_tensor_and_integer_paths_agree():
     """The int64-tensor emulation of uint32 arithmetic equals exact Python-integer arithmetic."""
     gen = torch.Generator().manual_seed(0)
