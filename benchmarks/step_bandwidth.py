@@ -76,6 +76,28 @@ def bench_config(name, make_opt, bytes_per_element, reps) -> dict:
     return result
 
 
+def check_only_ms(reps: int) -> float:
+    """The finite-check kernel alone over the same gradients (its share of a step)."""
+    from fusedopt.kernels import update
+
+    grads = [torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16) for _ in range(N_TENSORS)]
+    scratch = torch.zeros(3, dtype=torch.int32, device="cuda")
+    step = torch.zeros((), device="cuda")
+    skipped = torch.zeros((), dtype=torch.int64, device="cuda")
+    n = grads[0].numel()
+    programs = -(-n // (update.CHECK_TILE * update.CHECK_TILES))
+
+    def run():
+        for g in grads:
+            update._check_kernel[(programs,)](
+                g, g, scratch, step, skipped, n, HAS_ACCUM=False, TILE=update.CHECK_TILE, TILES=update.CHECK_TILES
+            )
+
+    run()
+    torch.cuda.synchronize()
+    return _time_ms(run, reps)
+
+
 def host_overhead_us(n_params: int = 2000) -> dict:
     params = [torch.nn.Parameter(torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)) for _ in range(n_params)]
     for p in params:
@@ -131,6 +153,26 @@ def main(argv=None) -> int:
     for name, kw in [("torch AdamW fused (bf16 state)", dict(fused=True)), ("torch AdamW foreach", dict(foreach=True))]:
         results.append(bench_config(name, lambda ps, kw=kw: torch.optim.AdamW(ps, lr=1e-4, **kw), 14, args.reps))
         print(f"{name:34s} {results[-1]['ms']:8.3f} ms  {results[-1]['GBps']:7.0f} GB/s", flush=True)
+    # tile size and warps of the update kernel, on the default configuration
+    from fusedopt.kernels import update
+
+    default_block, default_warps = update.BLOCK, update.NUM_WARPS
+    sweep = []
+    for block in (512, 1024, 2048, 4096):
+        for warps in (4, 8):
+            update.BLOCK, update.NUM_WARPS = block, warps
+            r = bench_config(
+                f"default, BLOCK={block}, warps={warps}",
+                lambda ps: fusedopt.AdamW(ps, lr=1e-4),
+                fusedopt_bytes(8, 24),
+                args.reps,
+            )
+            sweep.append(r)
+            print(f"{r['name']:34s} {r['ms']:8.3f} ms  {r['GBps']:7.0f} GB/s", flush=True)
+    update.BLOCK, update.NUM_WARPS = default_block, default_warps
+    results.extend(sweep)
+    check_ms = check_only_ms(args.reps)
+    print(f"finite check alone (reads the gradient once): {check_ms:.3f} ms", flush=True)
     overhead = host_overhead_us()
     print(f"copy bandwidth {copy_gbps:.0f} GB/s; host time per parameter {overhead['host_us_per_param']:.1f} us")
     print("\n| configuration | ms / step | bytes/elem | GB/s | % of copy |\n|---|---|---|---|---|")
@@ -140,7 +182,8 @@ def main(argv=None) -> int:
         print("| " + " | ".join(cells) + f" | {100 * r['fraction_of_copy']:.0f}% |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(env=env, copy_GBps=copy_gbps, results=results, host_overhead=overhead), f, indent=2)
+            summary = dict(env=env, copy_GBps=copy_gbps, results=results, host_overhead=overhead, check_ms=check_ms)
+            json.dump(summary, f, indent=2)
     return 0
 
 

@@ -165,3 +165,43 @@ def _load_step(value, where: str, *, has_moments: bool, optimizer) -> float:
     if not math.isfinite(step) or step < 0 or step != int(step) or step > 2**24:
         raise ValueError(f"state of {where} has an invalid step count: {value!r}")
     return step
+
+
+# torch.optim counterparts of fusedopt's optimizers, and the group keys their state dicts carry.
+_TORCH_GROUP_KEYS = {
+    "adamw": dict(amsgrad=False, foreach=None, capturable=False, differentiable=False, fused=None),
+    "sgd": dict(foreach=None, differentiable=False, fused=None),
+}
+
+
+def torch_state_dict(optimizer) -> dict:
+    """The optimizer's state as ``torch.optim.AdamW`` / ``torch.optim.SGD`` would save it.
+
+    Moments are decoded to fp32; fusedopt's own options and the master-weight corrections are
+    left out (the master itself lives in the weights: see ``fusedopt.master_state_dict``).
+    """
+    if optimizer.algorithm not in _TORCH_GROUP_KEYS:
+        raise ValueError(f"torch.optim has no counterpart of fusedopt.{type(optimizer).__name__}")
+    packed = optimizer.state_dict()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for index, p in enumerate(params):
+        if p not in optimizer.state or not optimizer.state[p]:
+            continue
+        group, _ = optimizer.position(p)
+        saved = optimizer.state[p]
+        entry = {"step": saved["step"].detach().clone().cpu()}
+        for slot, codec in optimizer.codecs(p, group).items():
+            stored = {s: saved[slot + s] for s in codec.layout(p.shape)}
+            entry[slot] = codec.decode(stored).detach().float().clone()
+        if optimizer.algorithm == "sgd":
+            entry.pop("step")
+            entry.setdefault("momentum_buffer", None)
+        state[index] = entry
+    fusedopt_only = ("state_bits", "master_weight_bits", "min_compress_numel")
+    groups = []
+    for group in packed["param_groups"]:
+        torch_group = {k: v for k, v in group.items() if k not in fusedopt_only}
+        torch_group.update(_TORCH_GROUP_KEYS[optimizer.algorithm])
+        groups.append(torch_group)
+    return {"state": state, "param_groups": groups}

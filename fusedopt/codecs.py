@@ -10,6 +10,7 @@ Triton kernels are tested against.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -86,6 +87,7 @@ SUPPORTED_STATE_BITS = (32, 16, 8, 4)
 PLANNED_STATE_BITS: tuple[int, ...] = ()
 
 
+@functools.lru_cache(maxsize=4096)
 def codec_for(state_bits: int, shape: torch.Size, min_compress_numel: int, *, signed: bool = True) -> MomentCodec:
     """The codec of a moment of a parameter with ``shape`` under a group's settings.
 

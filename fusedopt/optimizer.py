@@ -246,6 +246,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             )
         return checkpoint.state_dict(self, super().state_dict())
 
+    def torch_state_dict(self) -> dict:
+        """This state as the matching ``torch.optim`` optimizer saves it (moments decoded to fp32)."""
+        return checkpoint.torch_state_dict(self)
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a fusedopt or torch.optim checkpoint; state keeps its saved dtypes (see checkpoint.py)."""
         checkpoint.load_state_dict(self, state_dict)

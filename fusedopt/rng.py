@@ -23,6 +23,8 @@ consecutive indices give independent-looking bits.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 MASK32 = 0xFFFFFFFF
@@ -52,6 +54,7 @@ def fmix32(h):
     return h ^ (h >> 16)
 
 
+@functools.lru_cache(maxsize=65536)
 def host_key(seed: int, param_index: int, stream: int) -> int:
     """The part of the key known on the host; passed to kernels as one uint32 scalar."""
     h = fmix32((seed & MASK32) ^ GOLDEN)

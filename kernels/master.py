@@ -26,10 +26,18 @@ def load_master(param_ptr, corr_ptr, offs, mask, MASTER: tl.constexpr, PARAM_BF1
     """The fp32 master of this program's elements."""
     head = tl.load(param_ptr + offs, mask=mask, other=0.0)
     if MASTER != 2:
-        return head.to(tl.float32)
+        master = head.to(tl.float32)
+    else:
+        master = _join(head, tl.load(corr_ptr + offs, mask=mask, other=0).to(tl.int32), PARAM_BF16, K)
+    return master
+
+
+@triton.jit
+def _join(head, correction, PARAM_BF16: tl.constexpr, K: tl.constexpr):
+    """(head, correction) -> fp32 master: ``join_master`` in registers."""
     head_bits = head.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     sign = (head_bits & 0x8000) << 16
-    code = tl.maximum(((head_bits & 0x7FFF) << K) + tl.load(corr_ptr + offs, mask=mask, other=0).to(tl.int32), 0)
+    code = tl.maximum(((head_bits & 0x7FFF) << K) + correction, 0)
     if PARAM_BF16:
         a = code << (16 - K)
     else:

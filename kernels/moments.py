@@ -10,8 +10,8 @@ Device-side twins of the PyTorch codecs (``fusedopt.codecs`` and ``fusedopt.code
   codes, levels ``q**POWER``; 4-bit codes packed two per byte (element ``2i`` in the low
   nibble). Scales are computed from the block's new values, in the same pass.
 
-A program owns ``BLOCK`` consecutive elements starting at a multiple of ``BLOCK`` (a multiple
-of ``QBLOCK``), so its quantisation blocks are whole and no other program touches them.
+A program owns ``NB`` whole quantisation blocks (``NB * QBLOCK`` consecutive elements), held
+as a [NB, QBLOCK] tile, so no other program touches its blocks or their scales.
 """
 
 import triton
@@ -33,10 +33,22 @@ def _level(q, POWER: tl.constexpr):
 
 
 @triton.jit
+def tile_offsets(start, NB: tl.constexpr, QBLOCK: tl.constexpr):
+    """Element offsets of a program's tile, shaped [blocks, block size] (rows = quantisation blocks).
+
+    Every tensor of the update is handled in this 2-D shape, so a block's absmax is a reduction
+    along the rows' own axis and no value changes layout between load, math and store.
+    """
+    rows = tl.arange(0, NB).to(tl.int64)
+    cols = tl.arange(0, QBLOCK).to(tl.int64)
+    return start + rows[:, None] * QBLOCK + cols[None, :]
+
+
+@triton.jit
 def load_moment(
     ptr,  # fp32 / bf16 values, or uint8 codes
     scale_ptr,  # uint8 E8M0 block scales (FMT 8/4)
-    start,  # first element of this program (int64, multiple of BLOCK)
+    start,  # first element of this program (int64, multiple of the tile)
     n_elements,
     FMT: tl.constexpr,
     SIGNED: tl.constexpr,
@@ -44,40 +56,36 @@ def load_moment(
     QMAX: tl.constexpr,  # largest magnitude code
     K: tl.constexpr,  # level exponent: the top level is just below 2**K
     MIN_E: tl.constexpr,  # smallest block exponent
-    BLOCK: tl.constexpr,
+    NB: tl.constexpr,  # quantisation blocks per program
     QBLOCK: tl.constexpr,
 ):
-    offs = start + tl.arange(0, BLOCK).to(tl.int64)
+    offs = tile_offsets(start, NB, QBLOCK)
     mask = offs < n_elements
     if FMT == 32:
-        return tl.load(ptr + offs, mask=mask, other=0.0)
+        x = tl.load(ptr + offs, mask=mask, other=0.0)
     elif FMT == 16:
-        return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
     elif FMT == 0:
-        return tl.zeros([BLOCK], dtype=tl.float32)
+        x = tl.zeros([NB, QBLOCK], dtype=tl.float32)
     else:
         if FMT == 8:
             codes = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32)
-        else:
-            pair = start // 2 + tl.arange(0, BLOCK // 2).to(tl.int64)
-            packed = tl.load(ptr + pair, mask=pair < (n_elements + 1) // 2, other=0).to(tl.int32)
-            codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK])
-        NB: tl.constexpr = BLOCK // QBLOCK
+        else:  # two codes a byte: each lane reads its byte (neighbours share it) and its nibble
+            packed = tl.load(ptr + offs // 2, mask=mask, other=0).to(tl.int32)
+            codes = (packed >> ((offs & 1) * 4).to(tl.int32)) & 0xF
         blocks = start // QBLOCK + tl.arange(0, NB).to(tl.int64)
         n_blocks = (n_elements + QBLOCK - 1) // QBLOCK
         scales = tl.load(scale_ptr + blocks, mask=blocks < n_blocks, other=127).to(tl.int32)
         e = tl.minimum(tl.maximum(scales - 127, MIN_E), 127)
-        unit = _pow2(e - K)
-        levels = _level((codes & QMAX).to(tl.float32), POWER)
-        x = tl.reshape(tl.reshape(levels, [NB, QBLOCK]) * unit[:, None], [BLOCK])
+        x = _level((codes & QMAX).to(tl.float32), POWER) * _pow2(e - K)[:, None]
         if SIGNED:
             x = tl.where(((codes >> (FMT - 1)) & 1) != 0, -x, x)
-        return x
+    return x
 
 
 @triton.jit
 def store_moment(
-    x,  # fp32 new values of this program's elements
+    x,  # fp32 new values of this program's tile [NB, QBLOCK]
     rbits,  # uint32 uniform bits per element (stochastic rounding)
     ptr,
     scale_ptr,
@@ -91,10 +99,10 @@ def store_moment(
     MIN_E: tl.constexpr,
     THRESHOLD: tl.constexpr,  # absmax mantissa above which the block exponent goes one up
     TOP: tl.constexpr,  # largest level, QMAX**POWER
-    BLOCK: tl.constexpr,
+    NB: tl.constexpr,
     QBLOCK: tl.constexpr,
 ):
-    offs = start + tl.arange(0, BLOCK).to(tl.int64)
+    offs = tile_offsets(start, NB, QBLOCK)
     mask = offs < n_elements
     if FMT == 32:
         tl.store(ptr + offs, x, mask=mask)
@@ -102,9 +110,8 @@ def store_moment(
         pattern = (x.to(tl.int32, bitcast=True) + (rbits & 0xFFFF).to(tl.int32)) & -65536
         tl.store(ptr + offs, pattern.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)
     elif FMT != 0:
-        NB: tl.constexpr = BLOCK // QBLOCK
         x = tl.where(mask, x, 0.0)
-        mag = tl.reshape(tl.abs(x), [NB, QBLOCK])
+        mag = tl.abs(x)
         absmax = tl.max(mag, axis=1)
         pattern = absmax.to(tl.int32, bitcast=True)
         e = ((pattern >> 23) & 0xFF) - 126 + ((pattern & 0x7FFFFF) > THRESHOLD).to(tl.int32)
@@ -114,7 +121,6 @@ def store_moment(
         tl.store(scale_ptr + blocks, (e + 127).to(tl.uint8), mask=blocks < n_blocks)
         t = mag * _pow2(K - e)[:, None]
         t = tl.where(t < TOP, t, TOP * 1.0)  # saturate (inf and NaN too)
-        t = tl.reshape(t, [BLOCK])
         if POWER == 1:
             lo = tl.floor(t)
         else:
@@ -132,7 +138,8 @@ def store_moment(
         if FMT == 8:
             tl.store(ptr + offs, q.to(tl.uint8), mask=mask)
         else:
-            low_nibble, high_nibble = tl.split(tl.reshape(q, [BLOCK // 2, 2]))
-            pair = start // 2 + tl.arange(0, BLOCK // 2).to(tl.int64)
+            low_nibble, high_nibble = tl.split(tl.reshape(q, [NB, QBLOCK // 2, 2]))
+            pair = start // 2 + tl.arange(0, NB).to(tl.int64)[:, None] * (QBLOCK // 2)
+            pair = pair + tl.arange(0, QBLOCK // 2).to(tl.int64)[None, :]
             packed = (low_nibble | (high_nibble << 4)).to(tl.uint8)
             tl.store(ptr + pair, packed, mask=pair < (n_elements + 1) // 2)

@@ -18,7 +18,9 @@ NOTE: never autotune these kernels: they update their inputs in place, and autot
 a kernel several times. Block sizes and warps are fixed here.
 """
 
+import functools
 import math
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +29,7 @@ import triton.language as tl
 
 from fusedopt.kernels.hashing import element_bits, step_hash
 from fusedopt.kernels.master import load_master, store_master
-from fusedopt.kernels.moments import load_moment, store_moment
+from fusedopt.kernels.moments import load_moment, store_moment, tile_offsets
 
 ALGORITHMS = {"adamw": 0, "sgd": 1, "lion": 2}
 BLOCK = 1024  # elements per update program (a multiple of every quantisation block)
@@ -102,7 +104,7 @@ def _update_kernel(
     v_ptr,  # AdamW second moment
     v_scale_ptr,
     step_ptr,  # step count, already advanced by the check kernel
-    status_ptr,  # non-zero: the gradient was not finite, touch nothing
+    scratch_ptr,  # the check kernel's int32[3]; [2] non-zero: the gradient was not finite
     n_elements,
     key_param,  # host parts of the hash keys (uint32)
     key_m,
@@ -143,10 +145,10 @@ def _update_kernel(
     V_MIN_E: tl.constexpr,
     V_THR: tl.constexpr,
     V_TOP: tl.constexpr,
-    BLOCK: tl.constexpr,
-    QBLOCK: tl.constexpr,
+    NB: tl.constexpr,  # quantisation blocks per program
+    QBLOCK: tl.constexpr,  # elements per quantisation block (the tile's row)
 ):
-    if tl.load(status_ptr) == 0:
+    if tl.load(scratch_ptr + 2) == 0:
         # fp32 scalars everywhere (the interpreter would otherwise compute with Python doubles)
         lr, beta1, beta2, eps, decay = _as_f32(lr), _as_f32(beta1), _as_f32(beta2), _as_f32(eps), _as_f32(decay)
         weight_decay, lerp_weight, one_minus_beta2 = (
@@ -154,8 +156,8 @@ def _update_kernel(
             _as_f32(lerp_weight),
             _as_f32(one_minus_beta2),
         )
-        start = tl.program_id(0).to(tl.int64) * BLOCK
-        offs = start + tl.arange(0, BLOCK).to(tl.int64)
+        start = tl.program_id(0).to(tl.int64) * (NB * QBLOCK)
+        offs = tile_offsets(start, NB, QBLOCK)
         mask = offs < n_elements
         g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_ACCUM:
@@ -165,10 +167,10 @@ def _update_kernel(
         step = tl.load(step_ptr)
         p = load_master(param_ptr, corr_ptr, offs, mask, MASTER, PARAM_BF16, CORR_BITS)
         m = load_moment(
-            m_ptr, m_scale_ptr, start, n_elements, M_FMT, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, BLOCK, QBLOCK
+            m_ptr, m_scale_ptr, start, n_elements, M_FMT, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, NB, QBLOCK
         )
         v = load_moment(
-            v_ptr, v_scale_ptr, start, n_elements, V_FMT, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, BLOCK, QBLOCK
+            v_ptr, v_scale_ptr, start, n_elements, V_FMT, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, NB, QBLOCK
         )
         if ALGO == 0:  # AdamW, as torch.optim.AdamW orders it
             step64 = step.to(tl.float64)
@@ -217,7 +219,7 @@ def _update_kernel(
             M_MIN_E,
             M_THR,
             M_TOP,
-            BLOCK,
+            NB,
             QBLOCK,
         )
         store_moment(
@@ -235,7 +237,7 @@ def _update_kernel(
             V_MIN_E,
             V_THR,
             V_TOP,
-            BLOCK,
+            NB,
             QBLOCK,
         )
         store_master(
@@ -252,13 +254,15 @@ def _update_kernel(
         )
 
 
+@functools.lru_cache(maxsize=1024)
 def _split_log2(name: str, beta: float) -> dict:
     """log2(beta) as two fp32 values whose sum carries about 48 bits (beta in (0, 1))."""
     value = math.log2(beta) if beta > 0 else -1e30
-    hi = float(torch.tensor(value, dtype=torch.float32))
+    hi = struct.unpack("f", struct.pack("f", value))[0]
     return {f"{name}_hi": hi, f"{name}_lo": value - hi}
 
 
+@functools.lru_cache(maxsize=256)
 def _moment_args(prefix: str, fmt: MomentFormat) -> dict:
     return {
         f"{prefix}_FMT": fmt.fmt,
@@ -307,7 +311,6 @@ def launch_update(
     )
     if n == 0:
         return
-    qblock = max(m_fmt.block, v_fmt.block)
     algo = ALGORITHMS[algorithm]
     lr = hyper["lr"]
     args = dict(lr=lr, beta1=0.0, beta2=0.0, eps=0.0, decay=1.0, weight_decay=0.0, lerp_weight=0.0)
@@ -322,6 +325,18 @@ def launch_update(
             args.update(eps=hyper["eps"], **_split_log2("log2_beta1", beta1), **_split_log2("log2_beta2", beta2))
     dummy = param  # unused pointer arguments (their constexpr switches are off)
     corr_bits = 0 if correction is None else (16 if correction.dtype == torch.int16 else 8)
+    constexprs = _constexprs(
+        algo,
+        param.dtype,
+        corr_bits,
+        has_accum,
+        bool(hyper.get("maximize", False)),
+        bool(hyper.get("nesterov", False)),
+        m_fmt,
+        v_fmt,
+        BLOCK,
+        NUM_WARPS,
+    )
     _update_kernel[(triton.cdiv(n, BLOCK),)](
         param,
         correction if correction is not None else dummy,
@@ -332,24 +347,33 @@ def launch_update(
         v_val if v_val is not None else dummy,
         v_scales if v_scales is not None else dummy,
         step,
-        scratch[2:],
+        scratch,
         n,
         key_param,
         key_m,
         key_v,
         **args,
+        **constexprs,
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _constexprs(algo, dtype, corr_bits, has_accum, maximize, nesterov, m_fmt, v_fmt, block, num_warps) -> dict:
+    """The compile-time switches of one update configuration (cached: launches happen per parameter)."""
+    qblock = max(m_fmt.block, v_fmt.block)
+    return dict(
         ALGO=algo,
-        MASTER=0 if param.dtype == torch.float32 else (1 if correction is None else 2),
-        PARAM_BF16=param.dtype == torch.bfloat16,
+        MASTER=0 if dtype == torch.float32 else (1 if corr_bits == 0 else 2),
+        PARAM_BF16=dtype == torch.bfloat16,
         CORR_BITS=corr_bits,
-        STOCHASTIC_MASTER=not (param.dtype == torch.bfloat16 and corr_bits == 16),
+        STOCHASTIC_MASTER=not (dtype == torch.bfloat16 and corr_bits == 16),
         HAS_ACCUM=has_accum,
-        MAXIMIZE=bool(hyper.get("maximize", False)),
-        NESTEROV=bool(hyper.get("nesterov", False)),
+        MAXIMIZE=maximize,
+        NESTEROV=nesterov,
         **_moment_args("M", m_fmt),
         **_moment_args("V", v_fmt),
-        BLOCK=BLOCK,
+        NB=block // qblock,
         QBLOCK=qblock,
-        num_warps=NUM_WARPS,
+        num_warps=num_warps,
         enable_fp_fusion=False,  # the reference rounds every operation; fma only where torch uses one
     )

@@ -226,3 +226,39 @@ def test_sgd_checkpoint_into_adamw_is_refused():
     train(model, ref, inputs(1))
     with pytest.raises(ValueError, match="'momentum'"):
         fusedopt.AdamW(model.parameters(), state_bits=32).load_state_dict(ref.state_dict())
+
+
+@pytest.mark.parametrize("state_bits", [32, 16])
+def test_export_to_torch_adamw_decodes_the_moments(state_bits):
+    a, b = twins()
+    opt = fusedopt.AdamW(a.parameters(), lr=1e-2, state_bits=state_bits, min_compress_numel=0)
+    train(a, opt, inputs(3))
+    b.load_state_dict(a.state_dict())
+    ref = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    exported = _save_load(opt.torch_state_dict())
+    ref.load_state_dict(exported)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert ref.state[pb][key].dtype == torch.float32
+            assert torch.equal(ref.state[pb][key], opt.state[pa][key].float())
+        assert float(ref.state[pb]["step"]) == 3
+    assert "state_bits" not in exported["param_groups"][0]
+    xs = inputs(4, seed=3)
+    train(a, opt, xs)
+    train(b, ref, xs)
+    assert_params_close(a, b, rtol=1e-2 if state_bits == 16 else 1e-5, atol=1e-4 if state_bits == 16 else 1e-7)
+
+
+def test_export_sgd_and_refuse_lion():
+    a, b = twins()
+    opt = fusedopt.SGD(a.parameters(), lr=1e-2, momentum=0.9, state_bits=32)
+    train(a, opt, inputs(2))
+    b.load_state_dict(a.state_dict())
+    ref = torch.optim.SGD(b.parameters(), lr=1e-2, momentum=0.9)
+    ref.load_state_dict(opt.torch_state_dict())
+    xs = inputs(3, seed=5)
+    train(a, opt, xs)
+    train(b, ref, xs)
+    assert_params_close(a, b)
+    with pytest.raises(ValueError, match="no counterpart"):
+        fusedopt.Lion(a.parameters(), state_bits=32).torch_state_dict()

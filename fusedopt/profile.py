@@ -1,0 +1,798 @@
+"""``fusedopt.profile``: what a training step costs in memory, per optimizer configuration.
+
+Command line (``python -m fusedopt.profile`` or ``fusedopt-profile``)::
+
+    fusedopt-profile                                  # embedded LM; torch.optim.AdamW vs fusedopt defaults
+    fusedopt-profile --model 1b --batch 1 --seq-len 1024 --dtype bf16
+    fusedopt-profile --shape layers=4,d_model=256,heads=4 --config torch --config fusedopt:fused=True
+    fusedopt-profile --hf-config path/to/config.json  # a transformers model, built from its config
+    fusedopt-profile plan --params 7e9 --gpu-memory 24 --dtype bf16
+    fusedopt-profile plan --model 1b --gpu-memory 16 --results fusedopt-profile/results.json
+
+Each configuration runs real training steps (forward, backward, update) of the same model in
+a fresh process, so figures cannot leak from one configuration into the next. One step is
+tracked: its peak, the memory that persists between steps, the breakdown of the peak into
+parameters, master-weight corrections, optimizer state, gradients, activations and the rest,
+and which phase (forward, backward, update) holds the peak. The output says which method
+produced each figure (see ``fusedopt.profiler_memory``). A table goes to the terminal, a
+memory-over-time plot to a PNG when matplotlib is installed, and everything to JSON.
+
+Python API: :func:`run_profile` (what the command runs), :class:`MemoryTracker` (track any
+step in-process), :func:`profile_step` (one tracked step of your own model and optimizer),
+:func:`plan` (which configurations fit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from fusedopt.profiler_memory import (
+    CATEGORIES,
+    MemoryTracker,
+    StepMemory,
+    cpu_allocator_trace,
+)
+from fusedopt.profiler_models import (
+    PRESETS,
+    ModelSpec,
+    UserError,
+    dtype_name,
+    parse_dtype,
+    random_batch,
+)
+from fusedopt.profiler_plan import GIB, activation_estimate, byte_model, format_plan, layout_model
+from fusedopt.profiler_plan import plan as _plan
+
+__all__ = [
+    "MemoryTracker",
+    "StepMemory",
+    "OptimizerConfig",
+    "ModelSpec",
+    "ProfileReport",
+    "UserError",
+    "DEFAULT_CONFIGS",
+    "parse_config",
+    "profile_step",
+    "run_profile",
+    "plan",
+    "main",
+]
+
+# --- optimizer configurations --------------------------------------------------------------------
+
+OPTIMIZERS = ("torch.AdamW", "torch.SGD", "fusedopt.AdamW", "fusedopt.SGD", "fusedopt.Lion")
+_ALIASES = {"torch": "torch.AdamW", "fusedopt": "fusedopt.AdamW", "adamw": "torch.AdamW"}
+# The no-argument comparison: torch.optim.AdamW against fusedopt's defaults, without and with
+# gradient release. Override with --config (CLI) or configs= (API).
+DEFAULT_CONFIGS = ("torch.AdamW", "fusedopt.AdamW", "fusedopt.AdamW:fused=True")
+
+
+@dataclass
+class OptimizerConfig:
+    """An optimizer class (one of ``OPTIMIZERS``) and its keyword arguments."""
+
+    optimizer: str
+    kwargs: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        if not self.kwargs:
+            return self.optimizer
+        return f"{self.optimizer}({', '.join(f'{k}={v!r}' for k, v in self.kwargs.items())})"
+
+    @property
+    def is_fusedopt(self) -> bool:
+        return self.optimizer.startswith("fusedopt.")
+
+    @property
+    def fused(self) -> bool:
+        return self.is_fusedopt and bool(self.kwargs.get("fused", False))
+
+    def optimizer_class(self):
+        module, name = self.optimizer.split(".")
+        if module == "torch":
+            return getattr(torch.optim, name)
+        import fusedopt
+
+        return getattr(fusedopt, name)
+
+    def build(self, params, accumulation_steps: int = 1):
+        kwargs = dict(self.kwargs)
+        if self.fused and accumulation_steps > 1:
+            kwargs.setdefault("accumulation_steps", accumulation_steps)
+        return self.optimizer_class()(params, **kwargs)
+
+    def check(self) -> str | None:
+        """Build on a tiny tensor: raise UserError for bad options; return a message if not implemented."""
+        param = torch.nn.Parameter(torch.zeros(2, 2))
+        try:
+            opt = self.build([param])
+        except NotImplementedError as exc:
+            return f"not implemented yet: {exc}"
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise UserError(f"optimizer configuration {self.label}: {exc}") from None
+        if hasattr(opt, "remove_hooks"):
+            opt.remove_hooks()
+        return None
+
+    def to_dict(self) -> dict:
+        return {"optimizer": self.optimizer, "kwargs": {k: _jsonable(v) for k, v in self.kwargs.items()}}
+
+
+def _jsonable(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, current = [], 0, []
+    for ch in text:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(ch)
+    parts.append("".join(current))
+    return [p.strip() for p in parts if p.strip()]
+
+
+def parse_config(text: str) -> OptimizerConfig:
+    """``"fusedopt:fused=True,state_bits=16,master_weight_bits=None"`` -> OptimizerConfig.
+
+    The name is one of ``torch.AdamW``, ``torch.SGD``, ``fusedopt.AdamW``, ``fusedopt.SGD``,
+    ``fusedopt.Lion`` (case-insensitive; ``torch`` and ``fusedopt`` mean the AdamWs); values are
+    Python literals (``True``, ``None``, ``16``, ``(0.9, 0.95)``).
+    """
+    name, _, args = text.strip().partition(":")
+    name = _ALIASES.get(name.strip().lower(), name.strip())
+    match = next((o for o in OPTIMIZERS if o.lower() == name.lower()), None)
+    if match is None:
+        raise UserError(f"unknown optimizer {name!r} in --config {text!r} (choose from {', '.join(OPTIMIZERS)})")
+    kwargs = {}
+    for item in _split_top_level(args):
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise UserError(f"malformed --config {text!r}: expected NAME[:key=value,...], got {item!r}")
+        try:
+            kwargs[key.strip()] = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError):
+            raise UserError(f"malformed --config {text!r}: {key.strip()}={raw.strip()} is not a Python literal") from None
+    return OptimizerConfig(match, kwargs)
+
+
+# --- one configuration (runs in the worker process) -----------------------------------------------
+
+
+def train_step(model, optimizer, batches, phase, *, scale: float = 1.0):
+    """forward + backward per micro-batch, then ``step()`` and ``zero_grad()``; returns the last loss."""
+    value = None
+    for input_ids, labels in batches:
+        with phase("forward"):
+            loss = model(input_ids, labels)
+            if scale != 1.0:
+                loss = loss * scale
+        with phase("backward"):
+            loss.backward()
+            value = loss.detach()
+            del loss
+    with phase("update"):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return value
+
+
+def _no_phase(name):
+    return contextlib.nullcontext()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_step(model, optimizer, batches, *, device=None, baseline: int = 0, timeline: bool = True) -> StepMemory:
+    """Track one training step of ``model`` with ``optimizer`` over ``batches`` (in this process).
+
+    ``batches`` is a list of ``(input_ids, labels)``; ``model(input_ids, labels)`` must return
+    the loss. Call it after a warm-up step or two, so the optimizer state exists.
+    """
+    tracker = MemoryTracker(model, optimizer, device=device, baseline=baseline, timeline=timeline)
+    tracker.register_inputs(*(t for b in batches for t in b))
+    with tracker:
+        train_step(model, optimizer, batches, tracker.phase, scale=1.0 / len(batches))
+    return tracker.result()
+
+
+def _progress(enabled: bool, text: str) -> None:
+    if enabled:
+        print(text, file=sys.stderr, flush=True)
+
+
+def _fits_check(job: dict, spec: ModelSpec, config: OptimizerConfig, device: torch.device, dtype) -> str | None:
+    """A message if the analytic estimate of this configuration exceeds the device's memory."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        capacity, what = free, f"{free / GIB:.1f} GiB free of {total / GIB:.1f} GiB on {device}"
+    else:
+        import psutil
+
+        capacity = psutil.virtual_memory().available
+        what = f"{capacity / GIB:.1f} GiB of RAM available"
+    n = job["num_params"]
+    per = byte_model(config.optimizer, config.kwargs, dtype)
+    act = activation_estimate(
+        spec.model_shape(), batch=job["batch"], seq_len=job["seq_len"], dtype=dtype, checkpointing=spec.checkpointing
+    )
+    need = per.at_peak * n + (act or 0)
+    if need > capacity:
+        return (
+            f"does not fit: {n:,} parameters need about {need / GIB:.1f} GiB with {config.label} "
+            f"(byte model: {per.at_peak:.1f} B/param + activations), {what}"
+        )
+    return None
+
+
+def measure_config(job: dict) -> dict:
+    """Build the model, run ``job['steps']`` training steps with one configuration, return figures."""
+    spec = ModelSpec.from_dict(job["model"])
+    config = OptimizerConfig(**job["config"])
+    device = torch.device(job["device"])
+    dtype = parse_dtype(job["dtype"])
+    verbose = job.get("progress", True)
+    tag = job.get("tag", config.label)
+    out = {
+        "label": config.label,
+        "config": config.to_dict(),
+        "device": str(device),
+        "dtype": dtype_name(dtype),
+        "model": job["model_desc"],
+        "model_key": job["model_key"],
+        "batch": job["batch"],
+        "seq_len": job["seq_len"],
+        "grad_accum": job["grad_accum"],
+        "num_params": job["num_params"],
+        "ok": False,
+    }
+    torch.manual_seed(job.get("seed", 0))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    baseline = 0
+    if device.type == "cuda":
+        # Create the cuBLAS workspaces before the baseline so they are not charged to the step.
+        a = torch.ones(64, 64, device=device, dtype=dtype, requires_grad=True)
+        (a @ a).sum().backward()
+        del a
+        _sync(device)
+        torch.cuda.empty_cache()
+        baseline = torch.cuda.memory_allocated(device)
+    out["baseline_bytes"] = baseline
+    message = _fits_check(job, spec, config, device, dtype)
+    if message:
+        out.update(error=message, error_kind="does_not_fit")
+        return out
+    from fusedopt.profiler_memory import RssReader
+
+    rss = RssReader()
+    out["rss_before_model"] = rss.current()
+    try:
+        model = spec.build(device, dtype)
+        model.train()
+        try:
+            opt = config.build(model.parameters(), job["grad_accum"])
+        except NotImplementedError as exc:
+            out.update(error=f"not implemented yet: {exc}", error_kind="not_implemented")
+            return out
+        out["num_params"] = sum(p.numel() for p in model.parameters())
+        out["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+        vocab = job["vocab"]
+        gen = torch.Generator(device=device)
+        steps, k = job["steps"], job["grad_accum"]
+        warmup = min(2 if device.type == "cuda" else 1, steps - 1)
+        tracked_at = warmup
+        alloc_at = tracked_at + 1 if device.type == "cpu" and job.get("allocator_pass", True) else None
+        times, losses = [], []
+        memory = allocator = None
+        t_start = time.perf_counter()
+        for i in range(steps):
+            gen.manual_seed(1000 + i)
+            batches = [random_batch(vocab, job["batch"], job["seq_len"], device, gen) for _ in range(k)]
+            what = "tracked" if i == tracked_at else "allocator pass" if i == alloc_at else "warm-up" if i < warmup else "timed"
+            _progress(verbose, f"  [{tag}] step {i + 1}/{steps} ({what}), {time.perf_counter() - t_start:.1f}s")
+            if i == tracked_at:
+                memory = profile_step(model, opt, batches, device=device, baseline=baseline, timeline=job["timeline"])
+                loss = None
+            elif i == alloc_at:
+                allocator = cpu_allocator_trace(lambda phase: train_step(model, opt, batches, phase, scale=1.0 / k))
+                loss = None
+            else:
+                _sync(device)
+                t0 = time.perf_counter()
+                loss = train_step(model, opt, batches, _no_phase, scale=1.0 / k)
+                _sync(device)
+                if i >= warmup:
+                    times.append((time.perf_counter() - t0) * 1e3)
+            if loss is not None:
+                losses.append(float(loss))
+        state_bytes = corr_bytes = 0
+        seen = set()
+        for state in opt.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.device == device:
+                    st = value.untyped_storage()
+                    if id(st) in seen:
+                        continue
+                    seen.add(id(st))
+                    if key.startswith("master_correction"):
+                        corr_bytes += st.nbytes()
+                    else:
+                        state_bytes += st.nbytes()
+        out.update(
+            ok=True,
+            memory=memory.to_dict(),
+            allocator_pass=allocator,
+            step_ms=times,
+            median_step_ms=statistics.median(times) if times else None,
+            losses=losses,
+            state_bytes=state_bytes,
+            correction_bytes=corr_bytes,
+            rss_after=rss.current(),
+            seconds=time.perf_counter() - t_start,
+        )
+        if not all(math.isfinite(x) for x in losses):
+            out["warning"] = "non-finite loss"
+    except torch.OutOfMemoryError as exc:
+        out.update(error=f"out of memory: {str(exc).splitlines()[0]}", error_kind="oom")
+    except RuntimeError as exc:
+        if "can't allocate memory" in str(exc) or "out of memory" in str(exc).lower():
+            out.update(error=f"out of memory: {str(exc).splitlines()[0]}", error_kind="oom")
+        else:
+            raise
+    finally:
+        rss.close()
+    return out
+
+
+def _worker_main(job_path: str, result_path: str) -> int:
+    with open(job_path) as f:
+        job = json.load(f)
+    try:
+        result = measure_config(job)
+    except UserError as exc:
+        result = {"label": job.get("tag"), "ok": False, "error": str(exc), "error_kind": "user"}
+    except Exception as exc:  # reported in the table; the traceback goes to stderr for debugging
+        import traceback
+
+        traceback.print_exc()
+        result = {"label": job.get("tag"), "ok": False, "error": f"{type(exc).__name__}: {exc}", "error_kind": "error"}
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def _run_in_subprocess(job: dict) -> dict:
+    with tempfile.TemporaryDirectory(prefix="fusedopt-profile-") as tmp:
+        job_path, result_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "result.json")
+        with open(job_path, "w") as f:
+            json.dump(job, f)
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        cmd = [sys.executable, "-m", "fusedopt.profile", "--worker", job_path, result_path]
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL)
+        if os.path.exists(result_path):
+            with open(result_path) as f:
+                return json.load(f)
+        why = "killed (out of memory?)" if proc.returncode in (-9, 137) else f"exit code {proc.returncode}"
+        return {"label": job["tag"], "ok": False, "error": f"worker process died: {why}", "error_kind": "crash"}
+
+
+# --- the whole profile ---------------------------------------------------------------------------
+
+
+@dataclass
+class ProfileReport:
+    """Settings and per-configuration results of :func:`run_profile`."""
+
+    settings: dict
+    results: list[dict]
+
+    def result(self, label: str) -> dict:
+        return next(r for r in self.results if r["label"] == label)
+
+    def to_dict(self) -> dict:
+        return {"settings": self.settings, "results": self.results}
+
+    def table(self) -> str:
+        from fusedopt.profiler_report import format_table
+
+        return format_table(self)
+
+    def plot(self, path: str) -> str | None:
+        """Write the memory-over-time PNG; returns None, or why no plot was written."""
+        from fusedopt.profiler_report import plot_timelines
+
+        return plot_timelines(self, path)
+
+    @property
+    def failed(self) -> list[dict]:
+        return [r for r in self.results if not r.get("ok")]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_profile(
+    model: ModelSpec | str | None = None,
+    configs: list | tuple | None = None,
+    *,
+    device: str | None = None,
+    dtype: str | None = None,
+    batch: int = 1,
+    seq_len: int | None = None,
+    steps: int | None = None,
+    grad_accum: int = 1,
+    isolate: bool = True,
+    timeline: bool = True,
+    allocator_pass: bool = True,
+    progress: bool = True,
+) -> ProfileReport:
+    """Profile each optimizer configuration on the same model; see the module docstring.
+
+    ``model`` is a :class:`ModelSpec` or a preset name (default: the embedded LM, ``small`` on
+    CPU, ``1b`` on CUDA). ``configs`` are :class:`OptimizerConfig`s or ``--config`` strings
+    (default :data:`DEFAULT_CONFIGS`). ``isolate=True`` runs each configuration in a fresh
+    Python process; ``False`` runs them here, one after the other (CUDA figures stay clean
+    through the allocator's own accounting, but CPU RSS figures then carry over).
+    """
+    device = device or default_device()
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("device cuda requested but CUDA is not available")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise UserError(f"unsupported device {device!r} (cpu or cuda[:N])")
+    if model is None:
+        spec = ModelSpec.default(device=device)
+    elif isinstance(model, str):
+        spec = ModelSpec.from_args(model, None, None)
+    else:
+        spec = model
+    torch_device = torch.device(device)
+    dtype = dtype or ("bf16" if torch_device.type == "cuda" else "fp32")
+    torch_dtype = parse_dtype(dtype)
+    seq_len = seq_len or (1024 if torch_device.type == "cuda" else 256)
+    steps = steps or (8 if torch_device.type == "cuda" else 4)
+    for name, value, low in (("batch size", batch, 1), ("sequence length", seq_len, 2), ("steps", steps, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise UserError(f"impossible {name}: {value!r} (must be an integer >= {low})")
+    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
+        raise UserError(f"impossible gradient accumulation: {grad_accum!r} (must be an integer >= 1)")
+    limit = spec.max_positions()
+    if limit is not None and seq_len > limit:
+        raise UserError(f"sequence length {seq_len} exceeds the model's max_position_embeddings ({limit})")
+    configs = [parse_config(c) if isinstance(c, str) else c for c in (configs or DEFAULT_CONFIGS)]
+    num_params = spec.num_params()
+    vocab = spec.vocab_size()
+    settings = {
+        "model": spec.describe(),
+        "model_spec": spec.to_dict(),
+        "num_params": num_params,
+        "device": device,
+        "dtype": dtype_name(torch_dtype),
+        "batch": batch,
+        "seq_len": seq_len,
+        "grad_accum": grad_accum,
+        "steps": steps,
+        "isolation": "fresh process per configuration" if isolate else "in-process, one after another",
+        "torch": torch.__version__,
+    }
+    if torch_device.type == "cpu":
+        import psutil
+
+        available = psutil.virtual_memory().available
+        fits = []
+        for config in configs:
+            per = byte_model(config.optimizer, config.kwargs, torch_dtype)
+            act = activation_estimate(
+                spec.model_shape(), batch=batch, seq_len=seq_len, dtype=torch_dtype, checkpointing=spec.checkpointing
+            )
+            fits.append(per.at_peak * num_params + (act or 0) <= available)
+        if not any(fits):
+            raise UserError(
+                f"the model does not fit this device: {num_params:,} parameters need about "
+                f"{byte_model(configs[0].optimizer, configs[0].kwargs, torch_dtype).at_peak * num_params / GIB:.1f} "
+                f"GiB or more with any configuration, {available / GIB:.1f} GiB of RAM available "
+                "(try `fusedopt-profile plan`)"
+            )
+    results = []
+    for index, config in enumerate(configs):
+        tag = f"{index + 1}/{len(configs)} {config.label}"
+        _progress(progress, f"[{tag}] starting")
+        unavailable = config.check()
+        if unavailable:
+            _progress(progress, f"[{tag}] skipped: {unavailable}")
+            results.append(
+                {"label": config.label, "config": config.to_dict(), "ok": False, "error": unavailable,
+                 "error_kind": "not_implemented"}
+            )  # fmt: skip
+            continue
+        job = {
+            "model": spec.to_dict(),
+            "model_desc": spec.describe(),
+            "model_key": json.dumps(spec.to_dict(), sort_keys=True),
+            "config": dataclasses.asdict(config),
+            "device": device,
+            "dtype": dtype,
+            "batch": batch,
+            "seq_len": seq_len,
+            "steps": steps,
+            "grad_accum": grad_accum,
+            "vocab": vocab,
+            "num_params": num_params,
+            "timeline": timeline,
+            "allocator_pass": allocator_pass,
+            "progress": progress,
+            "tag": tag,
+        }
+        t0 = time.perf_counter()
+        if isolate:
+            result = _run_in_subprocess(job)
+        else:
+            if torch_device.type == "cuda":
+                torch.cuda.empty_cache()
+            result = measure_config(job)
+        result.setdefault("label", config.label)
+        state = "done" if result.get("ok") else f"failed: {result.get('error')}"
+        _progress(progress, f"[{tag}] {state} ({time.perf_counter() - t0:.1f}s)")
+        results.append(result)
+    return ProfileReport(settings, results)
+
+
+def plan(
+    num_params: int | None = None,
+    memory_gib: float = 24.0,
+    configs: list | None = None,
+    *,
+    model: ModelSpec | str | None = None,
+    dtype: str = "bf16",
+    batch: int = 1,
+    seq_len: int = 1024,
+    measurements: list[dict] | None = None,
+    activations_gib: float | None = None,
+):
+    """Which configurations fit in ``memory_gib``; returns ``profiler_plan.PlanRow``s."""
+    spec = ModelSpec.from_args(model, None, None) if isinstance(model, str) else model
+    if num_params is None:
+        if spec is None:
+            raise UserError("give a parameter count or a model")
+        num_params = spec.num_params()
+    configs = [parse_config(c) if isinstance(c, str) else c for c in (configs or DEFAULT_CONFIGS)]
+    return _plan(
+        int(num_params),
+        int(memory_gib * GIB),
+        configs,
+        dtype=parse_dtype(dtype),
+        shapes=spec.param_shapes() if spec is not None else None,
+        model_shape=spec.model_shape() if spec is not None else None,
+        model_key=json.dumps(spec.to_dict(), sort_keys=True) if spec is not None else None,
+        batch=batch,
+        seq_len=seq_len,
+        checkpointing=spec.checkpointing if spec is not None else True,
+        measurements=measurements,
+        activations=int(activations_gib * GIB) if activations_gib is not None else None,
+    )
+
+
+# --- command line --------------------------------------------------------------------------------
+
+
+def _parse_count(text: str) -> int:
+    """``7e9``, ``1.1B``, ``350M``, ``1,100,048,384`` -> int."""
+    t = text.strip().replace(",", "").replace("_", "")
+    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(t[-1:].lower(), 1)
+    if scale != 1:
+        t = t[:-1]
+    try:
+        value = float(t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} (e.g. 7e9, 1.1B, 350M)") from None
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r}")
+    return int(value)
+
+
+def _parse_gib(text: str) -> float:
+    t = text.strip().lower()
+    for suffix in ("gib", "gb", "g"):
+        if t.endswith(suffix):
+            t = t[: -len(suffix)]
+            break
+    try:
+        value = float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a memory size in GiB: {text!r} (e.g. 24, 80GiB)") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"not a memory size in GiB: {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", metavar="PRESET", help=f"model size preset: {', '.join(PRESETS)}")
+    g.add_argument(
+        "--shape",
+        metavar="K=V,...",
+        help="explicit shape of the embedded LM, e.g. layers=4,d_model=256,heads=4,kv_heads=4,ffn=1024,vocab=8192 "
+        "(on top of --model when both are given)",
+    )
+    g.add_argument("--hf-config", metavar="PATH", help="a transformers config.json (or its directory); no download")
+    g.add_argument("--no-checkpointing", action="store_true", help="keep all activations (no recomputation)")
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fusedopt-profile",
+        description="Measure the memory of real training steps per optimizer configuration "
+        "(peak, persistent, breakdown, phase), print a table, write a plot and JSON. "
+        "`fusedopt-profile plan --help` for the planner.",
+    )
+    _add_model_args(p)
+    g = p.add_argument_group("workload")
+    g.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
+    g.add_argument("--dtype", help="parameter dtype: fp32, bf16, fp16 (default: bf16 on CUDA, fp32 on CPU)")
+    g.add_argument("--batch", type=_positive_int, default=1, help="micro-batch size (default 1)")
+    g.add_argument("--seq-len", type=_positive_int, help="tokens per sequence (default 1024 on CUDA, 256 on CPU)")
+    g.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--steps", type=_positive_int, help="training steps per configuration (default 8 CUDA, 4 CPU)")
+    g.add_argument(
+        "--config",
+        action="append",
+        metavar="OPT[:k=v,...]",
+        help="an optimizer configuration, repeatable: torch.AdamW, fusedopt.AdamW, fusedopt.SGD, fusedopt.Lion, "
+        "torch.SGD with keyword arguments, e.g. 'fusedopt:fused=True,state_bits=16' "
+        f"(default: {' '.join(DEFAULT_CONFIGS)})",
+    )
+    g.add_argument("--in-process", action="store_true", help="run configurations in this process (no isolation)")
+    o = p.add_argument_group("output")
+    o.add_argument("--output-dir", default="fusedopt-profile", help="where results.json and memory.png go")
+    o.add_argument("--json", help="results JSON path (default OUTPUT_DIR/results.json)")
+    o.add_argument("--plot", help="memory-over-time PNG path (default OUTPUT_DIR/memory.png)")
+    o.add_argument("--no-plot", action="store_true", help="do not write the plot")
+    o.add_argument("--no-allocator-pass", action="store_true", help="CPU: skip the torch.profiler allocator pass")
+    o.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fusedopt-profile plan",
+        description="Which optimizer configurations fit in a GPU's memory: from measured per-parameter costs "
+        "and activations (--results), else from the optimizer's state layout or DESIGN.md's byte model.",
+    )
+    p.add_argument("--params", type=_parse_count, help="parameter count, e.g. 7e9, 1.1B (or give a model)")
+    p.add_argument("--gpu-memory", type=_parse_gib, required=True, metavar="GIB", help="memory size in GiB")
+    _add_model_args(p)
+    p.add_argument("--dtype", default="bf16", help="parameter dtype (default bf16)")
+    p.add_argument("--batch", type=_positive_int, default=1)
+    p.add_argument("--seq-len", type=_positive_int, default=1024)
+    p.add_argument("--config", action="append", metavar="OPT[:k=v,...]", help="as for the profiler (repeatable)")
+    p.add_argument("--results", help="results.json of a profiler run: use its measured figures")
+    p.add_argument("--activations", type=_parse_gib, metavar="GIB", help="activation memory to assume, in GiB")
+    return p
+
+
+def _main_plan(argv) -> int:
+    args = _plan_parser().parse_args(argv)
+    spec = None
+    if args.model or args.shape or args.hf_config:
+        spec = ModelSpec.from_args(args.model, args.shape, args.hf_config, not args.no_checkpointing)
+    if spec is None and args.params is None:
+        raise UserError("give --params N or a model (--model, --shape, --hf-config)")
+    measurements = None
+    if args.results:
+        try:
+            with open(args.results) as f:
+                measurements = json.load(f)["results"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise UserError(f"cannot read profiler results {args.results!r}: {exc}") from None
+    configs = [parse_config(c) for c in (args.config or DEFAULT_CONFIGS)]
+    rows = plan(
+        args.params,
+        args.gpu_memory,
+        configs,
+        model=spec,
+        dtype=args.dtype,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        measurements=measurements,
+        activations_gib=args.activations,
+    )
+    n = args.params or spec.num_params()
+    header = f"fusedopt plan: {spec.describe() if spec else 'a model'}, {dtype_name(parse_dtype(args.dtype))}, "
+    header += f"batch {args.batch} x {args.seq_len}"
+    print(format_plan(rows, num_params=n, memory_bytes=int(args.gpu_memory * GIB), header=header))
+    return 0
+
+
+def _main_run(argv) -> int:
+    args = _run_parser().parse_args(argv)
+    spec = ModelSpec.from_args(args.model, args.shape, args.hf_config, not args.no_checkpointing)
+    if args.model is None and args.shape is None and args.hf_config is None:
+        spec = ModelSpec.default(not args.no_checkpointing, device=args.device)
+    configs = [parse_config(c) for c in (args.config or DEFAULT_CONFIGS)]
+    report = run_profile(
+        spec,
+        configs,
+        device=args.device,
+        dtype=args.dtype,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        steps=args.steps,
+        grad_accum=args.grad_accum,
+        isolate=not args.in_process,
+        allocator_pass=not args.no_allocator_pass,
+        progress=not args.quiet,
+    )
+    print(report.table())
+    json_path = args.json or os.path.join(args.output_dir, "results.json")
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+    with open(json_path, "w") as f:
+        json.dump(report.to_dict(), f, indent=1)
+    print(f"results: {json_path}")
+    if not args.no_plot:
+        plot_path = args.plot or os.path.join(args.output_dir, "memory.png")
+        os.makedirs(os.path.dirname(os.path.abspath(plot_path)), exist_ok=True)
+        why_not = report.plot(plot_path)
+        print(f"plot: {plot_path}" if why_not is None else f"plot: not written ({why_not})")
+    ok = [r for r in report.results if r.get("ok")]
+    if not ok and report.results and all(r.get("error_kind") == "does_not_fit" for r in report.results):
+        print("error: the model does not fit this device with any configuration", file=sys.stderr)
+        return 2
+    return 1 if report.failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``fusedopt-profile`` / ``python -m fusedopt.profile``; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        return _worker_main(argv[1], argv[2])
+    try:
+        if argv[:1] == ["plan"]:
+            return _main_plan(argv[1:])
+        return _main_run(argv)
+    except UserError as exc:
+        print(f"fusedopt-profile: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("fusedopt-profile: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,417 @@
+"""Models for ``fusedopt.profile``: the embedded transformer LM, its size presets, and HF configs.
+
+Everything here builds in-process from a shape: no download, no data set. The embedded model
+is a Llama-style decoder (RMSNorm, rotary attention with optional grouped KV heads, SwiGLU MLP,
+untied LM head) whose blocks can run under non-reentrant activation checkpointing, which is the
+regime fusedopt is for: with checkpointing and a small micro-batch, weights, gradients and
+optimizer state make the peak of a training step.
+
+A :class:`ModelSpec` names a model (a preset, an explicit shape, or a Hugging Face config file)
+as plain data, so a profiling worker in a fresh process can rebuild it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class UserError(Exception):
+    """Bad input from the user: reported as a one-line message and a non-zero exit, no traceback."""
+
+
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise UserError(f"unknown dtype {name!r} (choose from fp32, bf16, fp16)") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Shape of the embedded decoder-only LM."""
+
+    vocab: int
+    d_model: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+    def param_shapes(self) -> list[tuple[int, ...]]:
+        """Shapes of every parameter, in the order the model registers them."""
+        d, kv = self.d_model, self.kv_heads * self.head_dim
+        block = [(d,), (d, d), (kv, d), (kv, d), (d, d), (d,), (self.ffn, d), (self.ffn, d), (d, self.ffn)]
+        return [(self.vocab, d)] + block * self.layers + [(d,), (self.vocab, d)]
+
+    def num_params(self) -> int:
+        return sum(math.prod(s) for s in self.param_shapes())
+
+    def describe(self) -> str:
+        kv = f", kv_heads={self.kv_heads}" if self.kv_heads != self.heads else ""
+        return (
+            f"vocab={self.vocab}, d_model={self.d_model}, layers={self.layers}, heads={self.heads}{kv}, ffn={self.ffn}"
+        )
+
+
+# Presets. "tiny" is for tests, "small" the CPU default, "1b" the TinyLlama shape that the
+# H200 anchors were measured on (research/anchors_measured.md, part 1L), "7b" the Llama-2-7B shape.
+PRESETS: dict[str, ModelShape] = {
+    "tiny": ModelShape(vocab=256, d_model=128, layers=8, heads=4, kv_heads=4, ffn=384),
+    "small": ModelShape(vocab=2048, d_model=256, layers=12, heads=8, kv_heads=8, ffn=768),
+    "125m": ModelShape(vocab=32000, d_model=768, layers=12, heads=12, kv_heads=12, ffn=2048),
+    "350m": ModelShape(vocab=32000, d_model=1024, layers=24, heads=16, kv_heads=16, ffn=2816),
+    "1b": ModelShape(vocab=32000, d_model=2048, layers=22, heads=32, kv_heads=4, ffn=5632),
+    "7b": ModelShape(vocab=32000, d_model=4096, layers=32, heads=32, kv_heads=32, ffn=11008),
+}
+
+_SHAPE_KEYS = {
+    "vocab": "vocab",
+    "vocab_size": "vocab",
+    "d_model": "d_model",
+    "d": "d_model",
+    "hidden": "d_model",
+    "hidden_size": "d_model",
+    "layers": "layers",
+    "n_layers": "layers",
+    "num_hidden_layers": "layers",
+    "heads": "heads",
+    "n_heads": "heads",
+    "num_attention_heads": "heads",
+    "kv_heads": "kv_heads",
+    "num_key_value_heads": "kv_heads",
+    "ffn": "ffn",
+    "intermediate": "ffn",
+    "intermediate_size": "ffn",
+}
+
+
+def parse_shape(text: str, base: ModelShape | None = None) -> ModelShape:
+    """``"layers=4,d_model=256,heads=4,ffn=1024,vocab=8192"`` -> ModelShape (unset keys from ``base``).
+
+    Without a base, ``layers``, ``d_model`` and ``heads`` are required; ``ffn`` defaults to
+    ``4 * d_model``, ``vocab`` to 32000 and ``kv_heads`` to ``heads``.
+    """
+    values: dict[str, int] = {}
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, raw = item.partition("=")
+        key = key.strip().lower().replace("-", "_")
+        if not sep or key not in _SHAPE_KEYS:
+            known = "vocab, d_model, layers, heads, kv_heads, ffn"
+            raise UserError(f"malformed shape {text!r}: expected comma-separated key=value with keys {known}")
+        try:
+            value = int(raw.strip().replace("_", ""))
+        except ValueError:
+            raise UserError(f"malformed shape {text!r}: {key} must be a positive integer, got {raw.strip()!r}") from None
+        if value <= 0:
+            raise UserError(f"malformed shape {text!r}: {key} must be a positive integer, got {value}")
+        values[_SHAPE_KEYS[key]] = value
+    if base is not None:
+        fields = dataclasses.asdict(base)
+        if "heads" in values and "kv_heads" not in values:
+            fields["kv_heads"] = values["heads"]
+        fields.update(values)
+    else:
+        missing = [k for k in ("layers", "d_model", "heads") if k not in values]
+        if missing:
+            raise UserError(f"malformed shape {text!r}: missing {', '.join(missing)}")
+        fields = dict(vocab=32000, ffn=4 * values["d_model"], kv_heads=values["heads"])
+        fields.update(values)
+    shape = ModelShape(**fields)
+    if shape.d_model % shape.heads:
+        raise UserError(f"malformed shape {text!r}: d_model={shape.d_model} is not divisible by heads={shape.heads}")
+    if shape.heads % shape.kv_heads:
+        raise UserError(f"malformed shape {text!r}: heads={shape.heads} is not divisible by kv_heads={shape.kv_heads}")
+    if shape.head_dim % 2:
+        raise UserError(f"malformed shape {text!r}: the head dimension d_model/heads must be even (rotary embedding)")
+    return shape
+
+
+# --- the embedded model ------------------------------------------------------------------------
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: ModelShape, **factory):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, shape.head_dim
+        kv = shape.kv_heads * shape.head_dim
+        self.q_proj = nn.Linear(shape.d_model, shape.d_model, bias=False, **factory)
+        self.k_proj = nn.Linear(shape.d_model, kv, bias=False, **factory)
+        self.v_proj = nn.Linear(shape.d_model, kv, bias=False, **factory)
+        self.o_proj = nn.Linear(shape.d_model, shape.d_model, bias=False, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        half = self.head_dim // 2
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(half, device=x.device, dtype=torch.float32) / half))
+        angles = torch.outer(torch.arange(t, device=x.device, dtype=torch.float32), inv_freq)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if self.kv_heads != self.heads:
+            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, shape: ModelShape, **factory):
+        super().__init__()
+        self.gate_proj = nn.Linear(shape.d_model, shape.ffn, bias=False, **factory)
+        self.up_proj = nn.Linear(shape.d_model, shape.ffn, bias=False, **factory)
+        self.down_proj = nn.Linear(shape.ffn, shape.d_model, bias=False, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, shape: ModelShape, **factory):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(shape.d_model, eps=1e-5, **factory)
+        self.self_attn = Attention(shape, **factory)
+        self.post_attention_layernorm = nn.RMSNorm(shape.d_model, eps=1e-5, **factory)
+        self.mlp = MLP(shape, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TinyLM(nn.Module):
+    """Decoder-only LM. ``model(input_ids, labels=...)`` returns the mean next-token loss (fp32).
+
+    ``checkpointing=True`` recomputes each block in backward (non-reentrant checkpointing),
+    so only block inputs are kept from the forward pass.
+    """
+
+    def __init__(self, shape: ModelShape, *, checkpointing: bool = True, device=None, dtype=None):
+        super().__init__()
+        factory = dict(device=device, dtype=dtype)
+        self.shape = shape
+        self.checkpointing = checkpointing
+        self.embed_tokens = nn.Embedding(shape.vocab, shape.d_model, **factory)
+        self.layers = nn.ModuleList(Block(shape, **factory) for _ in range(shape.layers))
+        self.norm = nn.RMSNorm(shape.d_model, eps=1e-5, **factory)
+        self.lm_head = nn.Linear(shape.d_model, shape.vocab, bias=False, **factory)
+        with torch.no_grad():
+            for p in self.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, 0.02)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for block in self.layers:
+            if self.checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        logits = self.lm_head(self.norm(x))
+        if labels is None:
+            return logits
+        return lm_loss(logits, labels)
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy in fp32 (labels shifted by one, as Hugging Face does)."""
+    vocab = logits.shape[-1]
+    return F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), labels[:, 1:].reshape(-1))
+
+
+# --- Hugging Face models -----------------------------------------------------------------------
+
+
+def load_hf_config(path: str):
+    """A ``transformers`` config from a ``config.json`` file or a directory holding one (no download)."""
+    try:
+        import transformers
+    except ImportError:
+        raise UserError(
+            "--hf-config needs the optional package 'transformers' (pip install transformers)"
+        ) from None
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise UserError(f"Hugging Face config {path!r} not found (give a config.json file or a directory with one)")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"cannot read Hugging Face config {path!r}: {exc}") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise UserError(f"Hugging Face config {path!r} has no 'model_type'")
+    model_type = data.pop("model_type")
+    try:
+        return transformers.AutoConfig.for_model(model_type, **data)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"Hugging Face config {path!r}: {exc}") from None
+
+
+def build_hf_model(config, *, checkpointing: bool, device, dtype) -> nn.Module:
+    import transformers
+
+    try:
+        with torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except ValueError as exc:
+        raise UserError(f"cannot build a causal LM from this Hugging Face config: {exc}") from None
+    model.to(device=device, dtype=dtype)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    return model
+
+
+class HFLossWrapper(nn.Module):
+    """``wrapper(input_ids, labels)`` -> ``model(input_ids, labels=labels).loss``, output dropped early."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def hf_num_params(config) -> int:
+    """Parameter count of the HF model for ``config``, built on the meta device (nothing allocated)."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+# --- specs ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelSpec:
+    """A model as plain data: ``kind`` is ``"preset"``, ``"shape"`` or ``"hf"``."""
+
+    kind: str = "preset"
+    preset: str | None = "small"
+    shape: dict | None = None  # ModelShape fields, for kind "shape" (and filled in for presets)
+    hf_config: str | None = None  # path to a config.json, for kind "hf"
+    checkpointing: bool = True
+
+    @classmethod
+    def from_args(cls, preset: str | None, shape: str | None, hf_config: str | None, checkpointing: bool = True):
+        if hf_config is not None:
+            if preset is not None or shape is not None:
+                raise UserError("--hf-config cannot be combined with --model or --shape")
+            load_hf_config(hf_config)  # validate now, with a clear message
+            return cls(kind="hf", preset=None, hf_config=hf_config, checkpointing=checkpointing)
+        base = None
+        if preset is not None:
+            key = preset.lower()
+            if key not in PRESETS:
+                raise UserError(f"unknown model preset {preset!r} (choose from {', '.join(PRESETS)})")
+            base = PRESETS[key]
+            if shape is None:
+                return cls(kind="preset", preset=key, shape=dataclasses.asdict(base), checkpointing=checkpointing)
+        if shape is not None:
+            parsed = parse_shape(shape, base)
+            return cls(kind="shape", preset=preset, shape=dataclasses.asdict(parsed), checkpointing=checkpointing)
+        return cls.default(checkpointing=checkpointing)
+
+    @classmethod
+    def default(cls, checkpointing: bool = True, device: str | None = None) -> ModelSpec:
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        preset = "1b" if device.startswith("cuda") else "small"
+        return cls(kind="preset", preset=preset, shape=dataclasses.asdict(PRESETS[preset]), checkpointing=checkpointing)
+
+    def model_shape(self) -> ModelShape | None:
+        if self.kind == "hf":
+            return None
+        return ModelShape(**self.shape) if self.shape else PRESETS[self.preset]
+
+    def num_params(self) -> int:
+        if self.kind == "hf":
+            return hf_num_params(load_hf_config(self.hf_config))
+        return self.model_shape().num_params()
+
+    def param_shapes(self) -> list[tuple[int, ...]]:
+        if self.kind == "hf":
+            import transformers
+
+            with torch.device("meta"):
+                model = transformers.AutoModelForCausalLM.from_config(load_hf_config(self.hf_config))
+            return [tuple(p.shape) for p in model.parameters()]
+        return self.model_shape().param_shapes()
+
+    def vocab_size(self) -> int | None:
+        if self.kind == "hf":
+            return getattr(load_hf_config(self.hf_config), "vocab_size", None)
+        return self.model_shape().vocab
+
+    def max_positions(self) -> int | None:
+        if self.kind == "hf":
+            return getattr(load_hf_config(self.hf_config), "max_position_embeddings", None)
+        return None
+
+    def describe(self) -> str:
+        ckpt = "activation checkpointing" if self.checkpointing else "no checkpointing"
+        if self.kind == "hf":
+            config = load_hf_config(self.hf_config)
+            return f"Hugging Face {config.model_type} from {self.hf_config} ({ckpt})"
+        name = f"preset {self.preset}" if self.kind == "preset" else "custom shape"
+        return f"{name} ({self.model_shape().describe()}; {ckpt})"
+
+    def build(self, device, dtype: torch.dtype) -> nn.Module:
+        """The model on ``device`` in ``dtype``, taking ``(input_ids, labels)`` and returning the loss."""
+        if self.kind == "hf":
+            config = load_hf_config(self.hf_config)
+            return HFLossWrapper(build_hf_model(config, checkpointing=self.checkpointing, device=device, dtype=dtype))
+        return TinyLM(self.model_shape(), checkpointing=self.checkpointing, device=device, dtype=dtype)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ModelSpec:
+        return cls(**data)
+
+
+def random_batch(vocab: int, batch: int, seq_len: int, device, generator: torch.Generator | None = None):
+    """Random token ids (``input_ids``, ``labels``): memory and speed do not depend on the data."""
+    ids = torch.randint(0, vocab, (batch, seq_len), device=device, generator=generator)
+    return ids, ids
