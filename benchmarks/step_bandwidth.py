@@ -158,8 +158,8 @@ def main(argv=None) -> int:
 
     default_block, default_warps = update.BLOCK, update.NUM_WARPS
     sweep = []
-    for block in (512, 1024, 2048, 4096):
-        for warps in (4, 8):
+    for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8)):
+        if True:
             update.BLOCK, update.NUM_WARPS = block, warps
             r = bench_config(
                 f"default, BLOCK={block}, warps={warps}",

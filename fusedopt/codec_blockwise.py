@@ -2,50 +2,51 @@
 
 Format of one moment tensor of ``n`` elements, taken flattened in row-major order:
 
-* **Blocks** of ``block`` = 32 consecutive elements; the last block may be partial.
-* **Scales** (``<slot>.scales``, uint8, shape ``(ceil(n / 32),)``): one byte per block holding
-  a biased power-of-two exponent ``s``; the block's exponent is ``e = s - 127`` (the E8M0
-  scale of the OCP microscaling formats). No mantissa: every scaling below is a multiply
-  by a power of two, exact in fp32 on CPU and GPU alike, and the exponent range is fp32's,
-  so fine-tuning moments (|g| ~ 1e-8, v ~ 1e-16) are not flushed to zero as by fp16 scales.
+* **Blocks** of ``BLOCK`` = 16 consecutive elements; the last block may be partial.
+* **Scales** (``<slot>.scales``, uint8, shape ``(ceil(n / 16),)``): one byte per block, a
+  biased power-of-two exponent ``s``; the block's exponent is ``e = s - 127`` (the E8M0
+  scale of the OCP microscaling formats). No mantissa: every scaling is a multiply by a
+  power of two, exact in fp32 on CPU and GPU alike, and the range is fp32's, so fine-tuning
+  moments (|g| ~ 1e-8, v ~ 1e-16) are not flushed as by fp16 scales (zero below ~6e-8).
 * **Codes** (``<slot>.codes``, uint8): a magnitude ``q`` in ``[0, qmax]`` and, for signed
-  moments, a sign bit above it (sign-magnitude, zero always positive). 8 bits: one code per
+  moments, a sign bit above it (sign-magnitude; zero is always +0). 8 bits: one code per
   byte, shape of the parameter. 4 bits: two per byte, element ``2i`` in the low nibble,
   shape ``(ceil(n / 2),)``.
-* **Value** ``= ±q**p * 2**(e - k)`` with ``k = ceil(log2(qmax**p))``, so the largest level
-  is just below ``2**e``. ``p = 1``: linear levels (signed m); ``p = 2``: levels evenly
-  spaced in ``sqrt(|x|)`` (the nonnegative v, where Adam uses ``sqrt(v)``). ``q**p < 2**24``,
-  so decode is exact.
+* **Value** ``= ±q**2 * 2**(e - k)``, ``k = ceil(log2(qmax**2))``: levels evenly spaced in
+  ``sqrt(|x|)`` (fine near zero, where linear levels lose the block's small elements), the
+  largest just below ``2**e``. ``q**2 < 2**24``, so decode is exact.
 
-========  ==========================  =====  ====  ==========  =====================
- bits      moment                     qmax    p     k          bytes/element (+scale)
-========  ==========================  =====  ====  ==========  =====================
- 8         signed (m, momentum)        127    1     7          1 + 1/32 = 1.031
- 8         nonnegative (v)             255    2     16         1 + 1/32 = 1.031
- 4         signed                      7      1     3          1/2 + 1/32 = 0.531
- 4         nonnegative                 15     2     8          1/2 + 1/32 = 0.531
-========  ==========================  =====  ====  ==========  =====================
+=====  ======================  =====  ====  ========================================
+ bits  moment                   qmax    k   bytes/element (codes + scale)
+=====  ======================  =====  ====  ========================================
+ 8     signed (m, momentum)     127     14  1 + 1/16 = 1.0625
+ 8     nonnegative (v)          255     16  1 + 1/16 = 1.0625
+ 4     signed                   7       6   1/2 + 1/16 = 0.5625
+ 4     nonnegative              15      8   1/2 + 1/16 = 0.5625
+=====  ======================  =====  ====  ========================================
 
-AdamW at 8 bits keeps 2.06 bytes per element for both moments, 1.06 at 4 bits. The choice
-of these parameters (against linear v, fp32 scales, other block sizes) is measured in
-``docs/codecs.md``.
+AdamW keeps 2.125 bytes per element for both moments at 8 bits, 1.125 at 4 bits.
+``docs/codecs.md`` gives the measurements behind these choices (against linear levels,
+cube-root and minifloat levels, fp32 scales, blocks of 8 to 128).
 
 Encode, element by element (what the Triton kernel repeats in registers):
 
-1. ``e = E(absmax of the block's new values) + 1 + (mantissa(absmax) > thr)``, clamped to
-   ``[k - 126, 127]``: the smallest exponent whose top level ``qmax**p * 2**(e - k)`` covers
-   the block. The clamps keep ``2**(e - k)`` and ``2**(k - e)`` normal fp32 numbers (values
-   beyond ``2**127`` saturate; values below ``2**-126`` round on that grid).
-2. ``t = min(|x| * 2**(k - e), qmax**p)`` (exact; inf and NaN saturate).
-3. ``lo = floor(t ** (1/p))`` (corrected by one so that ``lo**p <= t < (lo + 1)**p``).
-4. Stochastic rounding, unbiased in the value itself: ``q = lo + (u * gap < t - lo**p)`` with
-   ``gap = (lo + 1)**p - lo**p`` and ``u = (bits >> 8) * 2**-24``. Both sides are exact or
-   one correctly rounded product, so CPU and GPU agree bit for bit. Nearest rounding would
-   freeze the EMA (``0.999 * v`` rounds back to ``v``); this keeps its decay exact in
-   expectation, and an exact level (zero included) stays put.
-5. Nonnegative moments: a nonzero ``v`` never becomes 0 (``q = max(q, 1)`` where ``x > 0``).
-   An Adam element with ``m != 0`` and a decoded ``v = 0`` would step by ``m / eps``; rounding
-   up instead errs towards a smaller step.
+1. ``e = E(absmax) + 1 + (mantissa(absmax) > thr)`` from the fp32 bits of the absmax of
+   the block's new values, clamped to ``[k - 126, 127]``: the smallest exponent whose top
+   level ``qmax**2 * 2**(e - k)`` covers the block. The clamps keep ``2**(e - k)`` and
+   ``2**(k - e)`` normal fp32 numbers (larger values saturate; values below ``2**-126``
+   round on that grid).
+2. ``t = min(|x| * 2**(k - e), qmax**2)`` (exact; inf and NaN saturate).
+3. ``lo = floor(sqrt(t))``, corrected by one either way so that ``lo**2 <= t < (lo + 1)**2``.
+4. Stochastic rounding, unbiased in the value itself: ``q = lo + (u * (2 lo + 1) < t - lo**2)``
+   with ``u = (bits >> 8) * 2**-24``: exact differences and one correctly rounded product,
+   so CPU and GPU agree bit for bit. Nearest rounding would freeze the EMA (``0.999 * v``
+   rounds back to ``v``); this keeps its decay exact in expectation, and a value on a level
+   (zero included) stays put.
+5. Nonnegative moments: a nonzero ``v`` never becomes 0 (``q = 1`` where ``q = 0 < x``). An
+   Adam element with ``m != 0`` and a decoded ``v = 0`` would step by ``m / eps``; rounding
+   up errs towards a smaller step. With square levels a single round trip never halves
+   ``sqrt(v)``.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ import torch.nn.functional as F
 
 from .codecs import BitsFn, MomentCodec
 
-BLOCK = 32
+BLOCK = 16
 _SCALE_BIAS = 127
 _MAX_EXPONENT = 127
 
@@ -103,40 +104,6 @@ class PowerLevels:
         return f"q**{self.power}"
 
 
-class FloatLevels:
-    """Minifloat levels: ``ebits`` exponent and ``mbits`` mantissa bits, subnormals, no inf/NaN.
-
-    Code q = (E << mbits) | f means f (E = 0) or (2**mbits + f) * 2**(E - 1): a constant
-    relative step of 2**-mbits over 2**ebits - 1 binades (the element formats of OCP MX).
-    """
-
-    def __init__(self, ebits: int, mbits: int):
-        self.ebits, self.mbits = ebits, mbits
-        self.qmax = (1 << (ebits + mbits)) - 1
-        self.top = ((2 << mbits) - 1) << ((1 << ebits) - 2)
-
-    def level(self, q: torch.Tensor) -> torch.Tensor:
-        big_e = q >> self.mbits
-        f = (q & ((1 << self.mbits) - 1)).to(torch.float32)
-        return torch.where(big_e == 0, f, (f + (1 << self.mbits)) * _pow2((big_e - 1).clamp(min=0)))
-
-    def quantize(self, t: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        m = self.mbits
-        pattern = t.view(torch.int32)
-        binade = (pattern >> 23) - 127  # floor(log2 t) for t >= 1
-        normal = t >= (1 << m)
-        # Truncating t's mantissa to m bits gives the level below; the step is a power of two.
-        lo = torch.where(normal, (pattern & -(1 << (23 - m))).view(torch.float32), t.floor())
-        step = torch.where(normal, _pow2((binade - m).clamp(min=0)), 1.0)
-        q_lo = torch.where(
-            normal, ((binade - m + 1) << m) | ((pattern >> (23 - m)) & ((1 << m) - 1)), lo.to(torch.int32)
-        )
-        return q_lo + (u * step < t - lo).to(torch.int32)  # all exact
-
-    def __repr__(self):
-        return f"E{self.ebits}M{self.mbits}"
-
-
 class BlockCodec(MomentCodec):
     """A block-quantized moment (see the module docstring); immutable, one per (format, shape)."""
 
@@ -149,7 +116,7 @@ class BlockCodec(MomentCodec):
         self.block = block  # a power of two (so 4-bit pairs never straddle blocks)
         self.shape = torch.Size(shape)
         self.qmax, self.top = levels.qmax, levels.top
-        self.power = getattr(levels, "power", None)  # q**power levels (None: minifloat levels)
+        self.power = getattr(levels, "power", None)  # q**power levels (None: other level maps)
         self.k = (self.top - 1).bit_length()  # top <= 2**k < 2 * top
         # e = E(absmax) + 1 covers the block iff the absmax mantissa 1.f <= 2 * top / 2**k.
         self.mantissa_threshold = ((self.top << 24) >> self.k) - (1 << 23)
@@ -244,9 +211,9 @@ class BlockCodec(MomentCodec):
 
 # The chosen level maps: (bits, signed) -> levels (see the module docstring and docs/codecs.md).
 LEVELS = {
-    (8, True): PowerLevels(127, 1),
+    (8, True): PowerLevels(127, 2),
     (8, False): PowerLevels(255, 2),
-    (4, True): PowerLevels(7, 1),
+    (4, True): PowerLevels(7, 2),
     (4, False): PowerLevels(15, 2),
 }
 

@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 import torch
 
 from fusedopt.profiler_memory import (
-    CATEGORIES,
     MemoryTracker,
     StepMemory,
     cpu_allocator_trace,
@@ -54,7 +53,7 @@ from fusedopt.profiler_models import (
     parse_dtype,
     random_batch,
 )
-from fusedopt.profiler_plan import GIB, activation_estimate, byte_model, format_plan, layout_model
+from fusedopt.profiler_plan import GIB, activation_estimate, byte_model, format_plan
 from fusedopt.profiler_plan import plan as _plan
 
 __all__ = [
@@ -117,16 +116,21 @@ class OptimizerConfig:
         return self.optimizer_class()(params, **kwargs)
 
     def check(self) -> str | None:
-        """Build on a tiny tensor: raise UserError for bad options; return a message if not implemented."""
-        param = torch.nn.Parameter(torch.zeros(2, 2))
+        """One update of a small tensor: raise UserError for bad options; a message if not implemented."""
+        param = torch.nn.Parameter(torch.zeros(64, 128))
         try:
             opt = self.build([param])
         except NotImplementedError as exc:
             return f"not implemented yet: {exc}"
         except (TypeError, ValueError, RuntimeError) as exc:
             raise UserError(f"optimizer configuration {self.label}: {exc}") from None
-        if hasattr(opt, "remove_hooks"):
-            opt.remove_hooks()
+        try:
+            if hasattr(opt, "remove_hooks"):
+                opt.remove_hooks()
+            param.grad = torch.ones_like(param)
+            opt.step()
+        except NotImplementedError as exc:
+            return f"not implemented yet: {exc}"
         return None
 
     def to_dict(self) -> dict:
@@ -173,7 +177,8 @@ def parse_config(text: str) -> OptimizerConfig:
         try:
             kwargs[key.strip()] = ast.literal_eval(raw.strip())
         except (ValueError, SyntaxError):
-            raise UserError(f"malformed --config {text!r}: {key.strip()}={raw.strip()} is not a Python literal") from None
+            message = f"malformed --config {text!r}: {key.strip()}={raw.strip()} is not a Python literal"
+            raise UserError(message) from None
     return OptimizerConfig(match, kwargs)
 
 
@@ -270,6 +275,8 @@ def measure_config(job: dict) -> dict:
         "num_params": job["num_params"],
         "ok": False,
     }
+    if job.get("threads"):
+        torch.set_num_threads(job["threads"])
     torch.manual_seed(job.get("seed", 0))
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -313,13 +320,15 @@ def measure_config(job: dict) -> dict:
         for i in range(steps):
             gen.manual_seed(1000 + i)
             batches = [random_batch(vocab, job["batch"], job["seq_len"], device, gen) for _ in range(k)]
-            what = "tracked" if i == tracked_at else "allocator pass" if i == alloc_at else "warm-up" if i < warmup else "timed"
+            what = {tracked_at: "tracked", alloc_at: "allocator pass"}.get(i, "warm-up" if i < warmup else "timed")
             _progress(verbose, f"  [{tag}] step {i + 1}/{steps} ({what}), {time.perf_counter() - t_start:.1f}s")
             if i == tracked_at:
                 memory = profile_step(model, opt, batches, device=device, baseline=baseline, timeline=job["timeline"])
                 loss = None
             elif i == alloc_at:
-                allocator = cpu_allocator_trace(lambda phase: train_step(model, opt, batches, phase, scale=1.0 / k))
+                allocator = cpu_allocator_trace(
+                    lambda phase, batches=batches: train_step(model, opt, batches, phase, scale=1.0 / k)
+                )
                 loss = None
             else:
                 _sync(device)
@@ -453,6 +462,7 @@ def run_profile(
     timeline: bool = True,
     allocator_pass: bool = True,
     progress: bool = True,
+    threads: int | None = None,
 ) -> ProfileReport:
     """Profile each optimizer configuration on the same model; see the module docstring.
 
@@ -528,9 +538,14 @@ def run_profile(
         if unavailable:
             _progress(progress, f"[{tag}] skipped: {unavailable}")
             results.append(
-                {"label": config.label, "config": config.to_dict(), "ok": False, "error": unavailable,
-                 "error_kind": "not_implemented"}
-            )  # fmt: skip
+                {
+                    "label": config.label,
+                    "config": config.to_dict(),
+                    "ok": False,
+                    "error": unavailable,
+                    "error_kind": "not_implemented",
+                }
+            )
             continue
         job = {
             "model": spec.to_dict(),
@@ -548,6 +563,7 @@ def run_profile(
             "timeline": timeline,
             "allocator_pass": allocator_pass,
             "progress": progress,
+            "threads": threads,
             "tag": tag,
         }
         t0 = time.perf_counter()
@@ -679,6 +695,7 @@ def _run_parser() -> argparse.ArgumentParser:
         f"(default: {' '.join(DEFAULT_CONFIGS)})",
     )
     g.add_argument("--in-process", action="store_true", help="run configurations in this process (no isolation)")
+    g.add_argument("--threads", type=_positive_int, help="CPU threads for torch in each run (default: torch's)")
     o = p.add_argument_group("output")
     o.add_argument("--output-dir", default="fusedopt-profile", help="where results.json and memory.png go")
     o.add_argument("--json", help="results JSON path (default OUTPUT_DIR/results.json)")
@@ -758,6 +775,7 @@ def _main_run(argv) -> int:
         isolate=not args.in_process,
         allocator_pass=not args.no_allocator_pass,
         progress=not args.quiet,
+        threads=args.threads,
     )
     print(report.table())
     json_path = args.json or os.path.join(args.output_dir, "results.json")

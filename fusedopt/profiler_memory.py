@@ -19,10 +19,10 @@ optimizer state, gradients, activations and the rest. It combines:
   previous op, read after every op. The peak is the allocator's figure; the bytes it holds
   beyond the tracked tensors (op-internal workspaces, rounding, memory from before tracking)
   are reported as "untracked" inside the rest.
-* **Process RSS** (CPU): resident set size read from ``/proc/self/statm`` at every sample, and
-  the kernel's peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs``) per phase where
-  the kernel allows it. RSS includes everything in the process (the interpreter, libraries,
-  memory the C allocator keeps after a free), so it is an upper bound, not a breakdown.
+* **Process RSS** (CPU): resident set size read from ``/proc/self/statm`` (what psutil reads)
+  after every op. RSS includes everything in the process (the interpreter, libraries, memory
+  the C allocator keeps after a free, pages it has not touched yet), so it is a cross-check,
+  not a breakdown.
 * **CPU allocator** (CPU, a separate pass): :func:`cpu_allocator_trace` replays a step under
   ``torch.profiler`` with memory profiling and reads the c10 CPU allocator's running total,
   which also counts the scratch buffers ops allocate internally.
@@ -62,49 +62,31 @@ _ORIGIN_FOR_PHASE = {"backward": "backward_temporaries", "update": "update_tempo
 
 
 class RssReader:
-    """Resident set size of this process, and its peak since the last :meth:`reset_peak`."""
+    """Resident set size of this process (what psutil reports as ``rss``), cheap enough to read per op.
+
+    The kernel's own high-water mark (``VmHWM``) is not used: on some kernels it is updated
+    lazily and misses short peaks, so peaks come from sampling after every op.
+    """
+
+    method = "process RSS (/proc/self/statm, as psutil reads it), sampled after every op"
 
     def __init__(self):
         self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
         self._fd = None
+        self._process = None
         try:
             self._fd = os.open("/proc/self/statm", os.O_RDONLY)
         except OSError:
             import psutil
 
             self._process = psutil.Process()
-        self.peak_method = None
-        if self._fd is not None and self._try_reset():
-            self.peak_method = "kernel peak RSS (VmHWM, reset via /proc/self/clear_refs)"
+            self.method = "process RSS (psutil), sampled after every op"
 
     def current(self) -> int:
         if self._fd is not None:
             fields = os.pread(self._fd, 128, 0).split()
             return int(fields[1]) * self._page
         return self._process.memory_info().rss
-
-    @staticmethod
-    def _try_reset() -> bool:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            return True
-        except OSError:
-            return False
-
-    def reset_peak(self) -> None:
-        if self.peak_method is not None:
-            self._try_reset()
-
-    def peak(self) -> int | None:
-        """Peak RSS since the last reset (None where the kernel gives no resettable peak)."""
-        if self.peak_method is None:
-            return None
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        return None
 
     def close(self) -> None:
         if self._fd is not None:
@@ -301,7 +283,9 @@ class MemoryTracker(TorchDispatchMode):
         record = _Record(nbytes, origin)
         live, origin_bytes = self._live, self._origin_bytes
 
-        def freed(_ref, key=key, record=record, tracker_ref=weakref.ref(self)):
+        tracker_ref = weakref.ref(self)
+
+        def freed(_ref, key=key, record=record):
             tracker = tracker_ref()
             if tracker is not None and live.get(key) is record:
                 del live[key]
@@ -423,7 +407,13 @@ class MemoryTracker(TorchDispatchMode):
             figure = self._total
         self._ops += 1
         phase = self._phase or "outside"
-        rss = self._rss.current() if self._rss is not None else None
+        rss = None
+        if self._rss is not None:
+            rss = self._rss.current()
+            if rss > self._rss_peak:
+                self._rss_peak = rss
+            if rss > self._phase_rss.get(phase, 0):
+                self._phase_rss[phase] = rss
         need_phase = figure > self._phase_peak.get(phase, -1)
         need_peak = figure > self._peak
         if not (need_peak or need_phase or self.keep_timeline):
@@ -448,8 +438,6 @@ class MemoryTracker(TorchDispatchMode):
         self._phase = name
         self._module_depth = 0
         self._dirty = True
-        if self._rss is not None:
-            self._rss.reset_peak()
         if self.cuda:
             self._allocator()
         self._sample()
@@ -457,9 +445,6 @@ class MemoryTracker(TorchDispatchMode):
             yield
         finally:
             self._sample()
-            if self._rss is not None:
-                peak_rss = self._rss.peak()
-                self._phase_rss[name] = max(peak_rss or 0, self._phase_rss.get(name, 0)) or None
             current = self._allocator()[0] if self.cuda else self._total
             self._phase_end[name] = current
             self._phase = previous
@@ -490,8 +475,7 @@ class MemoryTracker(TorchDispatchMode):
                 self._register(b, origin="inputs_buffers")
         self._refresh()  # registers optimizer state and gradients that exist already
         self._rss_before = self._rss.current() if self._rss is not None else None
-        if self._rss is not None:
-            self._rss.reset_peak()
+        self._rss_peak = self._rss_before or 0
         self._hooks = [
             torch.nn.modules.module.register_module_forward_pre_hook(self._pre_forward),
             # always_call: checkpoint recomputation stops a forward early by raising.
@@ -567,9 +551,7 @@ class MemoryTracker(TorchDispatchMode):
                 "persistent": "tensor accounting (live storages after the step)",
                 "breakdown": "tensor accounting (TorchDispatchMode over live storages)",
             }
-            method["rss"] = "process RSS (/proc/self/statm); peak: " + (
-                self._rss.peak_method or "sampled after every op"
-            )
+            method["rss"] = self._rss.method
         phases = {}
         for name in self._phase_end:
             phases[name] = {
@@ -580,11 +562,9 @@ class MemoryTracker(TorchDispatchMode):
             }
         rss = {}
         if self._rss is not None:
-            sampled = max((s[-1] for s in self._timeline if s[-1] is not None), default=None)
-            kernel = max((v for v in self._phase_rss.values() if v), default=None)
             rss = {
                 "before": self._rss_before,
-                "peak": max(x for x in (sampled, kernel, self._rss_before, rss_after) if x is not None),
+                "peak": max(x for x in (self._rss_peak, self._rss_before, rss_after) if x is not None),
                 "after": rss_after,
             }
         return StepMemory(
@@ -615,6 +595,27 @@ class MemoryTracker(TorchDispatchMode):
 PHASE_MARK = "fusedopt::phase::"
 
 
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """Silence file descriptor 2 (the profiler's native start/stop log lines) for the duration."""
+    import sys
+
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        yield
+        return
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def cpu_allocator_trace(step_fn) -> dict:
     """Run ``step_fn(phase)`` under ``torch.profiler`` and read the CPU allocator's running total.
 
@@ -628,7 +629,7 @@ def cpu_allocator_trace(step_fn) -> dict:
     def phase(name):
         return record_function(PHASE_MARK + name)
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step_fn(phase)
     tree = prof.profiler.kineto_results.experimental_event_tree()
     allocs, ranges = [], []

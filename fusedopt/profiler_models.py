@@ -131,7 +131,8 @@ def parse_shape(text: str, base: ModelShape | None = None) -> ModelShape:
         try:
             value = int(raw.strip().replace("_", ""))
         except ValueError:
-            raise UserError(f"malformed shape {text!r}: {key} must be a positive integer, got {raw.strip()!r}") from None
+            message = f"malformed shape {text!r}: {key} must be a positive integer, got {raw.strip()!r}"
+            raise UserError(message) from None
         if value <= 0:
             raise UserError(f"malformed shape {text!r}: {key} must be a positive integer, got {value}")
         values[_SHAPE_KEYS[key]] = value
@@ -263,9 +264,7 @@ def load_hf_config(path: str):
     try:
         import transformers
     except ImportError:
-        raise UserError(
-            "--hf-config needs the optional package 'transformers' (pip install transformers)"
-        ) from None
+        raise UserError("--hf-config needs the optional package 'transformers' (pip install transformers)") from None
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
@@ -294,10 +293,19 @@ def build_hf_model(config, *, checkpointing: bool, device, dtype) -> nn.Module:
         raise UserError(f"cannot build a causal LM from this Hugging Face config: {exc}") from None
     model.to(device=device, dtype=dtype)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_hf_checkpointing(model)
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
     return model
+
+
+def enable_hf_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant activation checkpointing on a transformers model (old and new method names)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 class HFLossWrapper(nn.Module):

@@ -73,9 +73,7 @@ def byte_model(optimizer: str, kwargs: dict, dtype: torch.dtype) -> PerParam:
     return PerParam(p, corrections, state, 0.0 if fused else p, "byte model (DESIGN.md section 4)")
 
 
-def layout_model(
-    optimizer: str, kwargs: dict, dtype: torch.dtype, shapes: list[tuple[int, ...]]
-) -> PerParam | None:
+def layout_model(optimizer: str, kwargs: dict, dtype: torch.dtype, shapes: list[tuple[int, ...]]) -> PerParam | None:
     """Exact state bytes from a fusedopt optimizer built on meta tensors (None if unavailable)."""
     if not optimizer.startswith("fusedopt") or not shapes:
         return None
@@ -231,7 +229,9 @@ def format_plan(rows: list[PlanRow], *, num_params: int, memory_bytes: int, head
             f"{act:>9}  {peak:>8}  {fits:>4}  per-param: {r.per_param.source}; activations: {r.activation_source}"
         )
     if any(r.activations is None for r in rows):
-        lines.append("activations not included ('+'): give --model/--shape/--hf-config, --activations, or a measurement")
+        lines.append(
+            "activations not included ('+'): give --model/--shape/--hf-config, --activations, or a measurement"
+        )
     lines.append(
         "B/param = parameters + corrections + optimizer state + gradients alive at the peak, per parameter; "
         "peak = B/param x parameters + activations"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fusedopt.profiler_memory import CATEGORIES, CATEGORY_LABELS
+from fusedopt.profiler_memory import CATEGORIES, CATEGORY_LABELS, PHASES
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -69,7 +69,8 @@ def format_table(report) -> str:
             first = m["peak"]
         delta = "" if m["peak"] == first else f"{(m['peak'] - first) / first * 100:+.0f}%"
         per_param = (r["state_bytes"] + r["correction_bytes"]) / r["num_params"]
-        phase = m["peak_phase"] + (" (release)" if r["config"]["kwargs"].get("fused") and m["peak_phase"] == "backward" else "")
+        release = r["config"]["kwargs"].get("fused") and m["peak_phase"] == "backward"
+        phase = m["peak_phase"] + (" (release)" if release else "")
         step = f"{r['median_step_ms']:.0f}" if r.get("median_step_ms") is not None else "-"
         row = [r["label"], _fmt(m["peak"], scale), phase, CATEGORY_LABELS[m["dominant"]], _fmt(m["persistent"], scale)]
         row += [delta or "-", f"{per_param:.2f}", step]
@@ -96,8 +97,8 @@ def format_table(report) -> str:
     rows = []
     for r in ok:
         ph = r["memory"]["phases"]
-        cell = lambda n: f"{_fmt(ph[n]['peak'], scale)} / {_fmt(ph[n]['end'], scale)}" if n in ph else "-"
-        rows.append([r["label"], cell("forward"), cell("backward"), cell("update")])
+        cells = [f"{_fmt(ph[n]['peak'], scale)} / {_fmt(ph[n]['end'], scale)}" if n in ph else "-" for n in PHASES]
+        rows.append([r["label"], *cells])
     lines += _grid(header, rows)
     failed = [r for r in report.results if not r.get("ok")]
     if failed:
@@ -114,7 +115,7 @@ def format_table(report) -> str:
                 "also counts op-internal scratch; persistent + the step's allocations"
             )
             lines.append(
-                f"  RSS rise: {method.get('rss', 'process RSS')}; peak during the step minus RSS at its start "
+                f"  RSS rise: {method.get('rss', 'process RSS')}; its peak during the step minus RSS at the start "
                 "(compare with peak - persistent; the C allocator may reuse or keep freed pages)"
             )
         lines.append(
@@ -157,16 +158,16 @@ def plot_timelines(report, path: str) -> str | None:
         tl = m["timeline"]
         ms = [s[0] for s in tl]
         stacks = [[s[3 + i] / scale for s in tl] for i in range(len(CATEGORIES))]
-        ax.stackplot(ms, *stacks, labels=[CATEGORY_LABELS[c] for c in CATEGORIES], colors=[COLORS[c] for c in CATEGORIES],
-                     step="post", alpha=0.9)  # fmt: skip
+        labels = [CATEGORY_LABELS[c] for c in CATEGORIES]
+        ax.stackplot(ms, *stacks, labels=labels, colors=[COLORS[c] for c in CATEGORIES], step="post", alpha=0.9)
         if r["device"] == "cpu" and m.get("rss"):
             base = m["rss"]["before"] - m["start"]
-            ax.plot(ms, [(s[-1] - base) / scale if s[-1] else None for s in tl], color="black", lw=0.8,
-                    label="process RSS (aligned at step start)")  # fmt: skip
+            rss = [(s[-1] - base) / scale if s[-1] else None for s in tl]
+            ax.plot(ms, rss, color="black", lw=0.8, label="process RSS (aligned at step start)")
             alloc = r.get("allocator_pass")
             if alloc:
-                ax.axhline((m["persistent"] + alloc["peak"]) / scale, color="black", ls=":", lw=0.8,
-                           label="CPU allocator peak (profiler pass)")  # fmt: skip
+                level = (m["persistent"] + alloc["peak"]) / scale
+                ax.axhline(level, color="black", ls=":", lw=0.8, label="CPU allocator peak (profiler pass)")
         previous = None
         for s in tl:
             if s[1] != previous:

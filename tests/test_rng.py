@@ -37,6 +37,8 @@ def test_tensor_and_integer_paths_agree():
     values[:4] = torch.tensor([0, 1, 2**31, 2**32 - 1])
     expected = torch.tensor([rng.fmix32(int(v)) for v in values.tolist()])
     assert torch.equal(rng.fmix32(values), expected)
+    # the fast int32 path (wrapping multiplication, masked shifts) on the same bit patterns
+    assert torch.equal(rng._fmix32_int32(values.to(torch.int32)).to(torch.int64) & rng.MASK32, expected)
     assert int(rng.fmix32(values).max()) < 2**32 and int(rng.fmix32(values).min()) >= 0
 
 
