@@ -158,7 +158,7 @@ def main(argv=None) -> int:
 
     default_block, default_warps = update.BLOCK, update.NUM_WARPS
     sweep = []
-    for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8)):
+    for block, warps in ((256, 2), (512, 4), (512, 2), (1024, 8)):
         if True:
             update.BLOCK, update.NUM_WARPS = block, warps
             r = bench_config(

@@ -31,9 +31,13 @@ def step_hash(key, step_ptr):
 @triton.jit
 def element_bits(h, offsets):
     """32 uniform bits for int64 element ``offsets`` under the per-step hash ``h``."""
-    lo = (offsets & 0xFFFFFFFF).to(tl.uint32)
-    hi = (offsets >> 32).to(tl.uint32)
-    return fmix32((h ^ lo) + hi * 0x9E3779B9)
+    if offsets.dtype == tl.int64:
+        lo = (offsets & 0xFFFFFFFF).to(tl.uint32)
+        hi = (offsets >> 32).to(tl.uint32)
+        x = (h ^ lo) + hi * 0x9E3779B9
+    else:  # int32 offsets (tensors below 2**31 elements): the high part is 0
+        x = h ^ offsets.to(tl.uint32)
+    return fmix32(x)
 
 
 @triton.jit

@@ -39,9 +39,9 @@ def tile_offsets(start, NB: tl.constexpr, QBLOCK: tl.constexpr):
     Every tensor of the update is handled in this 2-D shape, so a block's absmax is a reduction
     along the rows' own axis and no value changes layout between load, math and store.
     """
-    rows = tl.arange(0, NB).to(tl.int64)
-    cols = tl.arange(0, QBLOCK).to(tl.int64)
-    return start + rows[:, None] * QBLOCK + cols[None, :]
+    rows = tl.arange(0, NB)
+    cols = tl.arange(0, QBLOCK)
+    return start + rows[:, None] * QBLOCK + cols[None, :]  # int64 when start is
 
 
 @triton.jit
@@ -73,7 +73,7 @@ def load_moment(
         else:  # two codes a byte: each lane reads its byte (neighbours share it) and its nibble
             packed = tl.load(ptr + offs // 2, mask=mask, other=0).to(tl.int32)
             codes = (packed >> ((offs & 1) * 4).to(tl.int32)) & 0xF
-        blocks = start // QBLOCK + tl.arange(0, NB).to(tl.int64)
+        blocks = start // QBLOCK + tl.arange(0, NB)
         n_blocks = (n_elements + QBLOCK - 1) // QBLOCK
         scales = tl.load(scale_ptr + blocks, mask=blocks < n_blocks, other=127).to(tl.int32)
         e = tl.minimum(tl.maximum(scales - 127, MIN_E), 127)
@@ -116,7 +116,7 @@ def store_moment(
         pattern = absmax.to(tl.int32, bitcast=True)
         e = ((pattern >> 23) & 0xFF) - 126 + ((pattern & 0x7FFFFF) > THRESHOLD).to(tl.int32)
         e = tl.minimum(tl.maximum(e, MIN_E), 127)
-        blocks = start // QBLOCK + tl.arange(0, NB).to(tl.int64)
+        blocks = start // QBLOCK + tl.arange(0, NB)
         n_blocks = (n_elements + QBLOCK - 1) // QBLOCK
         tl.store(scale_ptr + blocks, (e + 127).to(tl.uint8), mask=blocks < n_blocks)
         t = mag * _pow2(K - e)[:, None]
@@ -139,7 +139,6 @@ def store_moment(
             tl.store(ptr + offs, q.to(tl.uint8), mask=mask)
         else:
             low_nibble, high_nibble = tl.split(tl.reshape(q, [NB, QBLOCK // 2, 2]))
-            pair = start // 2 + tl.arange(0, NB).to(tl.int64)[:, None] * (QBLOCK // 2)
-            pair = pair + tl.arange(0, QBLOCK // 2).to(tl.int64)[None, :]
+            pair = start // 2 + tl.arange(0, NB)[:, None] * (QBLOCK // 2) + tl.arange(0, QBLOCK // 2)[None, :]
             packed = (low_nibble | (high_nibble << 4)).to(tl.uint8)
             tl.store(ptr + pair, packed, mask=pair < (n_elements + 1) // 2)

@@ -147,6 +147,7 @@ def _update_kernel(
     V_TOP: tl.constexpr,
     NB: tl.constexpr,  # quantisation blocks per program
     QBLOCK: tl.constexpr,  # elements per quantisation block (the tile's row)
+    INDEX_64: tl.constexpr,  # element offsets need 64 bits
 ):
     if tl.load(scratch_ptr + 2) == 0:
         # fp32 scalars everywhere (the interpreter would otherwise compute with Python doubles)
@@ -156,7 +157,10 @@ def _update_kernel(
             _as_f32(lerp_weight),
             _as_f32(one_minus_beta2),
         )
-        start = tl.program_id(0).to(tl.int64) * (NB * QBLOCK)
+        if INDEX_64:
+            start = tl.program_id(0).to(tl.int64) * (NB * QBLOCK)
+        else:  # 32-bit address arithmetic is cheaper; used below 2**31 elements
+            start = tl.program_id(0) * (NB * QBLOCK)
         offs = tile_offsets(start, NB, QBLOCK)
         mask = offs < n_elements
         g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -352,15 +356,19 @@ def launch_update(
         key_param,
         key_m,
         key_v,
-        **args,
+        **{name: float(value) for name, value in args.items()},  # Python ints would be typed int32
         **constexprs,
+        INDEX_64=n >= 2**31 - BLOCK,
     )
 
 
 @functools.lru_cache(maxsize=1024)
 def _constexprs(algo, dtype, corr_bits, has_accum, maximize, nesterov, m_fmt, v_fmt, block, num_warps) -> dict:
     """The compile-time switches of one update configuration (cached: launches happen per parameter)."""
-    qblock = max(m_fmt.block, v_fmt.block)
+    blocks = {f.block for f in (m_fmt, v_fmt) if f.fmt in (8, 4)}
+    if len(blocks) > 1:
+        raise ValueError(f"both moments must use one quantisation block size, got {sorted(blocks)}")
+    qblock = blocks.pop() if blocks else 32  # unquantised moments: any tile row length works
     return dict(
         ALGO=algo,
         MASTER=0 if dtype == torch.float32 else (1 if corr_bits == 0 else 2),
