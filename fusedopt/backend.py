@@ -47,7 +47,7 @@ def _moment_format(codec: MomentCodec):
         return MomentFormat(16)
     from .codec_blockwise import BlockCodec
 
-    if isinstance(codec, BlockCodec) and codec.power in (1, 2):
+    if type(codec) is BlockCodec and codec.power in (1, 2):  # not variants with other scales
         return MomentFormat(
             codec.state_bits,
             signed=codec.signed,

@@ -60,7 +60,7 @@ from .codecs import BitsFn, MomentCodec
 
 BLOCK = 16
 _SCALE_BIAS = 127
-_MAX_EXPONENT = 127
+_MAX_EXPONENT = 127  # fp32's largest; a block's top level stays below 2**127 (beyond: saturation)
 
 
 def _pow2(exponent: torch.Tensor) -> torch.Tensor:

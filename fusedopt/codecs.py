@@ -92,8 +92,10 @@ def codec_for(state_bits: int, shape: torch.Size, min_compress_numel: int, *, si
     """The codec of a moment of a parameter with ``shape`` under a group's settings.
 
     Small tensors and 1-D tensors (norms, biases) keep exact fp32 moments: they are a
-    negligible share of memory and the most sensitive to quantisation. ``signed=False``
-    marks a moment that is never negative (AdamW's second moment).
+    negligible share of memory and the most sensitive to quantisation. 8 and 4 bits are the
+    block-quantized codecs of ``codec_blockwise`` (one instance per shape: 4-bit codes are
+    packed, so decode needs the element count). ``signed=False`` marks a moment that is
+    never negative (AdamW's second moment).
     """
     if state_bits == 32 or len(shape) < 2 or shape.numel() < min_compress_numel:
         return FP32
