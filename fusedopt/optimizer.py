@@ -14,9 +14,9 @@ import warnings
 import torch
 
 from . import checkpoint
+from .backend import run_update
 from .codecs import PLANNED_STATE_BITS, SUPPORTED_STATE_BITS, MomentCodec, codec_for
 from .master import check_master_weight_bits, correction_zeros, master_value
-from .backend import run_update
 from .reference import ParamUpdate, UpdateMath
 from .release import GradientRelease
 

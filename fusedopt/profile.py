@@ -259,6 +259,8 @@ def measure_config(job: dict) -> dict:
     spec = ModelSpec.from_dict(job["model"])
     config = OptimizerConfig(**job["config"])
     device = torch.device(job["device"])
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     dtype = parse_dtype(job["dtype"])
     verbose = job.get("progress", True)
     tag = job.get("tag", config.label)
@@ -512,37 +514,34 @@ def run_profile(
         "isolation": "fresh process per configuration" if isolate else "in-process, one after another",
         "torch": torch.__version__,
     }
+    missing = {config.label: config.check() for config in configs}  # bad options raise UserError here
     if torch_device.type == "cpu":
         import psutil
 
         available = psutil.virtual_memory().available
-        fits = []
-        for config in configs:
-            per = byte_model(config.optimizer, config.kwargs, torch_dtype)
-            act = activation_estimate(
-                spec.model_shape(), batch=batch, seq_len=seq_len, dtype=torch_dtype, checkpointing=spec.checkpointing
-            )
-            fits.append(per.at_peak * num_params + (act or 0) <= available)
-        if not any(fits):
+        act = activation_estimate(
+            spec.model_shape(), batch=batch, seq_len=seq_len, dtype=torch_dtype, checkpointing=spec.checkpointing
+        )
+        need = min(byte_model(c.optimizer, c.kwargs, torch_dtype).at_peak * num_params + (act or 0) for c in configs)
+        if need > available:
             raise UserError(
-                f"the model does not fit this device: {num_params:,} parameters need about "
-                f"{byte_model(configs[0].optimizer, configs[0].kwargs, torch_dtype).at_peak * num_params / GIB:.1f} "
-                f"GiB or more with any configuration, {available / GIB:.1f} GiB of RAM available "
+                f"the model does not fit this device: {num_params:,} parameters need about {need / GIB:.1f} GiB "
+                f"with the leanest configuration (byte model), {available / GIB:.1f} GiB of RAM available "
                 "(try `fusedopt-profile plan`)"
             )
     results = []
     for index, config in enumerate(configs):
         tag = f"{index + 1}/{len(configs)} {config.label}"
         _progress(progress, f"[{tag}] starting")
-        unavailable = config.check()
-        if unavailable:
-            _progress(progress, f"[{tag}] skipped: {unavailable}")
+        why = missing[config.label]
+        if why:
+            _progress(progress, f"[{tag}] skipped: {why}")
             results.append(
                 {
                     "label": config.label,
                     "config": config.to_dict(),
                     "ok": False,
-                    "error": unavailable,
+                    "error": why,
                     "error_kind": "not_implemented",
                 }
             )

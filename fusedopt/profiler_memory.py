@@ -416,7 +416,12 @@ class MemoryTracker(TorchDispatchMode):
                 self._phase_rss[phase] = rss
         need_phase = figure > self._phase_peak.get(phase, -1)
         need_peak = figure > self._peak
-        if not (need_peak or need_phase or self.keep_timeline):
+        # The timeline keeps peaks, phase changes and moves of at least `resolution` bytes
+        # (the breakdown costs more than the rest of a sample).
+        record = self.keep_timeline and (
+            func is None or phase != self._last_phase or abs(figure - self._last_figure) >= self._resolution
+        )
+        if not (need_peak or need_phase or record):
             return
         bd = self.breakdown(figure if self.cuda else None)
         if need_peak:
@@ -426,6 +431,7 @@ class MemoryTracker(TorchDispatchMode):
             self._phase_peak[phase] = figure
             self._phase_breakdown[phase] = bd
         if self.keep_timeline:
+            self._last_phase, self._last_figure = phase, figure
             ms = (time.perf_counter() - self._t0) * 1e3
             self._timeline.append((round(ms, 3), phase, bd.total, *(bd.categories[c] for c in CATEGORIES), rss))
 
@@ -506,6 +512,8 @@ class MemoryTracker(TorchDispatchMode):
         else:
             self._start_figure = self._total
         self._start_breakdown = self.breakdown(self._start_figure if self.cuda else None)
+        self._last_phase, self._last_figure = None, self._start_figure
+        self._resolution = max(4096, self._start_figure // 2000)
         self._t0 = time.perf_counter()
         self._active = True
         return super().__enter__()
@@ -631,27 +639,23 @@ def cpu_allocator_trace(step_fn) -> dict:
 
     with _quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step_fn(phase)
-    tree = prof.profiler.kineto_results.experimental_event_tree()
     allocs, ranges = [], []
-    stack = list(tree)
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        if node.tag == torch._C._profiler._EventType.Allocation:
-            f = node.extra_fields
-            if f.device.type == "cpu":
-                allocs.append((node.start_time_ns, f.total_allocated, f.alloc_size))
-        elif node.name.startswith(PHASE_MARK):
-            ranges.append((node.start_time_ns, node.end_time_ns, node.name[len(PHASE_MARK) :]))
-    allocs.sort()
-    if not allocs:
-        return {"peak": 0, "phase": None, "phases": {}, "events": 0}
-    base = allocs[0][1] - allocs[0][2]
-    peak, peak_phase, phases = 0, None, {}
-    for t, total, _ in allocs:
-        live = total - base
+    for event in prof.profiler.kineto_results.events():
+        name = event.name()
+        if name == "[memory]":
+            if event.device_type() == torch._C._autograd.DeviceType.CPU:
+                allocs.append((event.start_ns(), event.nbytes()))
+        elif name.startswith(PHASE_MARK):
+            start = event.start_ns()
+            ranges.append((start, start + event.duration_ns(), name[len(PHASE_MARK) :]))
+    allocs.sort(key=lambda a: a[0])  # stable: same-time events keep their order
+    live = peak = 0
+    peak_phase, phases = None, {}
+    for t, nbytes in allocs:
+        live += nbytes  # frees are negative; frees of blocks from before the pass count 0
         name = next((n for s, e, n in ranges if s <= t <= e), "outside")
-        phases[name] = max(phases.get(name, 0), live)
+        if live > phases.get(name, 0):
+            phases[name] = live
         if live > peak:
             peak, peak_phase = live, name
     return {"peak": peak, "phase": peak_phase, "phases": phases, "events": len(allocs)}

@@ -84,7 +84,7 @@ class ModelShape:
 # H200 anchors were measured on (research/anchors_measured.md, part 1L), "7b" the Llama-2-7B shape.
 PRESETS: dict[str, ModelShape] = {
     "tiny": ModelShape(vocab=256, d_model=128, layers=8, heads=4, kv_heads=4, ffn=384),
-    "small": ModelShape(vocab=2048, d_model=256, layers=12, heads=8, kv_heads=8, ffn=768),
+    "small": ModelShape(vocab=1024, d_model=256, layers=8, heads=8, kv_heads=8, ffn=768),
     "125m": ModelShape(vocab=32000, d_model=768, layers=12, heads=12, kv_heads=12, ffn=2048),
     "350m": ModelShape(vocab=32000, d_model=1024, layers=24, heads=16, kv_heads=16, ffn=2816),
     "1b": ModelShape(vocab=32000, d_model=2048, layers=22, heads=32, kv_heads=4, ffn=5632),

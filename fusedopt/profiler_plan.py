@@ -68,8 +68,8 @@ def byte_model(optimizer: str, kwargs: dict, dtype: torch.dtype) -> PerParam:
         corrections = 0.0
     else:
         options = {**FUSEDOPT_DEFAULTS, **kwargs}
-        state = moments_of(optimizer, kwargs) * MOMENT_BYTES[options["state_bits"]]
-        corrections = 0.0 if dtype == torch.float32 else CORRECTION_BYTES[options["master_weight_bits"]]
+        state = moments_of(optimizer, kwargs) * MOMENT_BYTES.get(options["state_bits"], 4.0)
+        corrections = 0.0 if dtype == torch.float32 else CORRECTION_BYTES.get(options["master_weight_bits"], 0)
     return PerParam(p, corrections, state, 0.0 if fused else p, "byte model (DESIGN.md section 4)")
 
 
