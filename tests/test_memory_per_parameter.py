@@ -1,0 +1,45 @@
+"""Bytes per parameter of everything fusedopt keeps, by configuration (the README's table).
+
+Measured on a large bf16 AdamW parameter after one step: the parameter itself plus every
+optimizer-state tensor (moments, block scales, master correction; the 4-byte step counter
+is per tensor, not per element, and is left out).
+"""
+
+import pytest
+import torch
+
+import fusedopt
+
+# (state_bits, master_weight_bits) -> persistent bytes per parameter (bf16 weights included)
+README_TABLE = {
+    (8, 24): 2 + 1 + 2.125,  # the default: 5.125
+    (8, 32): 2 + 2 + 2.125,
+    (8, None): 2 + 2.125,
+    (4, 24): 2 + 1 + 1.125,
+    (4, None): 2 + 1.125,
+    (16, 24): 2 + 1 + 4,
+    (16, None): 2 + 4,
+    (32, 32): 2 + 2 + 8,
+}
+
+
+@pytest.mark.parametrize("config", list(README_TABLE))
+def test_bytes_per_parameter(config):
+    state_bits, master_weight_bits = config
+    p = torch.nn.Parameter(torch.randn(256, 1024, dtype=torch.bfloat16))
+    opt = fusedopt.AdamW([p], state_bits=state_bits, master_weight_bits=master_weight_bits)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    state = {k: v for k, v in opt.state[p].items() if k != "step"}
+    nbytes = p.numel() * p.element_size() + sum(t.numel() * t.element_size() for t in state.values())
+    assert nbytes / p.numel() == pytest.approx(README_TABLE[config], abs=1e-9), state.keys()
+
+
+def test_fp32_adamw_reference_point():
+    """torch.optim.AdamW on fp32 weights: 4 (weights) + 8 (two fp32 moments) = 12, 16 with an fp32 master."""
+    p = torch.nn.Parameter(torch.randn(256, 1024))
+    opt = torch.optim.AdamW([p])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    state = [t for k, t in opt.state[p].items() if k != "step"]
+    assert (p.numel() * 4 + sum(t.numel() * t.element_size() for t in state)) / p.numel() == 12
