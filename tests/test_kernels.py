@@ -207,3 +207,23 @@ def test_unsupported_cases_fall_back_under_auto_and_fail_under_triton(monkeypatc
     monkeypatch.setenv("FUSEDOPT_BACKEND", "auto")
     opt.step()  # the reference handles it
     assert float(opt.state[w]["step"]) == 1
+
+
+def test_kernel_applies_the_accumulated_gradient(monkeypatch, device):
+    """fused=True with accumulation: the kernel adds the optimizer's bf16 buffer to the last gradient."""
+    gen = torch.Generator().manual_seed(9)
+    w0 = torch.randn(48, 40, generator=gen).to(torch.bfloat16)
+    xs = [torch.randn(48, 40, generator=gen).to(torch.bfloat16) for _ in range(6)]
+    results = []
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("FUSEDOPT_BACKEND", backend)
+        w = torch.nn.Parameter(w0.clone().to(device))
+        opt = fusedopt.AdamW([w], lr=1e-2, min_compress_numel=0, fused=True, accumulation_steps=3)
+        for i, x in enumerate(xs):
+            (w.float() * x.to(device).float()).sum().backward()
+            if i % 3 == 2:
+                opt.step()
+        results.append((w.detach().cpu(), {k: v.cpu() for k, v in opt.state[w].items()}))
+    assert_param_parity(results[0][0], results[1][0])
+    assert_state_parity(results[0][1], results[1][1])
+    assert float(results[1][1]["step"]) == 2
