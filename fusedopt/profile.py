@@ -7,7 +7,7 @@ Command line (``python -m fusedopt.profile`` or ``fusedopt-profile``)::
     fusedopt-profile --shape layers=4,d_model=256,heads=4 --config torch --config fusedopt:fused=True
     fusedopt-profile --hf-config path/to/config.json  # a transformers model, built from its config
     fusedopt-profile plan --params 7e9 --gpu-memory 24 --dtype bf16
-    fusedopt-profile plan --model 1b --gpu-memory 16 --results fusedopt-profile/results.json
+    fusedopt-profile plan --model 1b --gpu-memory 16 --results out/fusedopt-profile/results.json
 
 Each configuration runs real training steps (forward, backward, update) of the same model in
 a fresh process, so figures cannot leak from one configuration into the next. One step is
@@ -696,7 +696,7 @@ def _run_parser() -> argparse.ArgumentParser:
     g.add_argument("--in-process", action="store_true", help="run configurations in this process (no isolation)")
     g.add_argument("--threads", type=_positive_int, help="CPU threads for torch in each run (default: torch's)")
     o = p.add_argument_group("output")
-    o.add_argument("--output-dir", default="fusedopt-profile", help="where results.json and memory.png go")
+    o.add_argument("--output-dir", default="out/fusedopt-profile", help="where results.json and memory.png go")
     o.add_argument("--json", help="results JSON path (default OUTPUT_DIR/results.json)")
     o.add_argument("--plot", help="memory-over-time PNG path (default OUTPUT_DIR/memory.png)")
     o.add_argument("--no-plot", action="store_true", help="do not write the plot")
@@ -776,11 +776,11 @@ def _main_run(argv) -> int:
         progress=not args.quiet,
         threads=args.threads,
     )
-    print(report.table())
     json_path = args.json or os.path.join(args.output_dir, "results.json")
     os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-    with open(json_path, "w") as f:
+    with open(json_path, "w") as f:  # before printing: a closed pipe must not lose the results
         json.dump(report.to_dict(), f, indent=1)
+    print(report.table())
     print(f"results: {json_path}")
     if not args.no_plot:
         plot_path = args.plot or os.path.join(args.output_dir, "memory.png")

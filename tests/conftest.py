@@ -13,6 +13,10 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# Small tensors: one intra-op thread is faster than two, and far faster on a busy 2-core host
+# (pointwise ops on a few thousand elements were seen taking milliseconds with two threads).
+torch.set_num_threads(1)
+
 
 @pytest.fixture
 def device() -> str:
