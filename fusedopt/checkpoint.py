@@ -20,7 +20,7 @@ from collections import defaultdict
 import torch
 
 from . import rng
-from .codecs import MomentCodec
+from .codecs import NONNEGATIVE_SLOTS, MomentCodec
 from .master import MASTER_CORRECTION, convert_correction
 
 FORMAT = 1
@@ -139,21 +139,48 @@ def _convert_param_state(optimizer, p, group, saved: dict, where: str, seed: int
                 raise ValueError(f"state of {where} lacks {slot!r} although it was updated {step:g} times")
             out.update({slot + s: t for s, t in codec.zeros(p.shape, p.device).items()})
             continue
-        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.shape != p.shape:
+        source = _saved_codec(slot, saved, p.shape, signed=slot not in NONNEGATIVE_SLOTS)
+        if source is None:
             got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"state {slot!r} of {where} cannot be converted to {codec!r}: got {got}")
-        decoded = value.detach().to(p.device).float()
+        decoded = source.decode({s: saved[slot + s].detach().to(p.device) for s in source.suffixes}).float()
+        origin = str(value.dtype) if source is _PLAIN else repr(source)
         key = rng.host_key(seed, index, rng.STREAM_STATE + i)
         encoded = codec.encode(decoded, lambda key=key: rng.uniform_bits(key, out["step"], p.shape, p.device))
         error = (codec.decode(encoded) - decoded).abs().max().item() if decoded.numel() else 0.0
         if error > 0:
             scale = decoded.abs().max().item()
-            lossy.append(
-                f"{slot} of {where}: {value.dtype} -> {codec!r}, max abs error {error:.3g} (max |x| {scale:.3g})"
-            )
+            lossy.append(f"{slot} of {where}: {origin} -> {codec!r}, max abs error {error:.3g} (max |x| {scale:.3g})")
         out.update({slot + s: t for s, t in encoded.items()})
     out.update(correction)
     return out
+
+
+def _saved_codec(slot: str, saved: dict, shape: torch.Size, signed: bool) -> MomentCodec | None:
+    """The codec that wrote ``slot`` in a saved state: a plain float tensor (fusedopt's fp32/bf16 or
+    torch.optim's), or a fusedopt block codec whose layout matches exactly (None: unrecognised)."""
+    value = saved.get(slot)
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == shape:
+        return _PLAIN
+    from .codec_blockwise import block_codec
+
+    for bits in (8, 4):
+        candidate = block_codec(bits, signed, torch.Size(shape))
+        layout = candidate.layout(shape)
+        entries = [saved.get(slot + s) for s in layout]
+        if all(isinstance(t, torch.Tensor) and (t.dtype, t.shape) == layout[s] for t, s in zip(entries, layout)):
+            return candidate
+    return None
+
+
+class _PlainCodec(MomentCodec):
+    """Any floating tensor under the slot's own name (decoded to fp32)."""
+
+    def decode(self, stored):
+        return stored[""].float()
+
+
+_PLAIN = _PlainCodec()
 
 
 def _load_step(value, where: str, *, has_moments: bool, optimizer) -> float:
@@ -192,7 +219,7 @@ def torch_state_dict(optimizer) -> dict:
         saved = optimizer.state[p]
         entry = {"step": saved["step"].detach().clone().cpu()}
         for slot, codec in optimizer.codecs(p, group).items():
-            stored = {s: saved[slot + s] for s in codec.layout(p.shape)}
+            stored = {s: saved[slot + s] for s in codec.suffixes}
             entry[slot] = codec.decode(stored).detach().float().clone()
         if optimizer.algorithm == "sgd":
             entry.pop("step")

@@ -107,6 +107,8 @@ class PowerLevels:
 class BlockCodec(MomentCodec):
     """A block-quantized moment (see the module docstring); immutable, one per (format, shape)."""
 
+    suffixes = (".codes", ".scales")
+
     def __init__(self, bits: int, signed: bool, levels, block: int, shape: torch.Size):
         if bits not in (8, 4) or levels.qmax != (1 << (bits - signed)) - 1 or block < 2 or block & (block - 1):
             raise ValueError(f"unsupported block format: bits={bits}, signed={signed}, {levels!r}, block={block}")

@@ -25,6 +25,7 @@ class MomentCodec:
     """Interface; subclasses are stateless and shared."""
 
     state_bits: int
+    suffixes: tuple[str, ...] = ("",)  # the storage keys, appended to the slot name
 
     def zeros(self, shape: torch.Size, device: torch.device) -> dict[str, torch.Tensor]:
         """Storage for an all-zero moment."""
@@ -83,6 +84,9 @@ class Bf16Codec(MomentCodec):
 FP32 = Fp32Codec()
 BF16 = Bf16Codec()
 
+# Moments that are never negative (an unsigned code spends its sign bit on precision).
+NONNEGATIVE_SLOTS = ("exp_avg_sq",)
+
 SUPPORTED_STATE_BITS = (32, 16, 8, 4)
 PLANNED_STATE_BITS: tuple[int, ...] = ()
 
@@ -106,8 +110,3 @@ def codec_for(state_bits: int, shape: torch.Size, min_compress_numel: int, *, si
 
         return block_codec(state_bits, signed, torch.Size(shape))
     raise ValueError(f"Invalid state_bits: {state_bits!r} (expected 32, 16, 8 or 4)")
-
-
-def stored_keys(slot: str, codec: MomentCodec) -> list[str]:
-    """State keys holding ``slot`` under ``codec``."""
-    return [slot + suffix for suffix in codec.layout(torch.Size([1, 1]))]

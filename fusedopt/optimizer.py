@@ -15,7 +15,7 @@ import torch
 
 from . import checkpoint
 from .backend import run_update
-from .codecs import PLANNED_STATE_BITS, SUPPORTED_STATE_BITS, MomentCodec, codec_for
+from .codecs import NONNEGATIVE_SLOTS, PLANNED_STATE_BITS, SUPPORTED_STATE_BITS, MomentCodec, codec_for
 from .master import check_master_weight_bits, correction_zeros, master_value
 from .reference import ParamUpdate, UpdateMath
 from .release import GradientRelease
@@ -23,8 +23,6 @@ from .release import GradientRelease
 # Options that apply to the whole optimizer; a parameter group may not set them.
 OPTIMIZER_WIDE_OPTIONS = ("fused", "accumulation_steps", "seed")
 SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Moments that are never negative (an unsigned code can spend its sign bit on precision).
-NONNEGATIVE_SLOTS = ("exp_avg_sq",)
 
 
 def check_refused_options(**options) -> None:
@@ -176,12 +174,20 @@ class FusedOptimizer(torch.optim.Optimizer):
         if grad.is_sparse:
             raise RuntimeError(f"fusedopt.{type(self).__name__} does not support sparse gradients")
         group, index = self.position(p)
+        state, codecs = self.ensure_state(p), self.codecs(p, group)
+        for slot, codec in codecs.items():
+            if slot + codec.suffixes[0] not in state:
+                raise ValueError(
+                    f"the state of a parameter of shape {tuple(p.shape)} was not stored as {codec!r}: its group's "
+                    "state_bits or min_compress_numel changed after it was created; change them through "
+                    "state_dict() / load_state_dict(), which converts the state"
+                )
         job = ParamUpdate(
             param=p,
             grad=grad,
             accum=accum,
-            state=self.ensure_state(p),
-            codecs=self.codecs(p, group),
+            state=state,
+            codecs=codecs,
             hyper=self._hyper(group),
             master_weight_bits=group["master_weight_bits"],
             seed=self.seed,

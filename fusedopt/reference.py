@@ -105,7 +105,7 @@ def reference_update(math: UpdateMath, job: ParamUpdate) -> None:
 
     moments = {}
     for slot, codec in job.codecs.items():
-        moments[slot] = codec.decode({s: state[slot + s] for s in codec.layout(p.shape)})
+        moments[slot] = codec.decode({s: state[slot + s] for s in codec.suffixes})
     math_hyper = {k: v for k, v in hyper.items() if k != "maximize"}
     master = read_master(p, state, job.master_weight_bits)
     new_p, new_moments = math(master, g, moments, step, **math_hyper)

@@ -108,3 +108,24 @@ def test_sparse_gradients_are_refused(fused):
 def test_master_weight_bits_is_ignored_for_fp32_parameters():
     for bits in (24, 32, None):
         fusedopt.AdamW([_w(3, 3)], state_bits=32, master_weight_bits=bits)
+
+
+def test_changing_state_bits_of_a_live_group_is_refused():
+    w = _w(64, 96)
+    opt = fusedopt.AdamW([w], state_bits=8, min_compress_numel=0)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    opt.param_groups[0]["state_bits"] = 32
+    before = w.clone()
+    with pytest.raises(ValueError, match="state_bits or min_compress_numel changed"):
+        opt.step()
+    assert torch.equal(w, before)
+    # the supported way: through a checkpoint, which converts (8-bit codes decode exactly to fp32)
+    opt.param_groups[0]["state_bits"] = 8
+    saved = opt.state_dict()
+    decoded = opt.torch_state_dict()["state"][0]["exp_avg_sq"]
+    saved["param_groups"][0]["state_bits"] = 32
+    opt.load_state_dict(saved)
+    assert opt.state[w]["exp_avg_sq"].dtype == torch.float32
+    assert torch.equal(opt.state[w]["exp_avg_sq"], decoded)
+    opt.step()
