@@ -19,7 +19,7 @@ import torch
 
 import fusedopt
 from fusedopt.profile import MemoryTracker, OptimizerConfig, main, parse_config, plan
-from fusedopt.profiler_memory import CATEGORIES, RssReader, cpu_allocator_trace
+from fusedopt.profiler_memory import CATEGORIES, cpu_allocator_trace
 from fusedopt.profiler_models import PRESETS, ModelSpec, UserError, parse_shape
 
 MB = 1 << 20
