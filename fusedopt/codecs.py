@@ -88,7 +88,6 @@ BF16 = Bf16Codec()
 NONNEGATIVE_SLOTS = ("exp_avg_sq",)
 
 SUPPORTED_STATE_BITS = (32, 16, 8, 4)
-PLANNED_STATE_BITS: tuple[int, ...] = ()
 
 
 @functools.lru_cache(maxsize=4096)

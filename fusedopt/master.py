@@ -116,7 +116,7 @@ _F16_MIN_NORMAL = 0x38800000  # 2**-14 as an fp32 pattern
 _F16_CLAMP = 0x47800000  # 2**16: anything above saturates anyway
 
 
-def check_master_weight_bits(bits, dtypes: set[torch.dtype]) -> None:
+def check_master_weight_bits(bits) -> None:
     """Validate a group's ``master_weight_bits`` (ignored, but still validated, for fp32 parameters)."""
     if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int)):
         raise ValueError(f"Invalid master_weight_bits: {bits!r} (expected 24, 32 or None)")

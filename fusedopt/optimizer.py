@@ -15,7 +15,7 @@ import torch
 
 from . import checkpoint
 from .backend import run_update
-from .codecs import NONNEGATIVE_SLOTS, PLANNED_STATE_BITS, SUPPORTED_STATE_BITS, MomentCodec, codec_for
+from .codecs import NONNEGATIVE_SLOTS, SUPPORTED_STATE_BITS, MomentCodec, codec_for
 from .master import check_master_weight_bits, correction_zeros, master_value
 from .reference import ParamUpdate, UpdateMath
 from .release import GradientRelease
@@ -105,16 +105,12 @@ class FusedOptimizer(torch.optim.Optimizer):
     def check_group(self, group: dict) -> None:
         """Validate every option of a (complete) group: the shared fusedopt ones, then the algorithm's."""
         bits = group["state_bits"]
-        if bits in PLANNED_STATE_BITS:
-            raise NotImplementedError(
-                f"state_bits={bits} is not supported yet (supported: {', '.join(map(str, SUPPORTED_STATE_BITS))})"
-            )
         if bits not in SUPPORTED_STATE_BITS or isinstance(bits, bool):
             raise ValueError(f"Invalid state_bits: {bits!r} (expected 32, 16, 8 or 4)")
         numel = group["min_compress_numel"]
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise ValueError(f"Invalid min_compress_numel: {numel!r} (expected an integer >= 0)")
-        check_master_weight_bits(group["master_weight_bits"], {p.dtype for p in group["params"]})
+        check_master_weight_bits(group["master_weight_bits"])
         if not isinstance(group["maximize"], bool):
             raise ValueError(f"Invalid maximize: {group['maximize']!r} (expected True or False)")
         self._check_hyperparameters(group)
