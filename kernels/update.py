@@ -38,9 +38,13 @@ CHECK_TILE = 2048  # elements per iteration of the finite check
 CHECK_TILES = 8  # iterations per check program (fewer programs: fewer ticket atomics)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class MomentFormat:
-    """How one moment is stored, as the kernel needs it (built from a fusedopt codec)."""
+    """How one moment is stored, as the kernel needs it (built from a fusedopt codec).
+
+    Compared and hashed by identity (``eq=False``): the backend builds one per codec and the
+    launch caches key on it, so hashing must not walk the fields on every launch.
+    """
 
     fmt: int  # 0 none, 32 fp32, 16 bf16, 8 / 4 block codes
     signed: bool = True
@@ -316,17 +320,11 @@ def launch_update(
     if n == 0:
         return
     algo = ALGORITHMS[algorithm]
-    lr = hyper["lr"]
-    args = dict(lr=lr, beta1=0.0, beta2=0.0, eps=0.0, decay=1.0, weight_decay=0.0, lerp_weight=0.0)
-    args.update(one_minus_beta2=0.0, **_split_log2("log2_beta1", 0.5), **_split_log2("log2_beta2", 0.5))
-    if algo == 1:  # SGD: beta1 carries the momentum, lerp_weight 1 - dampening
-        args.update(beta1=hyper["momentum"], weight_decay=hyper["weight_decay"], lerp_weight=1 - hyper["dampening"])
-    else:
-        beta1, beta2 = hyper["beta1"], hyper["beta2"]
-        args.update(beta1=beta1, beta2=beta2, decay=1 - lr * hyper["weight_decay"])
-        args.update(lerp_weight=1 - beta1, one_minus_beta2=1 - beta2)
-        if algo == 0:
-            args.update(eps=hyper["eps"], **_split_log2("log2_beta1", beta1), **_split_log2("log2_beta2", beta2))
+    get = hyper.get
+    args = _scalar_args(
+        algo, hyper["lr"], get("beta1", 0.0), get("beta2", 0.0), get("eps", 0.0), hyper["weight_decay"],
+        get("momentum", 0.0), get("dampening", 0.0),
+    )  # fmt: skip
     dummy = param  # unused pointer arguments (their constexpr switches are off)
     corr_bits = 0 if correction is None else (16 if correction.dtype == torch.int16 else 8)
     constexprs = _constexprs(
@@ -356,10 +354,26 @@ def launch_update(
         key_param,
         key_m,
         key_v,
-        **{name: float(value) for name, value in args.items()},  # Python ints would be typed int32
+        **args,
         **constexprs,
         INDEX_64=n >= 2**31 - BLOCK,
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _scalar_args(algo, lr, beta1, beta2, eps, weight_decay, momentum, dampening) -> dict:
+    """The kernel's runtime scalars for one group's hyperparameters (cached: one computation per
+    step and group, not per parameter). All floats: a Python int would be typed int32 by Triton."""
+    args = dict(lr=lr, beta1=0.0, beta2=0.0, eps=0.0, decay=1.0, weight_decay=0.0, lerp_weight=0.0)
+    args.update(one_minus_beta2=0.0, **_split_log2("log2_beta1", 0.5), **_split_log2("log2_beta2", 0.5))
+    if algo == 1:  # SGD: beta1 carries the momentum, lerp_weight 1 - dampening
+        args.update(beta1=momentum, weight_decay=weight_decay, lerp_weight=1 - dampening)
+    else:
+        args.update(beta1=beta1, beta2=beta2, decay=1 - lr * weight_decay)
+        args.update(lerp_weight=1 - beta1, one_minus_beta2=1 - beta2)
+        if algo == 0:
+            args.update(eps=eps, **_split_log2("log2_beta1", beta1), **_split_log2("log2_beta2", beta2))
+    return {name: float(value) for name, value in args.items()}
 
 
 @functools.lru_cache(maxsize=1024)
