@@ -9,7 +9,7 @@ Also: host time per parameter of a step over many tiny parameters (launch overhe
 
 Byte model per element (read + write), fusedopt: gradient read twice (finite check, update)
 2 + 2, parameter 2 + 2, correction 1 + 1 (int8) or 2 + 2 (int16), each 8-bit moment 1 + 1 and
-each 4-bit moment 0.5 + 0.5, block scales (1 byte per 32 elements) read + written.
+each 4-bit moment 0.5 + 0.5, block scales (1 byte per 16 elements and moment) read + written.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import time
 import torch
 
 import fusedopt
+from fusedopt.backend import new_scratch
 
 SHAPE = (8192, 16384)
 N_TENSORS = 8
@@ -55,7 +56,7 @@ def fusedopt_bytes(state_bits: int, master_weight_bits) -> float:
     param = 2 + 2
     corr = {None: 0, 24: 2, 32: 4}[master_weight_bits]
     moments = {8: 2 * 2, 4: 2 * 1, 16: 2 * 4, 32: 2 * 8}[state_bits]
-    scales = 2 * 2 / 32 if state_bits in (8, 4) else 0
+    scales = 2 * 2 / 16 if state_bits in (8, 4) else 0
     return grad + param + corr + moments + scales
 
 
@@ -81,17 +82,19 @@ def check_only_ms(reps: int) -> float:
     from fusedopt.kernels import update
 
     grads = [torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16) for _ in range(N_TENSORS)]
-    scratch = torch.zeros(3, dtype=torch.int32, device="cuda")
+    scratch = new_scratch(torch.device("cuda"))
     step = torch.zeros((), device="cuda")
     skipped = torch.zeros((), dtype=torch.int64, device="cuda")
     n = grads[0].numel()
+    _, check_args = update._scalar_args(0, 1e-3, 0.9, 0.999, 1e-8, 0.01, 0.0, 0.0)
     programs = -(-n // (update.CHECK_TILE * update.CHECK_TILES))
 
     def run():
         for g in grads:
             update._check_kernel[(programs,)](
-                g, g, scratch, step, skipped, n, HAS_ACCUM=False, TILE=update.CHECK_TILE, TILES=update.CHECK_TILES
-            )
+                g, g, scratch, step, skipped, n, **check_args, HAS_ACCUM=False, BIAS_CORRECTIONS=True,
+                TILE=update.CHECK_TILE, TILES=update.CHECK_TILES,
+            )  # fmt: skip
 
     run()
     torch.cuda.synchronize()
@@ -158,7 +161,7 @@ def main(argv=None) -> int:
 
     default_block, default_warps = update.BLOCK, update.NUM_WARPS
     sweep = []
-    for block, warps in ((256, 2), (512, 4), (512, 2), (1024, 8)):
+    for block, warps in ((512, 2), (2048, 4), (2048, 8), (4096, 8)):
         if True:
             update.BLOCK, update.NUM_WARPS = block, warps
             r = bench_config(

@@ -79,7 +79,7 @@ def unsupported_reason(job: ParamUpdate) -> str | None:
 
 
 def run_update(algorithm: str, math: UpdateMath, job: ParamUpdate, scratch) -> None:
-    """Apply one update through the chosen path. ``scratch(p)`` gives the kernel's int32[3] buffer."""
+    """Apply one update through the chosen path. ``scratch(p)`` gives the kernel's scratch words."""
     choice = backend_choice()
     if choice == "reference":
         return reference_update(math, job)
@@ -94,6 +94,13 @@ def run_update(algorithm: str, math: UpdateMath, job: ParamUpdate, scratch) -> N
             raise RuntimeError(f"FUSEDOPT_BACKEND=triton: the fused kernel cannot run this update: {reason}")
         return reference_update(math, job)
     _launch(algorithm, job, scratch(job.param))
+
+
+def new_scratch(device: torch.device) -> torch.Tensor:
+    """A parameter's scratch words for the kernels (zeroed; the kernels leave them reusable)."""
+    from .kernels.update import SCRATCH_WORDS
+
+    return torch.zeros(SCRATCH_WORDS, dtype=torch.int32, device=device)
 
 
 def _launch(algorithm: str, job: ParamUpdate, scratch: torch.Tensor) -> None:

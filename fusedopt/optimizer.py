@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from . import checkpoint
-from .backend import run_update
+from .backend import new_scratch, run_update
 from .codecs import NONNEGATIVE_SLOTS, SUPPORTED_STATE_BITS, MomentCodec, codec_for
 from .master import check_master_weight_bits, correction_zeros, master_value
 from .reference import ParamUpdate, UpdateMath
@@ -193,10 +193,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         run_update(self.algorithm, type(self).math, job, self._scratch)
 
     def _scratch(self, p: torch.Tensor) -> torch.Tensor:
-        """The kernel's per-parameter int32[3] (non-finite flag, ticket, status): zero between updates."""
+        """The kernel's per-parameter scratch words (flags and per-step scalars), kept between updates."""
         scratch = self._kernel_scratch.get(p)
         if scratch is None:
-            scratch = self._kernel_scratch[p] = torch.zeros(3, dtype=torch.int32, device=p.device)
+            scratch = self._kernel_scratch[p] = new_scratch(p.device)
         return scratch
 
     @torch.no_grad()

@@ -40,10 +40,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fusedopt.profiler_competitors import COMPETITORS, LOOP_OPTIONS, correction_keys, torch_adamw_in_backward
+from fusedopt.profiler_competitors import lookup as lookup_competitor
 from fusedopt.profiler_memory import (
     MemoryTracker,
     StepMemory,
     cpu_allocator_trace,
+    state_storages,
 )
 from fusedopt.profiler_models import (
     PRESETS,
@@ -73,16 +76,24 @@ __all__ = [
 
 # --- optimizer configurations --------------------------------------------------------------------
 
-OPTIMIZERS = ("torch.AdamW", "torch.SGD", "fusedopt.AdamW", "fusedopt.SGD", "fusedopt.Lion")
+_BUILTIN = ("torch.AdamW", "torch.SGD", "fusedopt.AdamW", "fusedopt.SGD", "fusedopt.Lion")
+# Other libraries' optimizers (fusedopt.profiler_competitors), built as their documentation says.
+OPTIMIZERS = _BUILTIN + tuple(COMPETITORS)
 _ALIASES = {"torch": "torch.AdamW", "fusedopt": "fusedopt.AdamW", "adamw": "torch.AdamW"}
 # The no-argument comparison: torch.optim.AdamW against fusedopt's defaults, without and with
 # gradient release. Override with --config (CLI) or configs= (API).
 DEFAULT_CONFIGS = ("torch.AdamW", "fusedopt.AdamW", "fusedopt.AdamW:fused=True")
+AUTOCAST_DTYPES = ("bf16", "fp16")
 
 
 @dataclass
 class OptimizerConfig:
-    """An optimizer class (one of ``OPTIMIZERS``) and its keyword arguments."""
+    """An optimizer (one of ``OPTIMIZERS``) and its keyword arguments.
+
+    ``kwargs`` may hold the loop options of ``profiler_competitors.LOOP_OPTIONS``: ``release``
+    (gradient release by the library's own mechanism; torch.AdamW: one optimizer per parameter
+    stepped in a hook) and ``autocast`` (fp32 parameters, forward under ``torch.autocast``).
+    """
 
     optimizer: str
     kwargs: dict = field(default_factory=dict)
@@ -98,8 +109,29 @@ class OptimizerConfig:
         return self.optimizer.startswith("fusedopt.")
 
     @property
+    def competitor(self):
+        return lookup_competitor(self.optimizer)
+
+    @property
     def fused(self) -> bool:
         return self.is_fusedopt and bool(self.kwargs.get("fused", False))
+
+    @property
+    def release(self) -> bool:
+        """Gradients are freed inside backward (fusedopt's fused=True or a release loop option)."""
+        return self.fused or bool(self.kwargs.get("release", False))
+
+    @property
+    def autocast(self) -> str | None:
+        return self.kwargs.get("autocast")
+
+    @property
+    def constructor_kwargs(self) -> dict:
+        return {k: v for k, v in self.kwargs.items() if k not in LOOP_OPTIONS}
+
+    def param_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The parameter dtype this configuration trains in, given the profiler's ``dtype``."""
+        return torch.float32 if self.autocast else dtype
 
     def optimizer_class(self):
         module, name = self.optimizer.split(".")
@@ -109,25 +141,42 @@ class OptimizerConfig:
 
         return getattr(fusedopt, name)
 
-    def build(self, params, accumulation_steps: int = 1):
-        kwargs = dict(self.kwargs)
+    def build(self, params, accumulation_steps: int = 1, *, model=None, device_type: str | None = None):
+        """The optimizer over ``params``; release configurations also hook into ``model``."""
+        kwargs = self.constructor_kwargs
+        params = list(params)
+        if device_type is None:
+            device_type = params[0].device.type if params and isinstance(params[0], torch.Tensor) else "cpu"
+        if self.competitor is not None:
+            return self.competitor.build(params, kwargs, device_type, release=self.release, model=model)
+        if self.release and not self.is_fusedopt:
+            return torch_adamw_in_backward(params, kwargs)
         if self.fused and accumulation_steps > 1:
             kwargs.setdefault("accumulation_steps", accumulation_steps)
         return self.optimizer_class()(params, **kwargs)
 
-    def check(self) -> str | None:
-        """One update of a small tensor: raise UserError for bad options; a message if not implemented."""
-        param = torch.nn.Parameter(torch.zeros(64, 128))
+    def unavailable(self, device_type: str) -> str | None:
+        """Why this configuration cannot run on ``device_type`` (a library missing, CUDA needed), or None."""
+        return self.competitor.missing(device_type) if self.competitor is not None else None
+
+    def check(self, device_type: str = "cpu") -> str | None:
+        """One update of a small tensor: raise UserError for bad options; a message if it cannot run."""
+        why = self.unavailable(device_type)
+        if why or (self.competitor is not None and self.competitor.cuda_only):
+            return why
+        model = torch.nn.Linear(128, 64, bias=False)
         try:
-            opt = self.build([param])
+            opt = self.build(model.parameters(), model=model, device_type="cpu")
         except NotImplementedError as exc:
             return f"not implemented yet: {exc}"
         except (TypeError, ValueError, RuntimeError) as exc:
             raise UserError(f"optimizer configuration {self.label}: {exc}") from None
+        if self.competitor is not None:
+            return None  # constructed: options accepted (no trial step: some compile for a minute)
         try:
             if hasattr(opt, "remove_hooks"):
                 opt.remove_hooks()
-            param.grad = torch.ones_like(param)
+            model.weight.grad = torch.ones_like(model.weight)
             opt.step()
         except NotImplementedError as exc:
             return f"not implemented yet: {exc}"
@@ -135,6 +184,19 @@ class OptimizerConfig:
 
     def to_dict(self) -> dict:
         return {"optimizer": self.optimizer, "kwargs": {k: _jsonable(v) for k, v in self.kwargs.items()}}
+
+
+class AutocastLM(torch.nn.Module):
+    """``model(input_ids, labels)`` with the forward under ``torch.autocast`` (fp32 parameters)."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.model = model
+        self.dtype = dtype
+
+    def forward(self, input_ids, labels=None):
+        with torch.autocast(input_ids.device.type, dtype=self.dtype):
+            return self.model(input_ids, labels)
 
 
 def _jsonable(value):
@@ -161,8 +223,10 @@ def parse_config(text: str) -> OptimizerConfig:
     """``"fusedopt:fused=True,state_bits=16,master_weight_bits=None"`` -> OptimizerConfig.
 
     The name is one of ``torch.AdamW``, ``torch.SGD``, ``fusedopt.AdamW``, ``fusedopt.SGD``,
-    ``fusedopt.Lion`` (case-insensitive; ``torch`` and ``fusedopt`` mean the AdamWs); values are
-    Python literals (``True``, ``None``, ``16``, ``(0.9, 0.95)``).
+    ``fusedopt.Lion`` or another library's optimizer (``bnb.AdamW8bit``, see
+    ``fusedopt.profiler_competitors``), case-insensitive; ``torch`` and ``fusedopt`` mean the
+    AdamWs. Values are Python literals (``True``, ``None``, ``16``, ``(0.9, 0.95)``);
+    ``release=True`` and ``autocast='bf16'`` are loop options (see :class:`OptimizerConfig`).
     """
     name, _, args = text.strip().partition(":")
     name = _ALIASES.get(name.strip().lower(), name.strip())
@@ -179,7 +243,22 @@ def parse_config(text: str) -> OptimizerConfig:
         except (ValueError, SyntaxError):
             message = f"malformed --config {text!r}: {key.strip()}={raw.strip()} is not a Python literal"
             raise UserError(message) from None
-    return OptimizerConfig(match, kwargs)
+    config = OptimizerConfig(match, kwargs)
+    _check_loop_options(config, text)
+    return config
+
+
+def _check_loop_options(config: OptimizerConfig, text: str) -> None:
+    if "release" in config.kwargs:
+        if config.is_fusedopt:
+            raise UserError(f"--config {text!r}: fusedopt releases gradients with fused=True, not release=")
+        competitor = config.competitor
+        if config.optimizer != "torch.AdamW" and (competitor is None or competitor.release is None):
+            raise UserError(f"--config {text!r}: {config.optimizer} has no gradient release")
+        if not isinstance(config.kwargs["release"], bool):
+            raise UserError(f"--config {text!r}: release must be True or False")
+    if "autocast" in config.kwargs and config.kwargs["autocast"] not in AUTOCAST_DTYPES:
+        raise UserError(f"--config {text!r}: autocast must be one of {', '.join(map(repr, AUTOCAST_DTYPES))}")
 
 
 # --- one configuration (runs in the worker process) -----------------------------------------------
@@ -261,7 +340,7 @@ def measure_config(job: dict) -> dict:
     device = torch.device(job["device"])
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    dtype = parse_dtype(job["dtype"])
+    dtype = config.param_dtype(parse_dtype(job["dtype"]))
     verbose = job.get("progress", True)
     tag = job.get("tag", config.label)
     out = {
@@ -269,6 +348,8 @@ def measure_config(job: dict) -> dict:
         "config": config.to_dict(),
         "device": str(device),
         "dtype": dtype_name(dtype),
+        "autocast": config.autocast,
+        "release": config.release,
         "model": job["model_desc"],
         "model_key": job["model_key"],
         "batch": job["batch"],
@@ -302,9 +383,11 @@ def measure_config(job: dict) -> dict:
     out["rss_before_model"] = rss.current()
     try:
         model = spec.build(device, dtype)
+        if config.autocast:
+            model = AutocastLM(model, parse_dtype(config.autocast))
         model.train()
         try:
-            opt = config.build(model.parameters(), job["grad_accum"])
+            opt = config.build(model.parameters(), job["grad_accum"], model=model, device_type=device.type)
         except NotImplementedError as exc:
             out.update(error=f"not implemented yet: {exc}", error_kind="not_implemented")
             return out
@@ -342,18 +425,11 @@ def measure_config(job: dict) -> dict:
             if loss is not None:
                 losses.append(float(loss))
         state_bytes = corr_bytes = 0
-        seen = set()
-        for state in opt.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.device == device:
-                    st = value.untyped_storage()
-                    if id(st) in seen:
-                        continue
-                    seen.add(id(st))
-                    if key.startswith("master_correction"):
-                        corr_bytes += st.nbytes()
-                    else:
-                        state_bytes += st.nbytes()
+        for key, nbytes in state_storages(opt, device):
+            if key.startswith(correction_keys()):
+                corr_bytes += nbytes
+            else:
+                state_bytes += nbytes
         out.update(
             ok=True,
             memory=memory.to_dict(),
@@ -514,7 +590,7 @@ def run_profile(
         "isolation": "fresh process per configuration" if isolate else "in-process, one after another",
         "torch": torch.__version__,
     }
-    missing = {config.label: config.check() for config in configs}  # bad options raise UserError here
+    missing = {config.label: config.check(torch_device.type) for config in configs}  # bad options: UserError
     if torch_device.type == "cpu":
         import psutil
 
@@ -522,7 +598,8 @@ def run_profile(
         act = activation_estimate(
             spec.model_shape(), batch=batch, seq_len=seq_len, dtype=torch_dtype, checkpointing=spec.checkpointing
         )
-        need = min(byte_model(c.optimizer, c.kwargs, torch_dtype).at_peak * num_params + (act or 0) for c in configs)
+        per = [byte_model(c.optimizer, c.kwargs, c.param_dtype(torch_dtype)).at_peak for c in configs]
+        need = min(per) * num_params + (act or 0)
         if need > available:
             raise UserError(
                 f"the model does not fit this device: {num_params:,} parameters need about {need / GIB:.1f} GiB "
@@ -542,7 +619,7 @@ def run_profile(
                     "config": config.to_dict(),
                     "ok": False,
                     "error": why,
-                    "error_kind": "not_implemented",
+                    "error_kind": "unavailable" if config.unavailable(torch_device.type) else "not_implemented",
                 }
             )
             continue

@@ -40,6 +40,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from fusedopt.profiler_competitors import correction_keys
+
 CATEGORIES = ("parameters", "corrections", "optimizer_state", "gradients", "activations", "rest")
 CATEGORY_LABELS = {
     "parameters": "params",
@@ -157,6 +159,53 @@ class StepMemory:
             "num_ops": self.num_ops,
             "seconds": self.seconds,
         }
+
+
+# --- optimizer state ---------------------------------------------------------------------------
+
+
+def _leaves(name: str, value, depth: int = 0):
+    """(key, tensor) for every plain tensor in a state value: nested dicts and lists (TurboAdam),
+    and the inner tensors of tensor subclasses (torchao's quantized states)."""
+    if depth > 8 or isinstance(value, torch.nn.Parameter):  # optimi keeps its param group in the state
+        return
+    if isinstance(value, torch.Tensor):
+        flatten = getattr(type(value), "__tensor_flatten__", None)
+        if flatten is not None and type(value) is not torch.Tensor:
+            inner, _ = value.__tensor_flatten__()
+            for attr in inner:
+                yield from _leaves(name, getattr(value, attr), depth + 1)
+        else:
+            yield name, value
+    elif isinstance(value, dict):
+        for item in list(value.values()):
+            yield from _leaves(name, item, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _leaves(name, item, depth + 1)
+
+
+def state_tensors(optimizer):
+    """(state key, tensor) for every tensor an optimizer's state holds, nested ones included."""
+    for state in list(optimizer.state.values()):
+        for name, value in list(state.items()):
+            yield from _leaves(str(name), value)
+
+
+def state_storages(optimizer, device: torch.device):
+    """(state key, bytes) per distinct storage of the optimizer state on ``device``."""
+    seen = set()
+    for name, t in state_tensors(optimizer):
+        if t.device != device or t.is_meta:
+            continue
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            continue
+        if storage.data_ptr() in seen and storage.data_ptr() != 0:
+            continue
+        seen.add(storage.data_ptr())
+        yield name, storage.nbytes()
 
 
 # --- the tracker -------------------------------------------------------------------------------
@@ -339,10 +388,9 @@ class MemoryTracker(TorchDispatchMode):
             add("parameters", p)
         opt = self.optimizer
         if opt is not None:
-            for state in list(opt.state.values()):
-                for name, value in list(state.items()):
-                    if isinstance(value, torch.Tensor):
-                        add("corrections" if name.startswith(CORRECTION_KEY) else "optimizer_state", value)
+            corrections = correction_keys()
+            for name, value in state_tensors(opt):
+                add("corrections" if name.startswith(corrections) else "optimizer_state", value)
         for p in self.params:
             if p.grad is not None:
                 add("gradients", p.grad)

@@ -61,8 +61,15 @@ class PerParam:
 
 def byte_model(optimizer: str, kwargs: dict, dtype: torch.dtype) -> PerParam:
     """DESIGN.md section 4, per parameter (small-tensor exceptions ignored)."""
+    from fusedopt.profiler_competitors import lookup
+
     p = DTYPE_BYTES[dtype]
     fused = bool(kwargs.get("fused", False)) and optimizer.startswith("fusedopt")
+    fused = fused or bool(kwargs.get("release", False))  # another library's (or torch's) gradient release
+    competitor = lookup(optimizer)
+    if competitor is not None:  # its documented state layout (bf16 parameters)
+        corrections = 0.0 if dtype == torch.float32 else competitor.correction_bytes
+        return PerParam(p, corrections, competitor.state_bytes, 0.0 if fused else p, "state layout of the library")
     if optimizer.startswith("torch"):
         state = moments_of(optimizer, kwargs) * p  # torch keeps state in the parameter dtype
         corrections = 0.0

@@ -69,7 +69,7 @@ def format_table(report) -> str:
             first = m["peak"]
         delta = "" if m["peak"] == first else f"{(m['peak'] - first) / first * 100:+.0f}%"
         per_param = (r["state_bytes"] + r["correction_bytes"]) / r["num_params"]
-        release = r["config"]["kwargs"].get("fused") and m["peak_phase"] == "backward"
+        release = r.get("release") and m["peak_phase"] == "backward"
         phase = m["peak_phase"] + (" (release)" if release else "")
         step = f"{r['median_step_ms']:.0f}" if r.get("median_step_ms") is not None else "-"
         row = [r["label"], _fmt(m["peak"], scale), phase, CATEGORY_LABELS[m["dominant"]], _fmt(m["persistent"], scale)]

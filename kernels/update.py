@@ -4,15 +4,21 @@ Two kernels per parameter update:
 
 1. ``_check_kernel`` reads the gradient once and finds out whether it is finite. Its last
    program (a ticket counter) commits the step bookkeeping on the device: ``step += ok``,
-   ``skipped += !ok`` and a status word the update reads. No host synchronisation.
+   ``skipped += !ok``, a status word the update reads and AdamW's bias corrections for the
+   new step (fp64 math once per parameter, not once per update program). No host
+   synchronisation.
 2. ``_update_kernel`` reads gradient, parameter (and correction) and the encoded moments,
    applies AdamW / SGD / Lion in fp32 registers exactly as ``fusedopt.reference`` orders the
    operations, writes the parameter and re-encodes the moments (new block scales included).
    If the status says the gradient was not finite, every program returns at once.
 
 Per-step scalars (lr, betas, the step count, bias corrections) are runtime values: changing
-them never recompiles. The step count is read from device memory; bias corrections are
-computed from it in fp64.
+them never recompiles. The step count lives in device memory; the bias corrections are
+computed from it in fp64 by the check kernel and handed over in the scratch words.
+
+``n_elements`` is specialised by Triton (a multiple of 16 or not): with the hint the masks
+are uniform per 16 elements and every load and store is a vector access; without it (odd
+sizes) they are element by element. Two compiled variants per configuration at most.
 
 NOTE: never autotune these kernels: they update their inputs in place, and autotuning runs
 a kernel several times. Block sizes and warps are fixed here.
@@ -36,6 +42,9 @@ BLOCK = 1024  # elements per update program (a multiple of every quantisation bl
 NUM_WARPS = 4
 CHECK_TILE = 2048  # elements per iteration of the finite check
 CHECK_TILES = 8  # iterations per check program (fewer programs: fewer ticket atomics)
+# int32 words of the per-parameter scratch buffer: non-finite flag, ticket, status,
+# step_size and 1/sqrt(bias_correction2) as fp32 bit patterns
+SCRATCH_WORDS = 8
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,15 +75,35 @@ def _as_f32(x):
     return x + tl.zeros([], tl.float32)
 
 
+@triton.jit
+def _bias_corrections(step, lr, log2_beta1_hi, log2_beta1_lo, log2_beta2_hi, log2_beta2_lo):
+    """AdamW's step size and 1/sqrt(bias_correction2) for ``step``, in fp64 as the reference."""
+    step64 = step.to(tl.float64)
+    # beta**step in fp64 from log2(beta) passed as two fp32 halves (~48 bits)
+    log2_beta1 = _as_f32(log2_beta1_hi).to(tl.float64) + _as_f32(log2_beta1_lo).to(tl.float64)
+    log2_beta2 = _as_f32(log2_beta2_hi).to(tl.float64) + _as_f32(log2_beta2_lo).to(tl.float64)
+    bias_correction1 = 1.0 - tl.exp2(step64 * log2_beta1)
+    bias_correction2 = 1.0 - tl.exp2(step64 * log2_beta2)
+    step_size = (_as_f32(lr).to(tl.float64) / bias_correction1).to(tl.float32)
+    inv_bias_correction2_sqrt = (1.0 / tl.sqrt(bias_correction2)).to(tl.float32)  # fp64: IEEE
+    return step_size, inv_bias_correction2_sqrt
+
+
 @triton.jit(do_not_specialize=["n_elements"])
 def _check_kernel(
     grad_ptr,  # this step's gradient
     accum_ptr,  # gradient accumulated by the optimizer (HAS_ACCUM)
-    scratch_ptr,  # int32[3]: non-finite flag, ticket counter, status read by the update
+    scratch_ptr,  # int32[SCRATCH_WORDS]: flag, ticket, status, step_size, 1/sqrt(bc2)
     step_ptr,  # fp32 0-d step count
     skipped_ptr,  # int64 0-d skipped-update counter
     n_elements,
+    lr,
+    log2_beta1_hi,  # AdamW bias corrections: log2(beta) = hi + lo
+    log2_beta1_lo,
+    log2_beta2_hi,
+    log2_beta2_lo,
     HAS_ACCUM: tl.constexpr,
+    BIAS_CORRECTIONS: tl.constexpr,
     TILE: tl.constexpr,
     TILES: tl.constexpr,
 ):
@@ -92,12 +121,19 @@ def _check_kernel(
     if ticket == tl.num_programs(0) - 1:  # the last program: every flag is in
         final = tl.atomic_xchg(scratch_ptr, 0)
         tl.store(scratch_ptr + 2, final)
-        tl.store(step_ptr, tl.load(step_ptr) + (1 - final).to(tl.float32))
+        step = tl.load(step_ptr) + (1 - final).to(tl.float32)
+        tl.store(step_ptr, step)
+        if BIAS_CORRECTIONS:
+            step_size, inv_bc2_sqrt = _bias_corrections(
+                step, lr, log2_beta1_hi, log2_beta1_lo, log2_beta2_hi, log2_beta2_lo
+            )
+            tl.store(scratch_ptr + 3, step_size.to(tl.int32, bitcast=True))
+            tl.store(scratch_ptr + 4, inv_bc2_sqrt.to(tl.int32, bitcast=True))
         tl.store(skipped_ptr, tl.load(skipped_ptr) + final.to(tl.int64))
         tl.store(scratch_ptr + 1, 0)
 
 
-@triton.jit(do_not_specialize=["n_elements", "key_param", "key_m", "key_v"])
+@triton.jit(do_not_specialize=["key_param", "key_m", "key_v"])
 def _update_kernel(
     param_ptr,  # parameter, updated in place
     corr_ptr,  # master-weight correction (int8 / int16, MASTER == 2)
@@ -108,7 +144,7 @@ def _update_kernel(
     v_ptr,  # AdamW second moment
     v_scale_ptr,
     step_ptr,  # step count, already advanced by the check kernel
-    scratch_ptr,  # the check kernel's int32[3]; [2] non-zero: the gradient was not finite
+    scratch_ptr,  # the check kernel's words: [2] non-zero: the gradient was not finite
     n_elements,
     key_param,  # host parts of the hash keys (uint32)
     key_m,
@@ -121,10 +157,6 @@ def _update_kernel(
     weight_decay,  # SGD's coupled decay
     lerp_weight,  # 1 - beta1 (AdamW, Lion); 1 - dampening (SGD)
     one_minus_beta2,
-    log2_beta1_hi,  # AdamW bias corrections: log2(beta) = hi + lo
-    log2_beta1_lo,
-    log2_beta2_hi,
-    log2_beta2_lo,
     ALGO: tl.constexpr,
     MASTER: tl.constexpr,
     PARAM_BF16: tl.constexpr,
@@ -181,14 +213,8 @@ def _update_kernel(
             v_ptr, v_scale_ptr, start, n_elements, V_FMT, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, NB, QBLOCK
         )
         if ALGO == 0:  # AdamW, as torch.optim.AdamW orders it
-            step64 = step.to(tl.float64)
-            # beta**step in fp64 from log2(beta) passed as two fp32 halves (~48 bits)
-            log2_beta1 = _as_f32(log2_beta1_hi).to(tl.float64) + _as_f32(log2_beta1_lo).to(tl.float64)
-            log2_beta2 = _as_f32(log2_beta2_hi).to(tl.float64) + _as_f32(log2_beta2_lo).to(tl.float64)
-            bias_correction1 = 1.0 - tl.exp2(step64 * log2_beta1)
-            bias_correction2 = 1.0 - tl.exp2(step64 * log2_beta2)
-            step_size = (lr.to(tl.float64) / bias_correction1).to(tl.float32)
-            inv_bias_correction2_sqrt = (1.0 / tl.sqrt(bias_correction2)).to(tl.float32)  # fp64: IEEE
+            step_size = tl.load(scratch_ptr + 3).to(tl.float32, bitcast=True)
+            inv_bias_correction2_sqrt = tl.load(scratch_ptr + 4).to(tl.float32, bitcast=True)
             # torch.lerp: fma(w, g - m, m), or g - (g - m) * (1 - w) for w >= 0.5
             if lerp_weight < 0.5:
                 m = tl.fma(lerp_weight, g - m, m)
@@ -305,6 +331,14 @@ def launch_update(
     n = param.numel()
     (m_fmt, m_val, m_scales, key_m), (v_fmt, v_val, v_scales, key_v) = (moments + [(NO_MOMENT, None, None, 0)] * 2)[:2]
     has_accum = accum is not None
+    algo = ALGORITHMS[algorithm]
+    get = hyper.get
+    args, check_args = _scalar_args(
+        algo, hyper["lr"], get("beta1", 0.0), get("beta2", 0.0), get("eps", 0.0), hyper["weight_decay"],
+        get("momentum", 0.0), get("dampening", 0.0),
+    )  # fmt: skip
+    if scratch.numel() < SCRATCH_WORDS:
+        raise ValueError(f"the kernel scratch buffer needs {SCRATCH_WORDS} int32 words, got {scratch.numel()}")
     check_programs = triton.cdiv(max(n, 1), CHECK_TILE * CHECK_TILES)
     _check_kernel[(check_programs,)](
         grad,
@@ -313,18 +347,14 @@ def launch_update(
         step,
         skipped,
         n,
+        **check_args,
         HAS_ACCUM=has_accum,
+        BIAS_CORRECTIONS=algo == 0,
         TILE=CHECK_TILE,
         TILES=CHECK_TILES,
     )
     if n == 0:
         return
-    algo = ALGORITHMS[algorithm]
-    get = hyper.get
-    args = _scalar_args(
-        algo, hyper["lr"], get("beta1", 0.0), get("beta2", 0.0), get("eps", 0.0), hyper["weight_decay"],
-        get("momentum", 0.0), get("dampening", 0.0),
-    )  # fmt: skip
     dummy = param  # unused pointer arguments (their constexpr switches are off)
     corr_bits = 0 if correction is None else (16 if correction.dtype == torch.int16 else 8)
     constexprs = _constexprs(
@@ -361,19 +391,23 @@ def launch_update(
 
 
 @functools.lru_cache(maxsize=256)
-def _scalar_args(algo, lr, beta1, beta2, eps, weight_decay, momentum, dampening) -> dict:
-    """The kernel's runtime scalars for one group's hyperparameters (cached: one computation per
-    step and group, not per parameter). All floats: a Python int would be typed int32 by Triton."""
+def _scalar_args(algo, lr, beta1, beta2, eps, weight_decay, momentum, dampening) -> tuple[dict, dict]:
+    """The runtime scalars of the update and of the check kernel for one group's hyperparameters
+    (cached: one computation per step and group, not per parameter). All floats: a Python int
+    would be typed int32 by Triton."""
     args = dict(lr=lr, beta1=0.0, beta2=0.0, eps=0.0, decay=1.0, weight_decay=0.0, lerp_weight=0.0)
-    args.update(one_minus_beta2=0.0, **_split_log2("log2_beta1", 0.5), **_split_log2("log2_beta2", 0.5))
+    args.update(one_minus_beta2=0.0)
+    check = dict(lr=lr, **_split_log2("log2_beta1", 0.5), **_split_log2("log2_beta2", 0.5))
     if algo == 1:  # SGD: beta1 carries the momentum, lerp_weight 1 - dampening
         args.update(beta1=momentum, weight_decay=weight_decay, lerp_weight=1 - dampening)
     else:
         args.update(beta1=beta1, beta2=beta2, decay=1 - lr * weight_decay)
         args.update(lerp_weight=1 - beta1, one_minus_beta2=1 - beta2)
         if algo == 0:
-            args.update(eps=eps, **_split_log2("log2_beta1", beta1), **_split_log2("log2_beta2", beta2))
-    return {name: float(value) for name, value in args.items()}
+            args.update(eps=eps)
+            check.update(**_split_log2("log2_beta1", beta1), **_split_log2("log2_beta2", beta2))
+    as_floats = lambda values: {name: float(value) for name, value in values.items()}  # noqa: E731
+    return as_floats(args), as_floats(check)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -2,7 +2,7 @@
 
 * Parity with the CPU reference from 1 to 1e8 elements (same inputs, one step): parameters
   within one ulp of their dtype on at least 99.9% of elements (fp32: 1e-6 + 1e-5 |p| on all),
-  moment codes equal or one level apart on at most 0.1%, scales equal on at least 99.9%.
+  moment codes differ on at most 0.1% of bytes, scales equal on at least 99.9%.
 * The same gradients fed to a GPU and a CPU optimizer for 50 steps stay within that bound.
 * A small model trained 50 steps on GPU and on CPU from the same start: final losses within 2%
   (the forward/backward passes themselves differ between devices, not only the optimizer).
@@ -41,7 +41,6 @@ def check_state(ref: dict, got: dict) -> None:
         g = got[key].cpu()
         if key.endswith(".codes"):
             a, b = r.to(torch.int32), g.to(torch.int32)
-            assert ((a - b).abs() <= 1).double().mean().item() >= 1 - 1e-3 or r.dtype == torch.uint8, key
             assert (a != b).double().mean().item() <= 1e-3, key
         elif key.endswith(".scales"):
             assert (r != g).double().mean().item() <= 1e-3, key
