@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# One device call: install, GPU tests (kernel parity, end to end, profiler on CUDA), then the
-# step benchmark and the release-overhead benchmark. From the repo root on the GPU machine:
-#   bash benchmarks/run_h200.sh            (logs under $OUT; TESTS=... narrows the tests)
+# GPU checks and benchmarks, one device call per part. From the repo root on the GPU machine:
+#   bash benchmarks/run_h200.sh PART...     (logs under $OUT)
+# parts: perf     kernel ablation + step bandwidth (benchmarks/kernel_ablation.py, step_bandwidth.py)
+#        tests    GPU parity and end-to-end tests (tests/gpu) + the interpreter suite on CUDA tensors
+#        profile  the profiler's CUDA tests
+#        release  release overhead on a ~1B model (benchmarks/release_overhead.py)
+#        examples the two examples at their GPU size
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -9,8 +13,23 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu tests/test_kernels.py} 2>&1 \
-  | tee "$OUT/gpu_tests.log" | tail -25
-timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_profile.py 2>&1 | tee "$OUT/profile_gpu_tests.log" | tail -5
-python3 benchmarks/step_bandwidth.py --out "$OUT/step_bandwidth.json" 2>&1 | tee "$OUT/step_bandwidth.log"
-python3 benchmarks/release_overhead.py --out "$OUT/release_overhead.json" 2>&1 | tee "$OUT/release_overhead.log"
+git log -1 --format='commit %H %cd' 2>/dev/null | tee -a "$OUT/gpu.txt"
+for part in "${@:-perf tests}"; do
+  case $part in
+    perf)
+      python3 benchmarks/kernel_ablation.py --out "$OUT/ablation.json" 2>&1 | tee "$OUT/ablation.log"
+      python3 benchmarks/step_bandwidth.py --out "$OUT/step_bandwidth.json" 2>&1 | tee "$OUT/step_bandwidth.log" ;;
+    tests)
+      timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu tests/test_kernels.py} 2>&1 \
+        | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    profile)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_profile.py 2>&1 | tee "$OUT/profile_gpu_tests.log" | tail -5 ;;
+    release)
+      python3 benchmarks/release_overhead.py --out "$OUT/release_overhead.json" 2>&1 | tee "$OUT/release_overhead.log" ;;
+    examples)
+      python3 examples/finetune_lowvram.py --steps ${EXAMPLE_STEPS:-60} --out /tmp/ex_lowvram \
+        --summary-json "$OUT/example_lowvram.json" 2>&1 | tail -30 | tee "$OUT/example_lowvram.log"
+      python3 examples/finetune_hf.py --steps ${EXAMPLE_STEPS:-60} 2>&1 | tail -30 | tee "$OUT/example_hf.log" ;;
+    *) echo "unknown part: $part"; exit 2 ;;
+  esac
+done
