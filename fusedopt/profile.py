@@ -291,13 +291,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profile_step(model, optimizer, batches, *, device=None, baseline: int = 0, timeline: bool = True) -> StepMemory:
+def profile_step(
+    model, optimizer, batches, *, device=None, baseline: int = 0, timeline: bool = True, opaque_update: bool = False
+) -> StepMemory:
     """Track one training step of ``model`` with ``optimizer`` over ``batches`` (in this process).
 
     ``batches`` is a list of ``(input_ids, labels)``; ``model(input_ids, labels)`` must return
     the loss. Call it after a warm-up step or two, so the optimizer state exists.
     """
-    tracker = MemoryTracker(model, optimizer, device=device, baseline=baseline, timeline=timeline)
+    tracker = MemoryTracker(
+        model, optimizer, device=device, baseline=baseline, timeline=timeline, opaque_update=opaque_update
+    )
     tracker.register_inputs(*(t for b in batches for t in b))
     with tracker:
         train_step(model, optimizer, batches, tracker.phase, scale=1.0 / len(batches))
@@ -408,7 +412,15 @@ def measure_config(job: dict) -> dict:
             what = {tracked_at: "tracked", alloc_at: "allocator pass"}.get(i, "warm-up" if i < warmup else "timed")
             _progress(verbose, f"  [{tag}] step {i + 1}/{steps} ({what}), {time.perf_counter() - t_start:.1f}s")
             if i == tracked_at:
-                memory = profile_step(model, opt, batches, device=device, baseline=baseline, timeline=job["timeline"])
+                memory = profile_step(
+                    model,
+                    opt,
+                    batches,
+                    device=device,
+                    baseline=baseline,
+                    timeline=job["timeline"],
+                    opaque_update=config.competitor is not None and config.competitor.compiles,
+                )
                 loss = None
             elif i == alloc_at:
                 allocator = cpu_allocator_trace(

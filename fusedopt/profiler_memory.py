@@ -274,6 +274,7 @@ class MemoryTracker(TorchDispatchMode):
         device: torch.device | str | None = None,
         baseline: int = 0,
         timeline: bool = True,
+        opaque_update: bool = False,
     ):
         super().__init__()
         self.model = model
@@ -291,6 +292,10 @@ class MemoryTracker(TorchDispatchMode):
         self.cuda = self.device.type == "cuda"
         self.baseline = baseline
         self.keep_timeline = timeline
+        # torch.compile refuses to run under a dispatch mode (torchao's optimizers compile their
+        # step): with opaque_update the update phase runs untracked, seen only through the
+        # allocator figures at its boundaries (CUDA: the allocator's peak inside it).
+        self.opaque_update = opaque_update
         self._live: dict[int, _Record] = {}
         self._origin_bytes: dict[str, int] = {}
         self._total = 0
@@ -496,7 +501,13 @@ class MemoryTracker(TorchDispatchMode):
             self._allocator()
         self._sample()
         try:
-            yield
+            if name == "update" and self.opaque_update:
+                from torch.utils._python_dispatch import _disable_current_modes
+
+                with _disable_current_modes():
+                    yield
+            else:
+                yield
         finally:
             self._sample()
             current = self._allocator()[0] if self.cuda else self._total
@@ -608,6 +619,11 @@ class MemoryTracker(TorchDispatchMode):
                 "breakdown": "tensor accounting (TorchDispatchMode over live storages)",
             }
             method["rss"] = self._rss.method
+        if self.opaque_update:
+            method["update"] = (
+                "not op-tracked (torch.compile runs no dispatch mode): allocator figures at its boundaries"
+                + (" and the allocator's peak inside it" if self.cuda else "; its temporaries are not seen on CPU")
+            )
         phases = {}
         for name in self._phase_end:
             phases[name] = {

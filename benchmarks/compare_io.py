@@ -1,0 +1,62 @@
+"""Shared plumbing of the issue-6 comparison scripts: results files that grow slice by slice,
+the environment record, plain-text tables and an optional matplotlib import."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+
+def load(path: str | None) -> dict:
+    """The results file at ``path`` ({} when absent): runs are resumable and may come in slices."""
+    if path and os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    return {}
+
+
+def save(path: str | None, data: dict) -> None:
+    """Write atomically, so a run killed at its time limit never leaves a truncated file."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def environment() -> dict:
+    import torch
+    from competitors import library_versions
+
+    env = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version()}
+    env["versions"] = library_versions()
+    env["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return env
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    """A markdown table (readable in a terminal, pasteable into RESULTS.md)."""
+    cells = [[str(c) for c in row] for row in rows]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in cells]
+    return "\n".join(lines)
+
+
+def pyplot():
+    """matplotlib.pyplot with a file backend, or None (then no plot, said once by the caller)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def fmt(value, spec: str = ".2f", missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
