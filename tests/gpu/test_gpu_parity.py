@@ -94,7 +94,7 @@ def test_fifty_steps_with_the_same_gradients(opt_cls, dtype, kwargs):
     grads = [torch.randn(257, 1031, generator=gen).to(dtype) for _ in range(50)]
     outs = []
     for device in ("cpu", "cuda"):
-        w = torch.nn.Parameter(w0.to(device))
+        w = torch.nn.Parameter(w0.clone().to(device))  # a copy: .to("cpu") would alias w0
         opt = opt_cls([w], lr=1e-3, min_compress_numel=0, **kwargs)
         for g in grads:
             w.grad = g.to(device)
