@@ -39,8 +39,8 @@ Encode, element by element (what the Triton kernel repeats in registers):
 2. ``t = min(|x| * 2**(k - e), qmax**2)`` (exact; inf and NaN saturate).
 3. ``lo = floor(sqrt(t))``, corrected by one either way so that ``lo**2 <= t < (lo + 1)**2``.
 4. Stochastic rounding, unbiased in the value itself: ``q = lo + (u * (2 lo + 1) < t - lo**2)``
-   with ``u = (bits >> 8) * 2**-24``: exact differences and one correctly rounded product,
-   so CPU and GPU agree bit for bit. Nearest rounding would freeze the EMA (``0.999 * v``
+   with ``u = (bits >> 8) * 2**-24``, compared exactly (no rounding anywhere), so CPU and GPU
+   agree bit for bit. Nearest rounding would freeze the EMA (``0.999 * v``
    rounds back to ``v``); this keeps its decay exact in expectation, and a value on a level
    (zero included) stays put.
 5. Nonnegative moments: a nonzero ``v`` never becomes 0 (``q = 1`` where ``q = 0 < x``). An
@@ -97,7 +97,9 @@ class PowerLevels:
             lo = lo - (self.level(lo) > t).to(torch.float32)
             lo = lo + (self.level(lo + 1) <= t).to(torch.float32)
         low = self.level(lo)
-        up = u * (self.level(lo + 1) - low) < t - low  # differences of integers and t: exact
+        # u * gap < t - low decided exactly (fp64 holds the product of two 24-bit values; the
+        # difference is exact in fp32): the kernel gets the same answer from the sign of one fma
+        up = u.double() * (self.level(lo + 1) - low).double() < (t - low).double()
         return lo.to(torch.int32) + up.to(torch.int32)
 
     def __repr__(self):

@@ -116,21 +116,29 @@ def store_moment(
         pattern = absmax.to(tl.int32, bitcast=True)
         e = ((pattern >> 23) & 0xFF) - 126 + ((pattern & 0x7FFFFF) > THRESHOLD).to(tl.int32)
         e = tl.minimum(tl.maximum(e, MIN_E), 127)
-        blocks = start // QBLOCK + tl.arange(0, NB)
+        # The scale is stored from the tile's own layout by the lane holding column 0 of each row
+        # (a 1-D store of the row vector would go through shared memory and two barriers).
+        rows = start // QBLOCK + tl.arange(0, NB)[:, None]
+        cols = tl.arange(0, QBLOCK)[None, :]
         n_blocks = (n_elements + QBLOCK - 1) // QBLOCK
-        tl.store(scale_ptr + blocks, (e + 127).to(tl.uint8), mask=blocks < n_blocks)
+        scale_bytes = (e + 127).to(tl.uint8)[:, None] + tl.zeros([NB, QBLOCK], dtype=tl.uint8)
+        tl.store(scale_ptr + rows + cols * 0, scale_bytes, mask=(cols == 0) & (rows < n_blocks))
         t = mag * _pow2(K - e)[:, None]
         t = tl.where(t < TOP, t, TOP * 1.0)  # saturate (inf and NaN too)
         if POWER == 1:
             lo = tl.floor(t)
+            d = t - lo
+            gap = 1.0
         else:
             lo = tl.floor(tl.sqrt(t))
-            lo = lo - (lo * lo > t).to(tl.float32)  # the root is rounded: fix floor() exactly
-            lo = lo + ((lo + 1.0) * (lo + 1.0) <= t).to(tl.float32)
-        low = _level(lo, POWER)
-        gap = _level(lo + 1.0, POWER) - low
+            # the root is approximate: move lo by one where lo**2 <= t < (lo + 1)**2 fails
+            d = tl.fma(-lo, lo, t)  # t - lo**2, exact
+            lo += tl.where(d < 0, -1.0, tl.where(d >= tl.fma(2.0, lo, 1.0), 1.0, 0.0))
+            d = tl.fma(-lo, lo, t)
+            gap = tl.fma(2.0, lo, 1.0)  # (lo + 1)**2 - lo**2
+        # round up with probability d / gap: u * gap < d, decided exactly by the sign of one fma
         u = (rbits >> 8).to(tl.int32).to(tl.float32) * (1.0 / 16777216.0)
-        q = (lo + (u * gap < t - low).to(tl.float32)).to(tl.int32)
+        q = lo.to(tl.int32) + (tl.fma(u, gap, -d) < 0).to(tl.int32)
         if SIGNED:
             q = q | (((x < 0) & (q > 0)).to(tl.int32) << (FMT - 1))
         else:

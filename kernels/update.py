@@ -89,7 +89,7 @@ def _bias_corrections(step, lr, log2_beta1_hi, log2_beta1_lo, log2_beta2_hi, log
     return step_size, inv_bias_correction2_sqrt
 
 
-@triton.jit(do_not_specialize=["n_elements"])
+@triton.jit
 def _check_kernel(
     grad_ptr,  # this step's gradient
     accum_ptr,  # gradient accumulated by the optimizer (HAS_ACCUM)
