@@ -108,21 +108,22 @@ def _launch(algorithm: str, job: ParamUpdate, scratch: torch.Tensor) -> None:
 
     state = job.state
     moments = []
-    for i, (slot, codec) in enumerate(job.codecs.items()):
+    for slot, codec in job.codecs.items():
         fmt = _moment_format(codec)
         values = state[slot] if fmt.fmt in (32, 16) else state[slot + ".codes"]
-        scales = state.get(slot + ".scales")
-        moments.append((fmt, values, scales, rng.host_key(job.seed, job.index, rng.STREAM_STATE + i)))
+        moments.append((fmt, values, state.get(slot + ".scales")))
+    split = job.param.dtype != torch.float32 and job.master_weight_bits
     launch_update(
         algorithm,
         job.param,
         job.grad,
         job.accum,
-        state.get(MASTER_CORRECTION) if job.param.dtype != torch.float32 and job.master_weight_bits else None,
+        state.get(MASTER_CORRECTION) if split else None,
         moments,
         state["step"],
         scratch,
         job.skipped,
-        rng.host_key(job.seed, job.index, rng.STREAM_PARAM),
+        (rng.host_key(job.seed, job.index, rng.STREAM_SHARED), rng.host_key(job.seed, job.index, rng.STREAM_PARAM)),
+        not rng.param_shares_draw(job.param.dtype, job.master_weight_bits),
         job.hyper,
     )

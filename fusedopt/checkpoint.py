@@ -145,8 +145,8 @@ def _convert_param_state(optimizer, p, group, saved: dict, where: str, seed: int
             raise ValueError(f"state {slot!r} of {where} cannot be converted to {codec!r}: got {got}")
         decoded = source.decode({s: saved[slot + s].detach().to(p.device) for s in source.suffixes}).float()
         origin = str(value.dtype) if source is _PLAIN else repr(source)
-        key = rng.host_key(seed, index, rng.STREAM_STATE + i)
-        encoded = codec.encode(decoded, lambda key=key: rng.uniform_bits(key, out["step"], p.shape, p.device))
+        draws = rng.UpdateDraws(seed, index, out["step"], p, None)
+        encoded = codec.encode(decoded, draws.moment(i))
         error = (codec.decode(encoded) - decoded).abs().max().item() if decoded.numel() else 0.0
         if error > 0:
             scale = decoded.abs().max().item()

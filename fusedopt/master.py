@@ -29,8 +29,9 @@ moves to the next representable value, across binade edges too.
   (fp16 subnormals) the extended format is fixed point: ``P = round(|x| * 2**(24 + k))``
   (the fp32 product is exact; its fraction is compared with the random draw).
 
-``r`` is the rounding offset: uniform random bits (``rng.STREAM_PARAM``) on the optimizer
-path, half a step for nearest rounding (``load_master_state_dict``). Then
+``r`` is the rounding offset: the top bits of the optimizer's random draw (``rng``: the
+8-bit field of the shared word for bf16 + int8, a word of its own for fp16), half a step for
+nearest rounding (``load_master_state_dict``). Then
 
     h = (P + 2**(k-1)) >> k          head magnitude: nearest, ties away from zero
     c = P - (h << k)                 correction, always in [-2**(k-1), 2**(k-1) - 1]
@@ -67,7 +68,7 @@ Rounding of the 24-bit master: stochastic. An update is first rounded onto the `
 half a step (an update of 1e-6 on a weight of 1, e.g. Adam at lr 1e-6, never lands) and
 bias the ones near it: a constant update of a tenth of a bf16 ulp is 25.6 steps, rounded
 to 26 every time, 1.6 % too far after any number of steps. Stochastic rounding (counter
-hash, ``rng.STREAM_PARAM``) makes the stored master equal the fp32 result in expectation
+hash, ``rng``) makes the stored master equal the fp32 result in expectation
 at any update size; its error is zero-mean, at most half a step per update in standard
 deviation (at most sqrt(T)/2 steps after T updates: 16 steps, a sixteenth of a bf16 ulp,
 after 1000), a random walk rather than a drift. The 32-bit bf16 split
@@ -167,14 +168,14 @@ def split_master(
         if k == 16:
             code = a
         else:
-            r = (bits & 0xFF).to(torch.int32) if bits is not None else 0x80
+            r = (bits >> 24).to(torch.int32) if bits is not None else 0x80
             code = (a + r) >> 8
     elif dtype == torch.float16:
         n = (a.clamp(max=_F16_CLAMP) - _F16_REBIAS).clamp(min=0)
         if k == 16:
             normal_code = n << 3
         else:
-            r = (bits & 0x1F).to(torch.int32) if bits is not None else 0x10
+            r = (bits >> 27).to(torch.int32) if bits is not None else 0x10
             normal_code = (n + r) >> 5
         # fp16 subnormal range: fixed point with 2**-(24 + k) steps; the product is exact and so is
         # its fraction, which the 24-bit draw (or one half, for nearest) decides on.

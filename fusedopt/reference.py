@@ -87,11 +87,6 @@ UpdateMath = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 # --- the generic decode -> update -> encode -> commit chain ------------------------------------
 
 
-def _bits_for(job: ParamUpdate, stream: int, step: torch.Tensor, shape: torch.Size):
-    key = rng.host_key(job.seed, job.index, stream)
-    return lambda: rng.uniform_bits(key, step, shape, job.param.device)
-
-
 def reference_update(math: UpdateMath, job: ParamUpdate) -> None:
     """Apply one update to ``job.param`` and its state with the plain-PyTorch reference."""
     p, state, hyper = job.param, job.state, job.hyper
@@ -111,12 +106,11 @@ def reference_update(math: UpdateMath, job: ParamUpdate) -> None:
     new_p, new_moments = math(master, g, moments, step, **math_hyper)
 
     new_state = {}
+    draws = rng.UpdateDraws(job.seed, job.index, step, p, job.master_weight_bits)
     for i, (slot, codec) in enumerate(job.codecs.items()):
-        encoded = codec.encode(new_moments[slot], _bits_for(job, rng.STREAM_STATE + i, step, p.shape))
+        encoded = codec.encode(new_moments[slot], draws.moment(i))
         new_state.update({slot + s: t for s, t in encoded.items()})
-    new_param, corrections = write_master(
-        p, new_p, state, job.master_weight_bits, _bits_for(job, rng.STREAM_PARAM, step, p.shape)
-    )
+    new_param, corrections = write_master(p, new_p, state, job.master_weight_bits, draws.param())
     new_state.update(corrections)
 
     # Commit, or keep everything as it was if the gradient was not finite.

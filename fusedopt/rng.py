@@ -15,10 +15,18 @@ Layout of the key:
   host  = fmix32(fmix32(fmix32(seed ^ GOLDEN) ^ param_index) ^ stream)   (Python ints)
   h     = fmix32(host ^ step)                                             (step: device tensor)
   bits  = fmix32((h ^ idx_lo) + idx_hi * GOLDEN)                          (per element)
-One finaliser per element and stream keeps the kernel's integer work small (it is memory-bound
-only while the arithmetic stays cheap); fmix32 is a bijection with full avalanche, so
-consecutive indices give independent-looking bits.
+fmix32 is a bijection with full avalanche, so consecutive indices give independent-looking bits.
 ``step`` stays a device tensor (a skipped update leaves it unchanged without a host sync).
+
+One draw, several roundings. The roundings of one update share the element's word from
+``STREAM_SHARED`` (the kernel hashes once per element, not once per rounding: the hash was a
+seventh of the fused step's time): moment ``i`` takes 12 bits (``moment_word``) and a bf16
+parameter with an int8 correction the low 8 (``param_word``); the fields do not overlap, so
+the roundings stay independent. A parameter that needs more bits (bf16 without a correction:
+16; fp16: up to 24) draws its own word from ``STREAM_PARAM``. Every consumer reads the TOP
+bits of the word it is given, so a 12-bit field is a word whose low 20 bits are zero and
+stochastic rounding resolves probabilities to 2**-12 (moments) or 2**-8 (a 24-bit master,
+whose grid is 2**-8 of a bf16 ulp: exactly what it can hold).
 """
 
 from __future__ import annotations
@@ -33,9 +41,10 @@ _C1 = 0x85EBCA6B
 _C2 = 0xC2B2AE35
 
 # Streams keep the draws of different roundings in one step independent.
-STREAM_PARAM = 1  # parameter written with stochastic rounding (no correction term)
-STREAM_STATE = 16  # + slot index: moment tensors (exp_avg, exp_avg_sq, momentum_buffer, ...)
+STREAM_PARAM = 1  # a parameter that needs a word of its own (see the docstring)
+STREAM_SHARED = 16  # the word shared by the moments (and a bf16 + int8 parameter)
 STREAM_GRAD_ACCUM = 1 << 20  # + micro-batch index: low-precision gradient accumulation
+MOMENT_DRAW_BITS = 12  # bits of the shared word per moment
 
 
 def _mul32(x, c: int):
@@ -109,3 +118,45 @@ def element_bits(h, idx: torch.Tensor, beyond_32_bits: bool = True) -> torch.Ten
 def step_hash(key: int, step: torch.Tensor) -> torch.Tensor:
     """The per-step part of the hash (a 0-d int64 tensor on the step's device)."""
     return fmix32((step.to(torch.int64).reshape(()) & MASK32) ^ key)
+
+
+def moment_word(shared: torch.Tensor, i: int) -> torch.Tensor:
+    """Moment ``i``'s field of the shared word (bits ``31 - 12 i`` down), moved to the top."""
+    keep = 32 - MOMENT_DRAW_BITS
+    return (((shared << (MOMENT_DRAW_BITS * i)) & MASK32) >> keep) << keep
+
+
+def param_word(shared: torch.Tensor) -> torch.Tensor:
+    """The parameter's field of the shared word (its low 8 bits), moved to the top."""
+    return (shared << 24) & MASK32
+
+
+def param_shares_draw(dtype: torch.dtype, master_weight_bits) -> bool:
+    """Whether the parameter's rounding takes 8 bits of the shared word (bf16 + int8 correction)."""
+    return dtype == torch.bfloat16 and master_weight_bits == 24
+
+
+class UpdateDraws:
+    """The random words of one parameter update, drawn lazily and at most once each."""
+
+    def __init__(self, seed: int, index: int, step: torch.Tensor, param: torch.Tensor, master_weight_bits):
+        self._seed, self._index, self._step, self._param = seed, index, step, param
+        self._shares = param_shares_draw(param.dtype, master_weight_bits)
+        self._shared = None
+
+    def _draw(self, stream: int) -> torch.Tensor:
+        key = host_key(self._seed, self._index, stream)
+        return uniform_bits(key, self._step, self._param.shape, self._param.device)
+
+    def shared(self) -> torch.Tensor:
+        if self._shared is None:
+            self._shared = self._draw(STREAM_SHARED)
+        return self._shared
+
+    def moment(self, i: int):
+        """Moment ``i``'s bits, as the lazy callable the codecs take."""
+        return lambda: moment_word(self.shared(), i)
+
+    def param(self):
+        """The parameter's bits, as a lazy callable."""
+        return (lambda: param_word(self.shared())) if self._shares else (lambda: self._draw(STREAM_PARAM))

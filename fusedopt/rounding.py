@@ -16,16 +16,16 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 def round_stochastic(x: torch.Tensor, bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Round fp32 ``x`` to ``dtype`` (bf16 or fp16) with uniform 32-bit ``bits`` (int64 tensor).
 
-    bf16: add 16 random bits below the bf16 mantissa of the fp32 pattern, then truncate
-    (sign-magnitude, so this rounds the magnitude up with the right probability; inf stays inf).
-    fp16: take the nearest fp16 value and its neighbour on the other side of ``x``, and pick
-    the upper one with probability (x - lo) / (hi - lo).
+    bf16: add the top 16 bits of the draw below the bf16 mantissa of the fp32 pattern, then
+    truncate (sign-magnitude, so this rounds the magnitude up with the right probability; inf
+    stays inf). fp16: take the nearest fp16 value and its neighbour on the other side of ``x``,
+    and pick the upper one with probability (x - lo) / (hi - lo), against the top 24 bits.
     """
     x = x.float()
     if dtype == torch.float32:
         return x
     if dtype == torch.bfloat16:
-        r = (bits & 0xFFFF).to(torch.int32)
+        r = (bits >> 16).to(torch.int32)
         pattern = (x.view(torch.int32) + r) & -0x10000
         return pattern.view(torch.float32).to(torch.bfloat16)
     if dtype == torch.float16:

@@ -4,7 +4,7 @@ Device-side twin of ``fusedopt.master`` and ``fusedopt.rounding``:
 
 * ``MASTER = 0``: fp32 parameter, its own master.
 * ``MASTER = 1``: bf16/fp16 parameter without correction: the fp32 result is written with
-  stochastic rounding. bf16: 16 random bits added below the bf16 mantissa, then truncated
+  stochastic rounding. bf16: the draw's top 16 bits added below the bf16 mantissa, then truncated
   (integer arithmetic, identical to the reference). fp16: the nearest value and its
   neighbour on the other side, the upper one taken with probability (x - lo) / (hi - lo).
 * ``MASTER = 2``: master-weight splitting, parameter (head) + int8/int16 correction of
@@ -64,7 +64,7 @@ def _split(x, rbits, PARAM_BF16: tl.constexpr, K: tl.constexpr, STOCHASTIC: tl.c
             code = a
         else:
             if STOCHASTIC:
-                code = (a + (rbits & 0xFF).to(tl.int32)) >> 8
+                code = (a + (rbits >> 24).to(tl.int32)) >> 8
             else:
                 code = (a + 0x80) >> 8
     else:
@@ -73,7 +73,7 @@ def _split(x, rbits, PARAM_BF16: tl.constexpr, K: tl.constexpr, STOCHASTIC: tl.c
         if K == 16:
             normal_code = n << 3
         else:
-            normal_code = (n + (rbits & 0x1F).to(tl.int32)) >> 5
+            normal_code = (n + (rbits >> 27).to(tl.int32)) >> 5
         y = tl.minimum(tl.abs(x), 2.0**-14) * (2.0 ** (24 + K))
         whole = tl.floor(y)
         up = (rbits >> 8).to(tl.int32).to(tl.float32) * (1.0 / 16777216.0) < (y - whole)
@@ -140,7 +140,7 @@ def store_master(
         else:
             tl.store(corr_ptr + offs, correction.to(tl.int8), mask=mask)
     elif PARAM_BF16:
-        pattern = (x.to(tl.int32, bitcast=True) + (rbits & 0xFFFF).to(tl.int32)) & -65536
+        pattern = (x.to(tl.int32, bitcast=True) + (rbits >> 16).to(tl.int32)) & -65536
         tl.store(param_ptr + offs, pattern.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)
     else:
         tl.store(param_ptr + offs, _round_stochastic_fp16(x, rbits), mask=mask)

@@ -3,8 +3,8 @@
 Device-side twins of the PyTorch codecs (``fusedopt.codecs`` and ``fusedopt.codec_blockwise``):
 
 * ``FMT = 0``: no moment (SGD without momentum).
-* ``FMT = 32``: fp32.  ``FMT = 16``: bf16 with stochastic rounding (16 random bits added below
-  the bf16 mantissa, then truncation: the same integer arithmetic as the reference, so no
+* ``FMT = 32``: fp32.  ``FMT = 16``: bf16 with stochastic rounding (the draw's top 16 bits
+  added below the bf16 mantissa, then truncation: the same integer arithmetic as the reference, so no
   fp32->bf16 conversion is involved and CPU interpreter and GPU agree bit for bit).
 * ``FMT = 8 / 4``: blocks of ``QBLOCK`` elements, one E8M0 byte scale per block, sign-magnitude
   codes, levels ``q**POWER``; 4-bit codes packed two per byte (element ``2i`` in the low
@@ -107,7 +107,7 @@ def store_moment(
     if FMT == 32:
         tl.store(ptr + offs, x, mask=mask)
     elif FMT == 16:
-        pattern = (x.to(tl.int32, bitcast=True) + (rbits & 0xFFFF).to(tl.int32)) & -65536
+        pattern = (x.to(tl.int32, bitcast=True) + (rbits >> 16).to(tl.int32)) & -65536
         tl.store(ptr + offs, pattern.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)
     elif FMT != 0:
         x = tl.where(mask, x, 0.0)

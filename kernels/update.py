@@ -133,7 +133,7 @@ def _check_kernel(
         tl.store(scratch_ptr + 1, 0)
 
 
-@triton.jit(do_not_specialize=["key_param", "key_m", "key_v"])
+@triton.jit(do_not_specialize=["key_shared", "key_param"])
 def _update_kernel(
     param_ptr,  # parameter, updated in place
     corr_ptr,  # master-weight correction (int8 / int16, MASTER == 2)
@@ -146,9 +146,8 @@ def _update_kernel(
     step_ptr,  # step count, already advanced by the check kernel
     scratch_ptr,  # the check kernel's words: [2] non-zero: the gradient was not finite
     n_elements,
-    key_param,  # host parts of the hash keys (uint32)
-    key_m,
-    key_v,
+    key_shared,  # host parts of the hash keys (uint32): the word shared by the roundings,
+    key_param,  # and the parameter's own word (PARAM_OWN_DRAW)
     lr,
     beta1,  # AdamW / Lion beta1; SGD momentum
     beta2,
@@ -162,6 +161,7 @@ def _update_kernel(
     PARAM_BF16: tl.constexpr,
     CORR_BITS: tl.constexpr,  # 8 or 16 extra master bits (MASTER == 2)
     STOCHASTIC_MASTER: tl.constexpr,  # whether the split rounds (all but bf16 + int16)
+    PARAM_OWN_DRAW: tl.constexpr,  # the parameter's rounding needs more than the shared word's 8 bits
     HAS_ACCUM: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     NESTEROV: tl.constexpr,
@@ -238,9 +238,12 @@ def _update_kernel(
             direction = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
             p = tl.fma(-lr, direction, p * decay)
             m = tl.fma(one_minus_beta2, g, m * beta2)
+        # One hash per element feeds every rounding (fields as in fusedopt.rng: moment i takes
+        # 12 bits from the top down, a bf16 + int8 parameter the low 8); each reads its top bits.
+        shared = element_bits(step_hash(key_shared, step_ptr), offs)
         store_moment(
             m,
-            element_bits(step_hash(key_m, step_ptr), offs),
+            (shared >> 20) << 20,
             m_ptr,
             m_scale_ptr,
             start,
@@ -258,7 +261,7 @@ def _update_kernel(
         )
         store_moment(
             v,
-            element_bits(step_hash(key_v, step_ptr), offs),
+            ((shared << 12) >> 20) << 20,
             v_ptr,
             v_scale_ptr,
             start,
@@ -274,9 +277,13 @@ def _update_kernel(
             NB,
             QBLOCK,
         )
+        if PARAM_OWN_DRAW:
+            param_bits = element_bits(step_hash(key_param, step_ptr), offs)
+        else:
+            param_bits = shared << 24
         store_master(
             p,
-            element_bits(step_hash(key_param, step_ptr), offs),
+            param_bits,
             param_ptr,
             corr_ptr,
             offs,
@@ -316,20 +323,22 @@ def launch_update(
     grad: torch.Tensor,
     accum: torch.Tensor | None,
     correction: torch.Tensor | None,
-    moments: list[tuple[MomentFormat, torch.Tensor | None, torch.Tensor | None, int]],
+    moments: list[tuple[MomentFormat, torch.Tensor | None, torch.Tensor | None]],
     step: torch.Tensor,
     scratch: torch.Tensor,
     skipped: torch.Tensor,
-    key_param: int,
+    keys: tuple[int, int],
+    param_own_draw: bool,
     hyper: dict,
 ) -> None:
-    """Update one parameter in place. ``moments``: up to two (format, values, scales, key).
+    """Update one parameter in place. ``moments``: up to two (format, values, scales); ``keys``:
+    host keys of the shared and the parameter's own random word (``fusedopt.rng``).
 
     The caller guarantees contiguous tensors on one device and supported formats
     (``fusedopt.backend`` checks); this only launches.
     """
     n = param.numel()
-    (m_fmt, m_val, m_scales, key_m), (v_fmt, v_val, v_scales, key_v) = (moments + [(NO_MOMENT, None, None, 0)] * 2)[:2]
+    (m_fmt, m_val, m_scales), (v_fmt, v_val, v_scales) = (moments + [(NO_MOMENT, None, None)] * 2)[:2]
     has_accum = accum is not None
     algo = ALGORITHMS[algorithm]
     get = hyper.get
@@ -361,6 +370,7 @@ def launch_update(
         algo,
         param.dtype,
         corr_bits,
+        param_own_draw,
         has_accum,
         bool(hyper.get("maximize", False)),
         bool(hyper.get("nesterov", False)),
@@ -381,9 +391,7 @@ def launch_update(
         step,
         scratch,
         n,
-        key_param,
-        key_m,
-        key_v,
+        *keys,
         **args,
         **constexprs,
         INDEX_64=n >= 2**31 - BLOCK,
@@ -411,7 +419,9 @@ def _scalar_args(algo, lr, beta1, beta2, eps, weight_decay, momentum, dampening)
 
 
 @functools.lru_cache(maxsize=1024)
-def _constexprs(algo, dtype, corr_bits, has_accum, maximize, nesterov, m_fmt, v_fmt, block, num_warps) -> dict:
+def _constexprs(
+    algo, dtype, corr_bits, param_own_draw, has_accum, maximize, nesterov, m_fmt, v_fmt, block, num_warps
+) -> dict:
     """The compile-time switches of one update configuration (cached: launches happen per parameter)."""
     blocks = {f.block for f in (m_fmt, v_fmt) if f.fmt in (8, 4)}
     if len(blocks) > 1:
@@ -423,6 +433,7 @@ def _constexprs(algo, dtype, corr_bits, has_accum, maximize, nesterov, m_fmt, v_
         PARAM_BF16=dtype == torch.bfloat16,
         CORR_BITS=corr_bits,
         STOCHASTIC_MASTER=not (dtype == torch.bfloat16 and corr_bits == 16),
+        PARAM_OWN_DRAW=param_own_draw,
         HAS_ACCUM=has_accum,
         MAXIMIZE=maximize,
         NESTEROV=nesterov,

@@ -6,7 +6,7 @@ import torch
 from fusedopt import rng
 from fusedopt.kernels.hashing import launch_uniform_bits
 
-CASES = [(0, 0, rng.STREAM_PARAM, 1), (123456789, 7, rng.STREAM_STATE, 3), (2**40 + 5, 2**31 + 5, 17, 1_000_000)]
+CASES = [(0, 0, rng.STREAM_PARAM, 1), (123456789, 7, rng.STREAM_SHARED, 3), (2**40 + 5, 2**31 + 5, 17, 1_000_000)]
 
 
 @pytest.mark.parametrize("seed,index,stream,step", CASES)
@@ -21,7 +21,7 @@ def test_triton_hash_matches_reference_bit_for_bit(device, seed, index, stream, 
 
 def test_indices_beyond_two_to_the_32_agree(device):
     """Tensors over 2**32 elements: the high index bits enter the hash identically."""
-    key, step = rng.host_key(9, 3, rng.STREAM_STATE), torch.tensor(4.0, device=device)
+    key, step = rng.host_key(9, 3, rng.STREAM_SHARED), torch.tensor(4.0, device=device)
     first = 2**32 - 700
     idx = torch.arange(first, first + 1500, dtype=torch.int64, device=device)
     ref = rng.element_bits(rng.step_hash(key, step), idx)

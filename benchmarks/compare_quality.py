@@ -1,0 +1,286 @@
+"""Issue 6, part 4: training quality. A Llama-shaped byte-level model (~26M parameters) trained from
+scratch on Python's standard-library source with every optimizer of the line-up; final held-out
+loss, loss curves, and the gap to fp32 AdamW (key A) against A's seed-to-seed spread.
+
+    python benchmarks/compare_quality.py --out $OUT/quality.json --only A,FO --seeds 0,1,2 --budget-s 450
+    python benchmarks/compare_quality.py --out q.json --steps 20 --shape layers=2,d_model=64,heads=2 --only A,FO
+
+Resumable and sliced: each (key, seed) run is appended to ``--out`` when it ends and skipped when
+it is there already, and ``--budget-s`` starts no run that the time already spent per run says
+would not finish in time (so a device call never dies mid-run). The file records the corpus
+hash: runs on another corpus (another Python version) are refused, not mixed.
+
+Same for every optimizer and seed s: the model (``fusedopt.profiler_models.TinyLM``, no
+checkpointing) is initialised in fp32 from seed s, then cast to bf16 for every configuration but
+A (fp32 parameters, bf16 autocast); the batches (random 256-byte windows of the training files,
+batch 16) come from seed s; the schedule is ``--warmup`` linear steps then cosine to 0 of peak
+``--lr``; betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on every parameter. The training text is
+every ``*.py`` file of the running Python's standard library (sorted paths, site-packages
+excluded); files whose path hashes to 0 mod 20 are held out for evaluation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import math
+import os
+import statistics
+import sys
+import sysconfig
+import time
+import zlib
+
+import compare_io
+import torch
+from competitors import HPARAMS, REFERENCE, select
+
+from fusedopt.profiler_models import PRESETS, TinyLM, parse_shape
+
+DEFAULT_SHAPE = "vocab=256,d_model=512,layers=8,heads=8,kv_heads=8,ffn=1408"
+SEQ, BATCH, EVAL_SEQS = 256, 16, 256
+
+
+def corpus(limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(training bytes, held-out bytes, sha256 of both) from the standard library's source."""
+    root = sysconfig.get_paths()["stdlib"]
+    train, held = [], []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                rel = os.path.relpath(path, root)
+                with open(path, "rb") as f:
+                    (held if zlib.crc32(rel.encode()) % 20 == 0 else train).append(f.read())
+    train_bytes, held_bytes = b"".join(train)[:limit], b"".join(held)[:limit]
+    digest = hashlib.sha256(train_bytes + b"\0" + held_bytes).hexdigest()[:16]
+    as_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8)  # noqa: E731
+    return as_tensor(train_bytes), as_tensor(held_bytes), digest
+
+
+def windows(data: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = starts[:, None] + torch.arange(SEQ + 1, device=starts.device)
+    w = data[idx].long()
+    return w[:, :-1], w[:, 1:]
+
+
+def next_token_loss(model, x, y) -> torch.Tensor:
+    logits = model(x)
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model, held: torch.Tensor, autocast) -> float:
+    starts = torch.linspace(0, held.numel() - SEQ - 2, EVAL_SEQS, device=held.device).long()
+    total = 0.0
+    for chunk in starts.split(64):
+        x, y = windows(held, chunk)
+        with autocast():
+            total += float(next_token_loss(model, x, y)) * len(chunk)
+    return total / len(starts)
+
+
+def train_one(entry, seed: int, args, device: str, train: torch.Tensor, held: torch.Tensor) -> dict:
+    torch.manual_seed(seed)
+    shape = parse_shape(args.shape, PRESETS["tiny"])
+    model = TinyLM(shape, checkpointing=False, device=device, dtype=torch.float32)
+    hparams = {**HPARAMS, "lr": args.lr}
+    config = entry.optimizer_config(hparams)
+    if config.autocast is None:
+        model.to(torch.bfloat16)
+    autocast = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if config.autocast else contextlib.nullcontext
+    opt = config.build(model.parameters(), model=model, device_type=device)
+    warm, total = args.warmup, args.steps
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    gen = torch.Generator(device="cpu").manual_seed(10_000 + seed)
+    losses, evals = [], []
+    t0 = time.perf_counter()
+    for step in range(total):
+        starts = torch.randint(0, train.numel() - SEQ - 2, (BATCH,), generator=gen).to(device)
+        x, y = windows(train, starts)
+        with autocast():
+            loss = next_token_loss(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        losses.append(loss.detach())
+        if (step + 1) % args.eval_every == 0 or step + 1 == total:
+            evals.append([step + 1, evaluate(model, held, autocast)])
+    wall = time.perf_counter() - t0
+    losses = [float(x) for x in torch.stack(losses).cpu()]
+    return {
+        "key": entry.key,
+        "seed": seed,
+        "label": entry.label,
+        "ok": all(math.isfinite(x) for x in losses),
+        "final_eval": evals[-1][1],
+        "final_train": statistics.fmean(losses[-max(1, total // 20) :]),
+        "train_loss": losses,
+        "eval": evals,
+        "wall_s": wall,
+        "ms_per_step": wall / total * 1e3,
+        "num_params": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def summary(data: dict) -> dict:
+    """Per key: final held-out losses over seeds, mean, spread (max - min) and the gap to A."""
+    by_key: dict[str, list[float]] = {}
+    for run in data["runs"].values():
+        if run.get("ok"):
+            by_key.setdefault(run["key"], []).append(run["final_eval"])
+    ref = by_key.get(REFERENCE)
+    ref_mean = statistics.fmean(ref) if ref else None
+    ref_spread = (max(ref) - min(ref)) if ref and len(ref) > 1 else None
+    out = {}
+    for key, values in by_key.items():
+        mean = statistics.fmean(values)
+        row = {"n": len(values), "mean": mean, "min": min(values), "max": max(values)}
+        row["std"] = statistics.stdev(values) if len(values) > 1 else None
+        if ref_mean is not None:
+            row["gap"] = mean - ref_mean
+            row["gap_pct"] = 100 * (mean - ref_mean) / ref_mean
+            row["within_ref_spread"] = None if ref_spread is None else abs(mean - ref_mean) <= ref_spread
+        out[key] = row
+    return out
+
+
+def report(data: dict) -> str:
+    s = summary(data)
+    labels = {r["key"]: r["label"] for r in data["runs"].values()}
+    rows = []
+    for key, r in s.items():
+        spread = "-" if r["n"] < 2 else f"{r['min']:.4f}..{r['max']:.4f}"
+        within = {None: "-", True: "yes", False: "no"}[r.get("within_ref_spread")]
+        gap = "-" if "gap" not in r else f"{r['gap']:+.4f} ({r['gap_pct']:+.2f}%)"
+        rows.append([key, labels[key], r["n"], f"{r['mean']:.4f}", spread, gap, within])
+    times = [r["wall_s"] for r in data["runs"].values()]
+    st = data["settings"]
+    lines = [
+        f"{st['num_params']:,} params, {st['steps']} steps, batch {BATCH} x {SEQ}, corpus {st['corpus']}",
+        "",
+        compare_io.table(["key", "optimizer", "seeds", "held-out loss", "seed range", "gap to A", "in A range"], rows),
+        "",
+        f"runs: {len(times)}, wall s per run: min {min(times):.0f}, max {max(times):.0f}" if times else "no runs",
+    ]
+    return "\n".join(lines)
+
+
+def plot(data: dict, path: str) -> str | None:
+    plt = compare_io.pyplot()
+    if plt is None:
+        return "matplotlib not installed"
+    runs = sorted(data["runs"].values(), key=lambda r: (r["key"], r["seed"]))
+    if not runs:
+        return "no runs"
+    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(13, 5))
+    cmap = plt.get_cmap("tab20")
+    keys = sorted({r["key"] for r in runs})
+    for run in runs:
+        color = cmap(keys.index(run["key"]) % 20)
+        k = max(1, len(run["train_loss"]) // 100)
+        smooth = [statistics.fmean(run["train_loss"][i : i + k]) for i in range(0, len(run["train_loss"]), k)]
+        label = run["key"] if run["seed"] == min(r["seed"] for r in runs if r["key"] == run["key"]) else None
+        ax.plot([i + k for i in range(0, len(run["train_loss"]), k)], smooth, color=color, lw=0.8, label=label)
+        steps, values = zip(*run["eval"])
+        zoom.plot(steps, values, color=color, marker=".", lw=0.8, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (mean over windows of steps)")
+    ax.legend(fontsize=7, ncol=2)
+    zoom.set_xlabel("step")
+    zoom.set_ylabel("held-out loss")
+    finals = [r["eval"][-1][1] for r in runs]
+    lo, hi = min(finals), max(finals)
+    zoom.set_ylim(lo - 0.02, hi + 0.1 + 0.5 * (hi - lo))
+    zoom.set_title("held-out loss (zoomed on the end)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated line-up keys (default: the part's line-up)")
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds, e.g. 0,1,2")
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--shape", default=DEFAULT_SHAPE)
+    parser.add_argument("--corpus-limit", type=int, help="use at most this many bytes of each split (tests)")
+    parser.add_argument("--budget-s", type=float, help="start no run that would end after this many seconds")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--out", default="out/compare/quality.json")
+    parser.add_argument("--plot", help="loss-curve PNG (default: --out with .png)")
+    parser.add_argument("--report", action="store_true", help="only print the table and plot of --out")
+    args = parser.parse_args(argv)
+    t_start = time.perf_counter()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    data = compare_io.load(args.out)
+    if not args.report:
+        train, held, digest = corpus(args.corpus_limit)
+        shape = parse_shape(args.shape, PRESETS["tiny"])
+        settings = {
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "lr": args.lr,
+            "shape": args.shape,
+            "num_params": shape.num_params(),
+            "batch": BATCH,
+            "seq": SEQ,
+            "corpus": digest,
+            "corpus_bytes": [train.numel(), held.numel()],
+            "hparams": {**HPARAMS, "lr": args.lr},
+        }
+        if data and data.get("settings") != settings:
+            print(f"error: {args.out} holds runs of other settings or another corpus:", file=sys.stderr)
+            print(f"  there: {data.get('settings')}\n  here:  {settings}", file=sys.stderr)
+            return 2
+        data.setdefault("settings", settings)
+        data.setdefault("runs", {})
+        data.setdefault("env", compare_io.environment())
+        train, held = train.to(device), held.to(device)
+        seeds = [int(s) for s in args.seeds.split(",")]
+        for entry in select(args.only, "quality"):
+            for seed in seeds:
+                name = f"{entry.key}/{seed}"
+                if name in data["runs"]:
+                    continue
+                why = entry.unavailable(device)
+                if why:
+                    print(f"[{name}] skipped: {why}", flush=True)
+                    data.setdefault("skipped", {})[entry.key] = why
+                    break
+                done = [r["wall_s"] for r in data["runs"].values() if r["key"] == entry.key]
+                guess = max(done) if done else max([r["wall_s"] for r in data["runs"].values()] or [0])
+                if args.budget_s and time.perf_counter() - t_start + 1.2 * guess > args.budget_s:
+                    print(f"[{name}] not started: about {guess:.0f} s would pass --budget-s", flush=True)
+                    continue
+                run = train_one(entry, seed, args, device, train, held)
+                data["runs"][name] = run
+                compare_io.save(args.out, data)
+                print(f"[{name}] held-out {run['final_eval']:.4f}, {run['wall_s']:.0f} s", flush=True)
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+    if not data.get("runs"):
+        print("no runs yet")
+        return 0
+    print(report(data))
+    plot_path = args.plot or args.out.rsplit(".", 1)[0] + ".png"
+    why_not = plot(data, plot_path)
+    print(f"plot: {plot_path}" if why_not is None else f"plot: not written ({why_not})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Where the update kernel's time goes: time variants that leave one stage out (GPU).
+
+Usage (CUDA machine, repo root):  python benchmarks/kernel_ablation.py [--out ablation.json]
+
+No hardware counters are needed: each variant is a copy of ``kernels/`` with one stage
+replaced by a trivial stand-in (the results are wrong, only their time matters), timed on the
+default configuration (bf16 params, 8-bit moments, int8 correction) over 1.07e9 elements.
+The time a stage costs is the base time minus the variant's. Variants:
+
+  nohash     the per-element hash returns its input (no fmix32)
+  noencode   moments stored as a plain byte cast (no absmax, scale, stochastic rounding)
+  nodecode   codes read as plain values (no scale, level or sign)
+  fastmath   approximate sqrt and division instead of IEEE sqrt_rn / div_rn
+  nomaster   parameter written with stochastic rounding instead of head + correction
+  floor      all of the above: loads, fp32 math and stores only
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+
+import fusedopt
+from fusedopt.kernels import update as real_update
+
+KERNELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
+
+EDITS = {
+    "nohash": [("hashing.py", "    return fmix32(x)\n", "    return x\n")],
+    "noencode": [
+        (
+            "moments.py",
+            "    elif FMT != 0:\n        x = tl.where(mask, x, 0.0)",
+            "    elif FMT != 0:\n        tl.store(ptr + offs, x.to(tl.uint8), mask=mask)\n"
+            "    elif FMT == 99:\n        x = tl.where(mask, x, 0.0)",
+        )
+    ],
+    "nodecode": [
+        ("moments.py", "_level((codes & QMAX).to(tl.float32), POWER) * _pow2(e - K)[:, None]", "codes.to(tl.float32)"),
+        ("moments.py", "if SIGNED:\n            x =", "if FMT == 99:\n            x ="),
+    ],
+    "fastmath": [("update.py", "tl.sqrt_rn(v)", "tl.sqrt(v)"), ("update.py", "tl.div_rn(m, denom)", "(m / denom)")],
+    "nomaster": [("update.py", "mask,\n            MASTER,", "mask,\n            1,")],
+}  # fmt: skip
+EDITS["floor"] = [e for name in ("nohash", "noencode", "nodecode", "fastmath", "nomaster") for e in EDITS[name]]
+
+
+def build_variant(root: str, name: str):
+    """A copy of kernels/ as package ``<name>_kernels`` with the variant's edits applied."""
+    package = f"ablation_{name}"
+    target = os.path.join(root, package)
+    shutil.copytree(KERNELS_DIR, target)
+    for filename in os.listdir(target):
+        if filename.endswith(".py"):
+            path = os.path.join(target, filename)
+            with open(path) as f:
+                text = f.read().replace("fusedopt.kernels", package)
+            with open(path, "w") as f:
+                f.write(text)
+    for filename, old, new in EDITS.get(name, []):
+        path = os.path.join(target, filename)
+        with open(path) as f:
+            text = f.read()
+        if old not in text:
+            raise RuntimeError(f"variant {name}: the kernel source changed, edit not applicable in {filename}")
+        with open(path, "w") as f:
+            f.write(text.replace(old, new))
+    return importlib.import_module(f"{package}.update")
+
+
+def main(argv=None) -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from step_bandwidth import bench_config, copy_bandwidth, fusedopt_bytes
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--variants", default="base,nohash,noencode,nodecode,fastmath,nomaster,floor")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    copy_gbps = copy_bandwidth()
+    root = tempfile.mkdtemp(prefix="fusedopt_ablation_")
+    sys.path.insert(0, root)
+    original = real_update._update_kernel, real_update._check_kernel
+    results = []
+    try:
+        for name in args.variants.split(","):
+            variant = build_variant(root, name)
+            real_update._update_kernel, real_update._check_kernel = variant._update_kernel, variant._check_kernel
+            r = bench_config(name, lambda ps: fusedopt.AdamW(ps, lr=1e-4), fusedopt_bytes(8, 24), args.reps)
+            r["fraction_of_copy"] = r["GBps"] / copy_gbps
+            results.append(r)
+            print(f"{name:10s} {r['ms']:8.3f} ms  {r['GBps']:7.0f} GB/s  {100 * r['fraction_of_copy']:4.0f}% of copy")
+    finally:
+        real_update._update_kernel, real_update._check_kernel = original
+        shutil.rmtree(root, ignore_errors=True)
+    base = next((r["ms"] for r in results if r["name"] == "base"), None)
+    if base is not None:
+        print("\n| variant | ms | saved vs base (ms) | % of copy |\n|---|---|---|---|")
+        for r in results:
+            print(f"| {r['name']} | {r['ms']:.3f} | {base - r['ms']:.3f} | {100 * r['fraction_of_copy']:.0f}% |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(copy_GBps=copy_gbps, results=results), f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
