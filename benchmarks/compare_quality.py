@@ -39,7 +39,7 @@ from competitors import HPARAMS, REFERENCE, select
 from fusedopt.profiler_models import PRESETS, TinyLM, parse_shape
 
 DEFAULT_SHAPE = "vocab=256,d_model=512,layers=8,heads=8,kv_heads=8,ffn=1408"
-SEQ, BATCH, EVAL_SEQS = 256, 16, 256
+EVAL_SEQS = 256
 
 
 def corpus(limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor, str]:
@@ -60,8 +60,8 @@ def corpus(limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor, str]:
     return as_tensor(train_bytes), as_tensor(held_bytes), digest
 
 
-def windows(data: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    idx = starts[:, None] + torch.arange(SEQ + 1, device=starts.device)
+def windows(data: torch.Tensor, starts: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = starts[:, None] + torch.arange(seq + 1, device=starts.device)
     w = data[idx].long()
     return w[:, :-1], w[:, 1:]
 
@@ -72,11 +72,11 @@ def next_token_loss(model, x, y) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model, held: torch.Tensor, autocast) -> float:
-    starts = torch.linspace(0, held.numel() - SEQ - 2, EVAL_SEQS, device=held.device).long()
+def evaluate(model, held: torch.Tensor, autocast, seq: int, n: int = EVAL_SEQS) -> float:
+    starts = torch.linspace(0, held.numel() - seq - 2, n, device=held.device).long()
     total = 0.0
     for chunk in starts.split(64):
-        x, y = windows(held, chunk)
+        x, y = windows(held, chunk, seq)
         with autocast():
             total += float(next_token_loss(model, x, y)) * len(chunk)
     return total / len(starts)
@@ -104,8 +104,8 @@ def train_one(entry, seed: int, args, device: str, train: torch.Tensor, held: to
     losses, evals = [], []
     t0 = time.perf_counter()
     for step in range(total):
-        starts = torch.randint(0, train.numel() - SEQ - 2, (BATCH,), generator=gen).to(device)
-        x, y = windows(train, starts)
+        starts = torch.randint(0, train.numel() - args.seq - 2, (args.batch,), generator=gen).to(device)
+        x, y = windows(train, starts, args.seq)
         with autocast():
             loss = next_token_loss(model, x, y)
         loss.backward()
@@ -114,7 +114,7 @@ def train_one(entry, seed: int, args, device: str, train: torch.Tensor, held: to
         sched.step()
         losses.append(loss.detach())
         if (step + 1) % args.eval_every == 0 or step + 1 == total:
-            evals.append([step + 1, evaluate(model, held, autocast)])
+            evals.append([step + 1, evaluate(model, held, autocast, args.seq, args.eval_seqs)])
     wall = time.perf_counter() - t0
     losses = [float(x) for x in torch.stack(losses).cpu()]
     return {
@@ -166,7 +166,7 @@ def report(data: dict) -> str:
     times = [r["wall_s"] for r in data["runs"].values()]
     st = data["settings"]
     lines = [
-        f"{st['num_params']:,} params, {st['steps']} steps, batch {BATCH} x {SEQ}, corpus {st['corpus']}",
+        f"{st['num_params']:,} params, {st['steps']} steps, batch {st['batch']} x {st['seq']}, corpus {st['corpus']}",
         "",
         compare_io.table(["key", "optimizer", "seeds", "held-out loss", "seed range", "gap to A", "in A range"], rows),
         "",
@@ -217,6 +217,9 @@ def main(argv=None) -> int:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--shape", default=DEFAULT_SHAPE)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--eval-seqs", type=int, default=EVAL_SEQS, help="held-out windows per evaluation")
     parser.add_argument("--corpus-limit", type=int, help="use at most this many bytes of each split (tests)")
     parser.add_argument("--budget-s", type=float, help="start no run that would end after this many seconds")
     parser.add_argument("--device", default=None)
@@ -236,8 +239,9 @@ def main(argv=None) -> int:
             "lr": args.lr,
             "shape": args.shape,
             "num_params": shape.num_params(),
-            "batch": BATCH,
-            "seq": SEQ,
+            "batch": args.batch,
+            "seq": args.seq,
+            "eval_seqs": args.eval_seqs,
             "corpus": digest,
             "corpus_bytes": [train.numel(), held.numel()],
             "hparams": {**HPARAMS, "lr": args.lr},
