@@ -39,10 +39,10 @@ Encode, element by element (what the Triton kernel repeats in registers):
 2. ``t = min(|x| * 2**(k - e), qmax**2)`` (exact; inf and NaN saturate).
 3. ``lo = floor(sqrt(t))``, corrected by one either way so that ``lo**2 <= t < (lo + 1)**2``.
 4. Stochastic rounding, unbiased in the value itself: ``q = lo + (u * (2 lo + 1) < t - lo**2)``
-   with ``u = (bits >> 8) * 2**-24``, compared exactly (no rounding anywhere), so CPU and GPU
-   agree bit for bit. Nearest rounding would freeze the EMA (``0.999 * v``
-   rounds back to ``v``); this keeps its decay exact in expectation, and a value on a level
-   (zero included) stays put.
+   with ``u = (bits >> 9) * 2**-23`` (the top 23 bits of the draw), compared exactly (no
+   rounding anywhere), so CPU and GPU agree bit for bit. Nearest rounding would freeze the
+   EMA (``0.999 * v`` rounds back to ``v``); this keeps its decay exact in expectation, and a
+   value on a level (zero included) stays put.
 5. Nonnegative moments: a nonzero ``v`` never becomes 0 (``q = 1`` where ``q = 0 < x``). An
    Adam element with ``m != 0`` and a decoded ``v = 0`` would step by ``m / eps``; rounding
    up errs towards a smaller step. With square levels a single round trip never halves
@@ -192,7 +192,7 @@ class BlockCodec(MomentCodec):
         scales = self.block_scales(mag.amax(dim=1))
         t = mag * self.level_units(scales)[1].unsqueeze(1)
         t = torch.where(t < self.top, t, float(self.top))  # saturate (also inf and NaN)
-        u = ((bits().reshape(-1) >> 8).to(torch.int32)).to(torch.float32) * 2.0**-24
+        u = ((bits().reshape(-1) >> 9).to(torch.int32)).to(torch.float32) * 2.0**-23
         q = self.levels.quantize(t, F.pad(u, (0, pad)).view(nb, self.block))
         if self.signed:
             q = q | (((x < 0) & (q > 0)).to(torch.int32) << (self.state_bits - 1))

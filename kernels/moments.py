@@ -24,6 +24,27 @@ def _pow2(e):
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
 
 
+# Conversions (int <-> float, floor) issue at an eighth of the fp32 rate on the H100/H200, as
+# MUFU does; with four per element and moment they bounded the kernel. Exact bit tricks on
+# the fp32 pipe replace them: 1.5 * 2**23 + x rounds x to an integer kept in the low
+# mantissa bits (|x| < 2**22), and an integer below 2**23 or-ed into 2**23's pattern is
+# 2**23 + i.
+_ROUNDER = tl.constexpr(12582912.0)  # 1.5 * 2**23
+_ROUNDER_BITS = tl.constexpr(0x4B400000)
+
+
+@triton.jit
+def _small_int_to_f32(i):
+    """int32 in [0, 2**23) -> fp32, exactly."""
+    return (i | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _uniform(rbits):
+    """The top 23 bits of a uint32 draw as fp32 in [0, 1): (rbits >> 9) * 2**-23, exactly."""
+    return ((rbits >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
+
+
 @triton.jit
 def _level(q, POWER: tl.constexpr):
     if POWER == 1:
@@ -77,7 +98,7 @@ def load_moment(
         n_blocks = (n_elements + QBLOCK - 1) // QBLOCK
         scales = tl.load(scale_ptr + blocks, mask=blocks < n_blocks, other=127).to(tl.int32)
         e = tl.minimum(tl.maximum(scales - 127, MIN_E), 127)
-        x = _level((codes & QMAX).to(tl.float32), POWER) * _pow2(e - K)[:, None]
+        x = _level(_small_int_to_f32(codes & QMAX), POWER) * _pow2(e - K)[:, None]
         if SIGNED:
             x = tl.where(((codes >> (FMT - 1)) & 1) != 0, -x, x)
     return x
@@ -125,20 +146,22 @@ def store_moment(
         tl.store(scale_ptr + rows + cols * 0, scale_bytes, mask=(cols == 0) & (rows < n_blocks))
         t = mag * _pow2(K - e)[:, None]
         t = tl.where(t < TOP, t, TOP * 1.0)  # saturate (inf and NaN too)
+        # lo with lo**p <= t < (lo + 1)**p: round the (approximate) root to an integer, which is
+        # the floor or one above, then move it by one where the inequality fails (exact checks)
         if POWER == 1:
-            lo = tl.floor(t)
+            lo = (t + _ROUNDER) - _ROUNDER
+            lo += tl.where(t - lo < 0, -1.0, 0.0)
             d = t - lo
             gap = 1.0
         else:
-            lo = tl.floor(tl.sqrt(t))
-            # the root is approximate: move lo by one where lo**2 <= t < (lo + 1)**2 fails
+            lo = (tl.sqrt(t) + _ROUNDER) - _ROUNDER
             d = tl.fma(-lo, lo, t)  # t - lo**2, exact
             lo += tl.where(d < 0, -1.0, tl.where(d >= tl.fma(2.0, lo, 1.0), 1.0, 0.0))
             d = tl.fma(-lo, lo, t)
             gap = tl.fma(2.0, lo, 1.0)  # (lo + 1)**2 - lo**2
         # round up with probability d / gap: u * gap < d, decided exactly by the sign of one fma
-        u = (rbits >> 8).to(tl.int32).to(tl.float32) * (1.0 / 16777216.0)
-        q = lo.to(tl.int32) + (tl.fma(u, gap, -d) < 0).to(tl.int32)
+        up = tl.fma(_uniform(rbits), gap, -d) < 0
+        q = ((lo + _ROUNDER).to(tl.int32, bitcast=True) - _ROUNDER_BITS) + up.to(tl.int32)
         if SIGNED:
             q = q | (((x < 0) & (q > 0)).to(tl.int32) << (FMT - 1))
         else:
