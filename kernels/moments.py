@@ -66,11 +66,18 @@ def tile_offsets(start, NB: tl.constexpr, QBLOCK: tl.constexpr):
 
 
 @triton.jit
+def _pair_offsets(start, NB: tl.constexpr, QBLOCK: tl.constexpr):
+    """Byte offsets of a program's packed 4-bit codes, shaped [blocks, block size / 2]."""
+    return start // 2 + tl.arange(0, NB)[:, None] * (QBLOCK // 2) + tl.arange(0, QBLOCK // 2)[None, :]
+
+
+@triton.jit
 def load_moment(
     ptr,  # fp32 / bf16 values, or uint8 codes
     scale_ptr,  # uint8 E8M0 block scales (FMT 8/4)
     start,  # first element of this program (int64, multiple of the tile)
     n_elements,
+    n_pairs,  # bytes of 4-bit codes: (n_elements + 1) // 2 (an argument, so Triton sees its divisibility)
     FMT: tl.constexpr,
     SIGNED: tl.constexpr,
     POWER: tl.constexpr,
@@ -91,9 +98,10 @@ def load_moment(
     else:
         if FMT == 8:
             codes = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32)
-        else:  # two codes a byte: each lane reads its byte (neighbours share it) and its nibble
-            packed = tl.load(ptr + offs // 2, mask=mask, other=0).to(tl.int32)
-            codes = (packed >> ((offs & 1) * 4).to(tl.int32)) & 0xF
+        else:  # two codes a byte, element 2i in the low nibble: load the bytes, interleave the nibbles
+            pair = _pair_offsets(start, NB, QBLOCK)
+            packed = tl.load(ptr + pair, mask=pair < n_pairs, other=0).to(tl.int32)
+            codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [NB, QBLOCK])
         blocks = start // QBLOCK + tl.arange(0, NB)
         n_blocks = (n_elements + QBLOCK - 1) // QBLOCK
         scales = tl.load(scale_ptr + blocks, mask=blocks < n_blocks, other=127).to(tl.int32)
@@ -112,6 +120,7 @@ def store_moment(
     scale_ptr,
     start,
     n_elements,
+    n_pairs,
     FMT: tl.constexpr,
     SIGNED: tl.constexpr,
     POWER: tl.constexpr,
@@ -170,6 +179,5 @@ def store_moment(
             tl.store(ptr + offs, q.to(tl.uint8), mask=mask)
         else:
             low_nibble, high_nibble = tl.split(tl.reshape(q, [NB, QBLOCK // 2, 2]))
-            pair = start // 2 + tl.arange(0, NB)[:, None] * (QBLOCK // 2) + tl.arange(0, QBLOCK // 2)[None, :]
-            packed = (low_nibble | (high_nibble << 4)).to(tl.uint8)
-            tl.store(ptr + pair, packed, mask=pair < (n_elements + 1) // 2)
+            pair = _pair_offsets(start, NB, QBLOCK)
+            tl.store(ptr + pair, (low_nibble | (high_nibble << 4)).to(tl.uint8), mask=pair < n_pairs)

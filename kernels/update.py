@@ -146,6 +146,7 @@ def _update_kernel(
     step_ptr,  # step count, already advanced by the check kernel
     scratch_ptr,  # the check kernel's words: [2] non-zero: the gradient was not finite
     n_elements,
+    n_pairs,  # (n_elements + 1) // 2: bytes of 4-bit codes
     key_shared,  # host parts of the hash keys (uint32): the word shared by the roundings,
     key_param,  # and the parameter's own word (PARAM_OWN_DRAW)
     lr,
@@ -207,10 +208,10 @@ def _update_kernel(
         step = tl.load(step_ptr)
         p = load_master(param_ptr, corr_ptr, offs, mask, MASTER, PARAM_BF16, CORR_BITS)
         m = load_moment(
-            m_ptr, m_scale_ptr, start, n_elements, M_FMT, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, NB, QBLOCK
+            m_ptr, m_scale_ptr, start, n_elements, n_pairs, M_FMT, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, NB, QBLOCK
         )
         v = load_moment(
-            v_ptr, v_scale_ptr, start, n_elements, V_FMT, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, NB, QBLOCK
+            v_ptr, v_scale_ptr, start, n_elements, n_pairs, V_FMT, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, NB, QBLOCK
         )
         if ALGO == 0:  # AdamW, as torch.optim.AdamW orders it
             step_size = tl.load(scratch_ptr + 3).to(tl.float32, bitcast=True)
@@ -248,6 +249,7 @@ def _update_kernel(
             m_scale_ptr,
             start,
             n_elements,
+            n_pairs,
             M_FMT,
             M_SIGNED,
             M_POWER,
@@ -266,6 +268,7 @@ def _update_kernel(
             v_scale_ptr,
             start,
             n_elements,
+            n_pairs,
             V_FMT,
             V_SIGNED,
             V_POWER,
@@ -391,6 +394,7 @@ def launch_update(
         step,
         scratch,
         n,
+        (n + 1) // 2,
         *keys,
         **args,
         **constexprs,
