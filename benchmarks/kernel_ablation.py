@@ -10,6 +10,9 @@ The time a stage costs is the base time minus the variant's. Variants:
   nohash     the per-element hash returns its input (no fmix32)
   noencode   moments stored as a plain byte cast (no absmax, scale, stochastic rounding)
   nodecode   codes read as plain values (no scale, level or sign)
+  noscale    block scales computed but not stored
+  nosqrt     the level search without the square root (wrong levels, same fix-ups)
+  noround    no stochastic rounding decision (the draw is not used by the moments)
   fastmath   approximate sqrt and division instead of IEEE sqrt_rn / div_rn
   nomaster   parameter written with stochastic rounding instead of head + correction
   floor      all of the above: loads, fp32 math and stores only
@@ -43,9 +46,12 @@ EDITS = {
         )
     ],
     "nodecode": [
-        ("moments.py", "_level((codes & QMAX).to(tl.float32), POWER) * _pow2(e - K)[:, None]", "codes.to(tl.float32)"),
+        ("moments.py", "_level(_small_int_to_f32(codes & QMAX), POWER)", "codes.to(tl.float32)"),
         ("moments.py", "if SIGNED:\n            x =", "if FMT == 99:\n            x ="),
     ],
+    "noscale": [("moments.py", "tl.store(scale_ptr + rows + cols * 0, scale_bytes, mask=", "tl.where(True, 0, ")],
+    "nosqrt": [("moments.py", "lo = (tl.sqrt(t) + _ROUNDER) - _ROUNDER", "lo = (t + _ROUNDER) - _ROUNDER")],
+    "noround": [("moments.py", "up = tl.fma(_uniform(rbits), gap, -d) < 0", "up = d < 0")],
     "fastmath": [("update.py", "tl.sqrt_rn(v)", "tl.sqrt(v)"), ("update.py", "tl.div_rn(m, denom)", "(m / denom)")],
     "nomaster": [("update.py", "mask,\n            MASTER,", "mask,\n            1,")],
 }  # fmt: skip
@@ -82,7 +88,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--variants", default="base,nohash,noencode,nodecode,fastmath,nomaster,floor")
+    default_variants = "base,nohash,noencode,nodecode,noscale,nosqrt,noround,fastmath,nomaster,floor"
+    parser.add_argument("--variants", default=default_variants)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)

@@ -161,7 +161,7 @@ def main(argv=None) -> int:
 
     default_block, default_warps = update.BLOCK, update.NUM_WARPS
     sweep = []
-    for block, warps in ((512, 2), (2048, 4), (2048, 8), (4096, 8)):
+    for block, warps in ((512, 4), (256, 2), (1024, 8), (512, 2)):
         if True:
             update.BLOCK, update.NUM_WARPS = block, warps
             r = bench_config(
