@@ -2,6 +2,7 @@
 # GPU checks and benchmarks, one device call per part. From the repo root on the GPU machine:
 #   bash benchmarks/run_h200.sh PART...     (logs under $OUT)
 # parts: perf     kernel ablation + step bandwidth (benchmarks/kernel_ablation.py, step_bandwidth.py)
+#        bandwidth      step bandwidth only
 #        tests    GPU parity and end-to-end tests (tests/gpu) + the interpreter suite on CUDA tensors
 #        profile  the profiler's CUDA tests
 #        release  release overhead on a ~1B model (benchmarks/release_overhead.py)
@@ -18,6 +19,8 @@ for part in "${@:-perf tests}"; do
   case $part in
     perf)
       python3 benchmarks/kernel_ablation.py --out "$OUT/ablation.json" 2>&1 | tee "$OUT/ablation.log"
+      python3 benchmarks/step_bandwidth.py --out "$OUT/step_bandwidth.json" 2>&1 | tee "$OUT/step_bandwidth.log" ;;
+    bandwidth)
       python3 benchmarks/step_bandwidth.py --out "$OUT/step_bandwidth.json" 2>&1 | tee "$OUT/step_bandwidth.log" ;;
     tests)
       timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu tests/test_kernels.py} 2>&1 \

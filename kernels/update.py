@@ -40,6 +40,7 @@ from fusedopt.kernels.moments import load_moment, store_moment, tile_offsets
 ALGORITHMS = {"adamw": 0, "sgd": 1, "lion": 2}
 BLOCK = 1024  # elements per update program (a multiple of every quantisation block)
 NUM_WARPS = 4
+MAX_REGISTERS = None  # per thread (Triton's maxnreg); None: the compiler's choice
 CHECK_TILE = 2048  # elements per iteration of the finite check
 CHECK_TILES = 8  # iterations per check program (fewer programs: fewer ticket atomics)
 # int32 words of the per-parameter scratch buffer: non-finite flag, ticket, status,
@@ -381,6 +382,7 @@ def launch_update(
         v_fmt,
         BLOCK,
         NUM_WARPS,
+        MAX_REGISTERS,
     )
     _update_kernel[(triton.cdiv(n, BLOCK),)](
         param,
@@ -424,7 +426,7 @@ def _scalar_args(algo, lr, beta1, beta2, eps, weight_decay, momentum, dampening)
 
 @functools.lru_cache(maxsize=1024)
 def _constexprs(
-    algo, dtype, corr_bits, param_own_draw, has_accum, maximize, nesterov, m_fmt, v_fmt, block, num_warps
+    algo, dtype, corr_bits, param_own_draw, has_accum, maximize, nesterov, m_fmt, v_fmt, block, num_warps, maxnreg
 ) -> dict:
     """The compile-time switches of one update configuration (cached: launches happen per parameter)."""
     blocks = {f.block for f in (m_fmt, v_fmt) if f.fmt in (8, 4)}
@@ -446,5 +448,6 @@ def _constexprs(
         NB=block // qblock,
         QBLOCK=qblock,
         num_warps=num_warps,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
         enable_fp_fusion=False,  # the reference rounds every operation; fma only where torch uses one
     )
