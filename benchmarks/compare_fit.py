@@ -1,0 +1,319 @@
+"""Issue 6, part 5: the largest model of the TinyLlama family (d_model 2048, growing depth) that fully
+fine-tunes within a 24 GiB and an 80 GiB memory budget, per optimizer of the line-up.
+
+    python benchmarks/compare_fit.py --budgets 24 --out $OUT/fit.json --budget-s 450
+    python benchmarks/compare_fit.py --budgets 80 --out $OUT/fit.json --budget-s 450
+    python benchmarks/compare_fit.py --budgets-mib 2 --shape d_model=64,heads=2,kv_heads=2,ffn=192,vocab=256 \
+        --seq-len 16 --only B,FO --out fit.json          # CPU smoke test (tensor bytes, no cap)
+
+A trial builds the profiler's embedded Llama-style model (``fusedopt.profiler_models``, preset
+``1b`` with ``layers`` = L; bf16 parameters, fp32 for key A with bf16 autocast), activation
+checkpointing, micro-batch 1 x 1024 random tokens, and runs ``--steps`` full training steps
+with the optimizer; it fits if none runs out of memory while the CUDA caching allocator is
+capped at the budget with ``torch.cuda.set_per_process_memory_fraction`` (the CUDA context and
+library handles are outside the cap: a real card of that size has ~0.5 GiB less). The search
+starts from the depth the planner's byte model predicts, steps out until it brackets the limit,
+then bisects to ``--resolution`` layers. All trials of one optimizer run in one fresh process
+(one JIT / torch.compile per library); memory left allocated between trials is recorded. Results
+merge into ``--out`` per (key, budget); ``--budget-s`` starts no optimizer whose search would
+not finish in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import compare_io
+import torch
+from competitors import select
+
+from fusedopt.profiler_models import PRESETS, TinyLM, parse_shape, random_batch
+from fusedopt.profiler_plan import byte_model
+
+GIB, MIB = 1 << 30, 1 << 20
+BASE = "1b"
+
+
+def family(layers: int, shape_override: str | None = None):
+    base = parse_shape(shape_override, PRESETS[BASE]) if shape_override else PRESETS[BASE]
+    return dataclasses.replace(base, layers=layers)
+
+
+def predicted_layers(config, budget: int, shape_override: str | None, activations: int) -> int:
+    """Depth at which the byte model's peak reaches the budget."""
+    dtype = config.param_dtype(torch.bfloat16)
+    per = byte_model(config.optimizer, config.kwargs, dtype).at_peak
+    one, two = family(1, shape_override).num_params(), family(2, shape_override).num_params()
+    per_layer, fixed = two - one, one - (two - one)
+    return max(1, int((budget - activations - fixed * per) / (per_layer * per)))
+
+
+def largest(fits, guess: int, resolution: int, max_trials: int) -> int:
+    """The largest L with fits(L), searching out from ``guess`` (0 if even one layer fails)."""
+    seen: dict[int, bool] = {}
+
+    def test(layers: int) -> bool:
+        if layers not in seen:
+            seen[layers] = fits(layers)
+        return seen[layers]
+
+    step = max(1, guess // 8)
+    if test(guess):
+        lo, hi = guess, None
+        while hi is None and len(seen) < max_trials:
+            if test(lo + step):
+                lo, step = lo + step, step * 2
+            else:
+                hi = lo + step
+    else:
+        lo, hi = None, guess
+        while lo is None and len(seen) < max_trials:
+            cand = max(1, hi - step)
+            if test(cand):
+                lo = cand
+            elif cand == 1:
+                return 0
+            else:
+                hi, step = cand, step * 2
+    if lo is None or hi is None:
+        return lo or 0
+    while hi - lo > resolution and len(seen) < max_trials:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if test(mid) else (lo, mid)
+    return lo
+
+
+def _tensor_bytes(model, opt, device: str) -> int:
+    """Parameters, gradients and optimizer state held now (the CPU stand-in for an allocator cap)."""
+    from fusedopt.profiler_memory import state_storages
+
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    held += sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    return held + sum(nbytes for _, nbytes in state_storages(opt, torch.device(device)))
+
+
+def trial(entry, layers: int, args, device: str) -> dict:
+    """Build, train ``args.steps`` steps, report whether it ran out of memory and its peak."""
+    config = entry.optimizer_config()
+    shape = family(layers, args.shape)
+    out = {"layers": layers, "params": shape.num_params()}
+    cuda = device == "cuda"
+    model = opt = batch = loss = None
+    try:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        model = TinyLM(shape, checkpointing=True, device=device, dtype=config.param_dtype(torch.bfloat16))
+        opt = config.build(model.parameters(), model=model, device_type=device)
+        gen = torch.Generator(device=device).manual_seed(0)
+        for _ in range(args.steps):
+            batch = random_batch(shape.vocab, 1, args.seq_len, device, gen)
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=config.autocast is not None):
+                loss = model(*batch)
+            loss.backward()
+            loss = None
+            held = _tensor_bytes(model, opt, device) if not cuda else 0
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if not cuda:
+                out["peak"] = max(out.get("peak", 0), held, _tensor_bytes(model, opt, device))
+        if cuda:
+            torch.cuda.synchronize()
+            out["peak"] = torch.cuda.max_memory_allocated() - args._baseline
+            out["ok"] = True
+        else:  # no cap on CPU: parameters + gradients + optimizer state against the budget (smoke tests)
+            out["ok"] = out["peak"] <= args._budget
+    except torch.OutOfMemoryError:
+        out.update(ok=False, error="out of memory")
+    except RuntimeError as exc:
+        if "out of memory" not in str(exc).lower():
+            raise
+        out.update(ok=False, error="out of memory")
+    finally:
+        if hasattr(opt, "remove_hooks"):
+            opt.remove_hooks()
+        model = opt = batch = loss = None
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+            out["left_allocated"] = torch.cuda.memory_allocated() - args._baseline
+    print(
+        f"    L={layers:4d} ({out['params'] / 1e9:.2f}B): {'fits' if out['ok'] else out.get('error', 'over')}",
+        flush=True,
+    )
+    return out
+
+
+def worker(args) -> int:
+    """All budgets for one line-up key, in this process; writes JSON to args.worker_out."""
+    entry = select(args.only, "fit")[0]
+    device = args.device
+    results = {}
+    for budget in args._budgets:
+        args._budget = budget
+        if device == "cuda":
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
+            args._baseline = torch.cuda.memory_allocated()
+        config = entry.optimizer_config()
+        activations = args.activations_gib * GIB if device == "cuda" else 0
+        guess = predicted_layers(config, budget, args.shape, activations)
+        resolution = args.resolution or max(1, guess // 50)
+        trials: list[dict] = []
+        t0 = time.perf_counter()
+
+        def fits(layers: int, trials=trials) -> bool:
+            trials.append(trial(entry, layers, args, device))
+            return trials[-1]["ok"]
+
+        best = largest(fits, guess, resolution, args.max_trials)
+        fitting = [t for t in trials if t["ok"] and t["layers"] == best]
+        results[str(budget)] = {
+            "budget_bytes": budget,
+            "layers": best,
+            "params": family(best, args.shape).num_params() if best else 0,
+            "peak_at_largest": fitting[0]["peak"] if fitting else None,
+            "predicted_layers": guess,
+            "resolution": resolution,
+            "trials": trials,
+            "seconds": time.perf_counter() - t0,
+        }
+    with open(args.worker_out, "w") as f:
+        json.dump(results, f)
+    return 0
+
+
+def report(data: dict) -> str:
+    budgets = sorted({b for r in data["rows"].values() for b in r.get("budgets", {})}, key=int)
+    unit = GIB if data["settings"]["device"] == "cuda" else MIB
+    headers = ["key", "optimizer"] + [f"{int(b) / unit:.0f} {'GiB' if unit == GIB else 'MiB'}" for b in budgets]
+    rows, missing = [], []
+    for key, r in data["rows"].items():
+        if not r.get("ok"):
+            missing.append(f"  {key} ({r['label']}): {r.get('error')}")
+            continue
+        cells = []
+        for b in budgets:
+            x = r["budgets"].get(b)
+            cells.append("-" if x is None else f"{x['layers']} layers, {x['params'] / 1e9:.2f}B")
+        rows.append([key, r["label"]] + cells)
+    lines = [f"largest depth that trains (d_model {family(1, data['settings']['shape']).d_model})", ""]
+    lines.append(compare_io.table(headers, rows))
+    if missing:
+        lines += ["", "Not measured:"] + missing
+    return "\n".join(lines)
+
+
+def plot(data: dict, path: str) -> str | None:
+    plt = compare_io.pyplot()
+    if plt is None:
+        return "matplotlib not installed"
+    rows = [(k, r) for k, r in data["rows"].items() if r.get("ok")]
+    budgets = sorted({b for _, r in rows for b in r["budgets"]}, key=int)
+    if not rows or not budgets:
+        return "no results"
+    fig, ax = plt.subplots(figsize=(max(7, 0.7 * len(rows) + 2), 4.5))
+    width = 0.8 / len(budgets)
+    unit = GIB if data["settings"]["device"] == "cuda" else MIB
+    for j, b in enumerate(budgets):
+        xs = [i + (j - (len(budgets) - 1) / 2) * width for i in range(len(rows))]
+        ys = [r["budgets"].get(b, {}).get("params", 0) / 1e9 for _, r in rows]
+        ax.bar(xs, ys, width, label=f"{int(b) / unit:.0f} {'GiB' if unit == GIB else 'MiB'} budget")
+    ax.set_xticks(range(len(rows)), [k for k, _ in rows])
+    ax.set_ylabel("largest trainable model, billion parameters")
+    ax.set_title("full fine-tuning, activation checkpointing, micro-batch 1 x 1024")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated line-up keys (default: the part's line-up)")
+    parser.add_argument("--budgets", default="24,80", help="memory budgets in GiB (CUDA)")
+    parser.add_argument("--budgets-mib", help="memory budgets in MiB (CPU smoke tests: tensor bytes, no cap)")
+    parser.add_argument("--shape", help="override of the 1b shape (depth is searched), e.g. for CPU smoke tests")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=3, help="training steps a trial must complete")
+    parser.add_argument("--resolution", type=int, help="stop bisecting at this many layers (default 2%% of guess)")
+    parser.add_argument("--max-trials", type=int, default=10)
+    parser.add_argument("--activations-gib", type=float, default=1.0, help="assumed non-parameter memory")
+    parser.add_argument("--budget-s", type=float, help="start no optimizer that would end after this many seconds")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--out", default="out/compare/fit.json")
+    parser.add_argument("--plot", help="bar chart PNG (default: --out with .png)")
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.budgets_mib:
+        args._budgets = [int(float(b) * MIB) for b in args.budgets_mib.split(",")]
+    else:
+        args._budgets = [int(float(b) * GIB) for b in args.budgets.split(",")]
+    args._baseline = 0
+    if args.worker_out:
+        return worker(args)
+    t_start = time.perf_counter()
+    data = compare_io.load(args.out)
+    settings = {"device": args.device, "shape": args.shape, "seq_len": args.seq_len, "steps": args.steps}
+    if data.get("settings") != settings:
+        data = {"settings": settings, "rows": {}}
+    data["env"] = compare_io.environment()
+    times = [r["seconds"] for r in data["rows"].values() if r.get("seconds")]
+    for entry in select(args.only, "fit"):
+        row = data["rows"].setdefault(entry.key, {"key": entry.key, "label": entry.label, "budgets": {}})
+        todo = [b for b in args._budgets if str(b) not in row.get("budgets", {})]
+        if not todo:
+            continue
+        why = entry.unavailable(args.device)
+        if why:
+            row.update(ok=False, error=why)
+            print(f"[{entry.key}] skipped: {why}", flush=True)
+            continue
+        guess = (max(times) if times else 0) * len(todo) / max(1, len(args._budgets))
+        if args.budget_s and time.perf_counter() - t_start + guess > args.budget_s:
+            print(f"[{entry.key}] not started: about {guess:.0f} s would pass --budget-s", flush=True)
+            continue
+        print(f"[{entry.key}] {entry.label}", flush=True)
+        with tempfile.TemporaryDirectory(prefix="fit-") as tmp:
+            path = os.path.join(tmp, "out.json")
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker-out", path, "--only", entry.key]
+            cmd += ["--device", args.device, "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
+            cmd += ["--max-trials", str(args.max_trials), "--activations-gib", str(args.activations_gib)]
+            if args.budgets_mib:
+                cmd += ["--budgets-mib", ",".join(str(b / MIB) for b in todo)]
+            else:
+                cmd += ["--budgets", ",".join(str(b / GIB) for b in todo)]
+            for flag, value in (("--shape", args.shape), ("--resolution", args.resolution)):
+                if value is not None:
+                    cmd += [flag, str(value)]
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd)
+            seconds = time.perf_counter() - t0
+            if os.path.exists(path):
+                with open(path) as f:
+                    row["budgets"].update(json.load(f))
+                row.update(ok=True, seconds=seconds)
+            else:
+                row.update(ok=False, error=f"worker exit code {proc.returncode}")
+        times.append(seconds)
+        compare_io.save(args.out, data)
+    compare_io.save(args.out, data)
+    print(report(data))
+    plot_path = args.plot or args.out.rsplit(".", 1)[0] + ".png"
+    why_not = plot(data, plot_path)
+    print(f"plot: {plot_path}" if why_not is None else f"plot: not written ({why_not})")
+    return 0 if all(math.isfinite(t) for t in times) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
