@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import compare_io
 import torch
@@ -154,6 +155,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, help="steps per configuration (default: 12 in regime a, 8 in b)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--redo", action="store_true", help="measure keys already in --out again")
+    parser.add_argument("--budget-s", type=float, help="start no configuration that would end after this many seconds")
     parser.add_argument("--out", default="out/compare/memory.json")
     parser.add_argument("--plot", help="bar chart PNG (default: --out with .png)")
     args = parser.parse_args(argv)
@@ -179,6 +181,7 @@ def main(argv=None) -> int:
         data = {"settings": settings, "rows": {}}  # another model or regime: start over
     data["env"] = compare_io.environment()
     rows = data.setdefault("rows", {})
+    t_start, spent = time.perf_counter(), []
     for entry in entries:
         if entry.key in rows and rows[entry.key]["ok"] and not args.redo:
             print(f"[{entry.key}] already measured in {args.out}", file=sys.stderr)
@@ -189,6 +192,11 @@ def main(argv=None) -> int:
             rows[entry.key] = {"key": entry.key, "label": entry.label, "ok": False, "error": why}
             compare_io.save(args.out, data)
             continue
+        guess = 1.2 * max(spent or [0.0])
+        if args.budget_s and time.perf_counter() - t_start + guess > args.budget_s:
+            print(f"[{entry.key}] not started: about {guess:.0f} s would pass --budget-s", file=sys.stderr)
+            continue
+        t0 = time.perf_counter()
         profile = run_profile(
             spec,
             [entry.optimizer_config()],
@@ -204,6 +212,7 @@ def main(argv=None) -> int:
         rows[entry.key] = summarize(entry.key, entry, profile.results[0])
         rows[entry.key]["raw"] = profile.results[0]
         compare_io.save(args.out, data)
+        spent.append(time.perf_counter() - t0)
     print(report(data))
     plot_path = args.plot or os.path.splitext(args.out)[0] + ".png"
     why_not = plot(data, plot_path)

@@ -2,8 +2,15 @@
 scratch on Python's standard-library source with every optimizer of the line-up; final held-out
 loss, loss curves, and the gap to fp32 AdamW (key A) against A's seed-to-seed spread.
 
-    python benchmarks/compare_quality.py --out $OUT/quality.json --only A,FO --seeds 0,1,2 --budget-s 450
-    python benchmarks/compare_quality.py --out q.json --steps 20 --shape layers=2,d_model=64,heads=2 --only A,FO
+    python benchmarks/compare_quality.py --out $OUT/quality.json --parallel 6 --budget-s 450   # GPU, resumes
+    python benchmarks/compare_quality.py --out q.json --steps 20 --batch 4 --seq 32 --eval-seqs 16 \
+        --shape layers=2,d_model=64,heads=2,ffn=192 --corpus-limit 2000000 --only A,FO,D     # CPU smoke
+
+By default A (fp32 AdamW) and FO (fusedopt's default) run seeds 0, 1, 2 and every other key
+seed 0; runs go in seed order, so an interrupted sitting has the one-seed comparison first.
+``--parallel N`` trains N runs at once in worker processes: the model is small and a run is
+host-bound, so the GPU has room (wall times then include the sharing: compare step times from
+part 3, not from here).
 
 Resumable and sliced: each (key, seed) run is appended to ``--out`` when it ends and skipped when
 it is there already, and ``--budget-s`` starts no run that the time already spent per run says
@@ -24,11 +31,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 import zlib
 
@@ -208,10 +218,87 @@ def plot(data: dict, path: str) -> str | None:
     return None
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _settings_argv(args) -> list[str]:
+    """The command-line options that define a run, for a worker process."""
+    argv = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", repr(args.lr)]
+    argv += ["--eval-every", str(args.eval_every), "--shape", args.shape, "--batch", str(args.batch)]
+    argv += ["--seq", str(args.seq), "--eval-seqs", str(args.eval_seqs), "--device", args.device]
+    return argv + (["--corpus-limit", str(args.corpus_limit)] if args.corpus_limit else [])
+
+
+def _record(data: dict, run: dict, out: str) -> None:
+    data["runs"][f"{run['key']}/{run['seed']}"] = run
+    compare_io.save(out, data)
+    print(f"[{run['key']}/{run['seed']}] held-out {run['final_eval']:.4f}, {run['wall_s']:.0f} s", flush=True)
+
+
+def _estimate(data: dict, key: str) -> float:
+    done = [r["wall_s"] for r in data["runs"].values() if r["key"] == key]
+    return max(done or [r["wall_s"] for r in data["runs"].values()] or [0.0])
+
+
+def run_all(todo, args, device, data, t_start, train, held) -> None:
+    """Run the (entry, seed) pairs, ``--parallel`` at a time (worker processes sharing the GPU)."""
+
+    def over_budget(entry) -> bool:
+        guess = 1.2 * _estimate(data, entry.key)
+        if args.budget_s and time.perf_counter() - t_start + guess > args.budget_s:
+            print(f"[{entry.key}] not started: about {guess:.0f} s would pass --budget-s", flush=True)
+            return True
+        return False
+
+    if args.parallel <= 1:
+        train, held = train.to(device), held.to(device)
+        for entry, seed in todo:
+            if not over_budget(entry):
+                _record(data, train_one(entry, seed, args, device, train, held), args.out)
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+        return
+    running = []
+    with tempfile.TemporaryDirectory(prefix="quality-") as tmp:
+        queue = list(todo)
+        while queue or running:
+            while queue and len(running) < args.parallel:
+                entry, seed = queue.pop(0)
+                if over_budget(entry):
+                    continue
+                path = os.path.join(tmp, f"{entry.key}-{seed}.json")
+                cmd = [sys.executable, os.path.abspath(__file__), "--worker-run", f"{entry.key}/{seed}"]
+                cmd += ["--worker-out", path] + _settings_argv(args)
+                running.append((subprocess.Popen(cmd), path, f"{entry.key}/{seed}"))
+            time.sleep(0.5)
+            for item in [r for r in running if r[0].poll() is not None]:
+                running.remove(item)
+                proc, path, name = item
+                if os.path.exists(path):
+                    with open(path) as f:
+                        _record(data, json.load(f), args.out)
+                else:
+                    print(f"[{name}] worker failed (exit code {proc.returncode})", flush=True)
+
+
+def worker(args) -> int:
+    key, seed = args.worker_run.split("/")
+    train, held, _ = corpus(args.corpus_limit)
+    entry = select(key, "quality")[0]
+    run = train_one(entry, int(seed), args, args.device, train.to(args.device), held.to(args.device))
+    with open(args.worker_out, "w") as f:
+        json.dump(run, f)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated line-up keys (default: the part's line-up)")
-    parser.add_argument("--seeds", default="0", help="comma-separated seeds, e.g. 0,1,2")
+    parser.add_argument("--seeds", default="0", help="seeds of every key, comma-separated (default 0)")
+    parser.add_argument("--multi-seed-keys", default="A,FO", help="keys run with --multi-seeds (default A,FO)")
+    parser.add_argument("--multi-seeds", default="0,1,2", help="their seeds (default 0,1,2)")
+    parser.add_argument("--parallel", type=int, default=1, help="runs at a time, in worker processes")
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -226,9 +313,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="out/compare/quality.json")
     parser.add_argument("--plot", help="loss-curve PNG (default: --out with .png)")
     parser.add_argument("--report", action="store_true", help="only print the table and plot of --out")
+    parser.add_argument("--worker-run", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     t_start = time.perf_counter()
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.worker_run:
+        return worker(args)
     data = compare_io.load(args.out)
     if not args.report:
         train, held, digest = corpus(args.corpus_limit)
@@ -253,29 +344,19 @@ def main(argv=None) -> int:
         data.setdefault("settings", settings)
         data.setdefault("runs", {})
         data.setdefault("env", compare_io.environment())
-        train, held = train.to(device), held.to(device)
-        seeds = [int(s) for s in args.seeds.split(",")]
-        for entry in select(args.only, "quality"):
-            for seed in seeds:
-                name = f"{entry.key}/{seed}"
-                if name in data["runs"]:
-                    continue
-                why = entry.unavailable(device)
-                if why:
-                    print(f"[{name}] skipped: {why}", flush=True)
-                    data.setdefault("skipped", {})[entry.key] = why
-                    break
-                done = [r["wall_s"] for r in data["runs"].values() if r["key"] == entry.key]
-                guess = max(done) if done else max([r["wall_s"] for r in data["runs"].values()] or [0])
-                if args.budget_s and time.perf_counter() - t_start + 1.2 * guess > args.budget_s:
-                    print(f"[{name}] not started: about {guess:.0f} s would pass --budget-s", flush=True)
-                    continue
-                run = train_one(entry, seed, args, device, train, held)
-                data["runs"][name] = run
-                compare_io.save(args.out, data)
-                print(f"[{name}] held-out {run['final_eval']:.4f}, {run['wall_s']:.0f} s", flush=True)
-                if device == "cuda":
-                    torch.cuda.empty_cache()
+        todo = []
+        for seed in sorted({*_ints(args.seeds), *_ints(args.multi_seeds)}):
+            for entry in select(args.only, "quality"):
+                wanted = _ints(args.multi_seeds) if entry.key in args.multi_seed_keys.split(",") else _ints(args.seeds)
+                if seed in wanted and f"{entry.key}/{seed}" not in data["runs"]:
+                    why = entry.unavailable(device)
+                    if why:
+                        data.setdefault("skipped", {})[entry.key] = why
+                    else:
+                        todo.append((entry, seed))
+        for key, why in data.get("skipped", {}).items():
+            print(f"[{key}] skipped: {why}", flush=True)
+        run_all(todo, args, device, data, t_start, train, held)
     if not data.get("runs"):
         print("no runs yet")
         return 0

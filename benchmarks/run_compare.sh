@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Issue 6 head-to-head benchmarks, one device call per part. From the repo root on the GPU machine,
+# with the competitor wheels carried in benchmarks/wheels/ (bash benchmarks/fetch_wheels.sh here):
+#   bash benchmarks/run_compare.sh PART          (results, plots and logs under $OUT)
+# parts (estimated H200 time; each stays under ~8 min or stops cleanly and resumes):
+#   1a  memory + step time, 1.1B TinyLlama shape, checkpointing, micro-batch 1 x 1024   (~6 min)
+#   1b  the same at batch 4 x 1024 without checkpointing                               (~6 min)
+#       (part 3, end-to-end step time, is the step-time table of 1a and 1b)
+#   2   optimizer step over 1.07e9 elements against a copy                             (~3 min)
+#   4   training quality, 2000 steps of a 26M byte-level model, several runs at once   (~8 min a call, 2-3 calls)
+#   5a  largest trainable depth in 24 GiB                                              (~8 min a call, 1-2 calls)
+#   5b  largest trainable depth in 80 GiB                                              (~8 min a call, 2 calls)
+# Resuming: a part whose results file exists in benchmarks/results/issue6/ (committed from an
+# earlier call's $OUT) continues from it: copy $OUT/NAME.json there after each call.
+# ONLY=A,FO,...  narrows a part to some line-up keys; EXTRA='...' adds arguments to its script.
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PREV=benchmarks/results/issue6
+BUDGET_S=${BUDGET_S:-450}
+python3 -m pip install -q --no-deps --no-index benchmarks/wheels/*.whl > "$OUT/install.log" 2>&1 \
+  || echo "competitor wheels not (all) installed: see $OUT/install.log; those competitors are reported as skipped"
+python3 -m pip install -q --no-deps --no-build-isolation -e . >> "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  git log -1 --format='commit %H %cd' 2>/dev/null
+  python3 benchmarks/competitors.py
+} 2>&1 | tee "$OUT/env.txt"
+
+resume() {  # resume NAME: start $OUT/NAME.json from the committed one, if any
+  if [ -f "$PREV/$1.json" ] && [ ! -f "$OUT/$1.json" ]; then cp "$PREV/$1.json" "$OUT/$1.json"; fi
+}
+only=${ONLY:+--only $ONLY}
+for part in "$@"; do
+  case $part in
+    1a|1b)
+      resume "memory_${part:1}"
+      python3 benchmarks/compare_memory.py --regime "${part:1}" $only --budget-s "$BUDGET_S" \
+        --out "$OUT/memory_${part:1}.json" ${EXTRA:-} 2>&1 | tee "$OUT/memory_${part:1}.log" | grep -v '^  \[' ;;
+    2)
+      python3 benchmarks/compare_step.py $only --out "$OUT/step.json" ${EXTRA:-} 2>&1 | tee "$OUT/step.log" ;;
+    4)
+      resume quality
+      python3 benchmarks/compare_quality.py $only --parallel ${PARALLEL:-6} --budget-s "$BUDGET_S" \
+        --out "$OUT/quality.json" ${EXTRA:-} 2>&1 | tee "$OUT/quality.log" ;;
+    5a|5b)
+      resume fit
+      budget=$([ "$part" = 5a ] && echo 24 || echo 80)
+      python3 benchmarks/compare_fit.py --budgets "$budget" $only --budget-s "$BUDGET_S" --out "$OUT/fit.json" \
+        ${EXTRA:-} 2>&1 | tee "$OUT/fit_$part.log" ;;
+    *) echo "unknown part: $part (1a 1b 2 4 5a 5b)"; exit 2 ;;
+  esac
+done
