@@ -108,13 +108,14 @@ def test_small_model_trains_alike_on_gpu_and_cpu():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).to(torch.bfloat16)
     gen = torch.Generator().manual_seed(2)
-    data = [(torch.randn(32, 64, generator=gen), torch.randn(32, 64, generator=gen)) for _ in range(50)]
+    teacher = torch.randn(64, 64, generator=gen) / 8  # a learnable target: y = x @ teacher
+    data = [(x, x @ teacher) for x in (torch.randn(32, 64, generator=gen) for _ in range(8))]
     losses = {}
     for device in ("cpu", "cuda"):
         m = copy.deepcopy(model).to(device)
         opt = fusedopt.AdamW(m.parameters(), lr=3e-3, fused=True)
         curve = []
-        for x, y in data:
+        for x, y in (data[i % len(data)] for i in range(50)):
             loss = torch.nn.functional.mse_loss(m(x.to(device, torch.bfloat16)).float(), y.to(device))
             loss.backward()
             opt.step()
