@@ -159,11 +159,15 @@ class OptimizerConfig:
         """Why this configuration cannot run on ``device_type`` (a library missing, CUDA needed), or None."""
         return self.competitor.missing(device_type) if self.competitor is not None else None
 
-    def check(self, device_type: str = "cpu") -> str | None:
-        """One update of a small tensor: raise UserError for bad options; a message if it cannot run."""
-        why = self.unavailable(device_type)
-        if why or (self.competitor is not None and self.competitor.cuda_only):
-            return why
+    def check(self) -> str | None:
+        """One update of a small tensor: raise UserError for bad options; a message if it cannot run.
+
+        Another library's optimizer is only constructed (no trial step: some compile for a minute),
+        and not even that when it needs CUDA (see :meth:`unavailable` for the device)."""
+        if self.competitor is not None:
+            why = self.competitor.missing("cuda")
+            if why or self.competitor.cuda_only:
+                return why
         model = torch.nn.Linear(128, 64, bias=False)
         try:
             opt = self.build(model.parameters(), model=model, device_type="cpu")
@@ -172,7 +176,7 @@ class OptimizerConfig:
         except (TypeError, ValueError, RuntimeError) as exc:
             raise UserError(f"optimizer configuration {self.label}: {exc}") from None
         if self.competitor is not None:
-            return None  # constructed: options accepted (no trial step: some compile for a minute)
+            return None  # constructed: options accepted
         try:
             if hasattr(opt, "remove_hooks"):
                 opt.remove_hooks()
@@ -230,7 +234,9 @@ def parse_config(text: str) -> OptimizerConfig:
     """
     name, _, args = text.strip().partition(":")
     name = _ALIASES.get(name.strip().lower(), name.strip())
-    match = next((o for o in OPTIMIZERS if o.lower() == name.lower()), None)
+    match = next((o for o in _BUILTIN if o.lower() == name.lower()), None)
+    if match is None and lookup_competitor(name) is not None:
+        match = lookup_competitor(name).name
     if match is None:
         raise UserError(f"unknown optimizer {name!r} in --config {text!r} (choose from {', '.join(OPTIMIZERS)})")
     kwargs = {}
@@ -602,7 +608,8 @@ def run_profile(
         "isolation": "fresh process per configuration" if isolate else "in-process, one after another",
         "torch": torch.__version__,
     }
-    missing = {config.label: config.check(torch_device.type) for config in configs}  # bad options: UserError
+    # what cannot run here, and why; bad options raise UserError here
+    missing = {config.label: config.unavailable(torch_device.type) or config.check() for config in configs}
     if torch_device.type == "cpu":
         import psutil
 

@@ -1,0 +1,149 @@
+"""The issue-6 comparison harness on CPU: competitor configurations in the profiler, the torch
+"optimizer in backward" pattern, and the benchmark scripts' pure logic (line-up, search,
+quality summary). None of this needs the competitor libraries installed."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+import fusedopt.profile
+from fusedopt.profile import parse_config
+from fusedopt.profiler_competitors import COMPETITORS, Competitor, torch_adamw_in_backward
+from fusedopt.profiler_memory import state_storages, state_tensors
+from fusedopt.profiler_models import UserError
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import compare_fit  # noqa: E402
+import compare_quality  # noqa: E402
+import competitors  # noqa: E402
+
+
+def test_competitor_configs_parse_with_loop_options():
+    config = parse_config("flashoptim.flashadamw:release=True,lr=1e-4")
+    assert config.optimizer == "flashoptim.FlashAdamW" and config.release
+    assert config.constructor_kwargs == {"lr": 1e-4}
+    a = parse_config("torch:fused=True,autocast='bf16'")
+    assert a.autocast == "bf16" and not a.release and a.param_dtype(torch.bfloat16) == torch.float32
+    for bad, words in [
+        ("fusedopt:release=True", "fused=True"),
+        ("turboadam.TurboAdam:release=True", "no gradient release"),
+        ("torch:autocast='fp8'", "autocast must be"),
+        ("nosuch.Adam", "unknown optimizer"),
+    ]:
+        with pytest.raises(UserError, match=words):
+            parse_config(bad)
+
+
+def test_missing_library_is_reported_not_raised(monkeypatch):
+    ghost = Competitor("ghost.AdamW", "no_such_module_fusedopt_test", "ghost-optim", None, "test entry")
+    monkeypatch.setitem(COMPETITORS, "ghost.AdamW", ghost)
+    monkeypatch.setattr("fusedopt.profiler_competitors._BY_LOWER", {**{k.lower(): k for k in COMPETITORS}})
+    assert ghost.missing("cpu") == "not installed: pip install ghost-optim"
+    report = fusedopt.profile.run_profile(
+        "tiny", ["ghost.AdamW"], device="cpu", seq_len=8, steps=1, isolate=False, progress=False
+    )
+    (result,) = report.results
+    assert not result["ok"] and result["error_kind"] == "unavailable" and "pip install ghost-optim" in result["error"]
+    flash = COMPETITORS["flashoptim.FlashAdamW"]
+    assert flash.missing("cpu") in ("flashoptim needs a CUDA device", "not installed: pip install flashoptim")
+
+
+def _tiny_model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(dtype)
+
+
+def test_optimizer_in_backward_equals_torch_adamw_and_follows_the_schedule():
+    ref, hooked = _tiny_model(), _tiny_model()
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    opt_ref = torch.optim.AdamW(ref.parameters(), foreach=False, **kw)
+    opt = torch_adamw_in_backward(hooked.parameters(), {**kw, "fused": False})
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (opt_ref, opt)]
+    x = torch.randn(5, 8)
+    for _ in range(4):
+        ref(x).square().mean().backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        hooked(x).square().mean().backward()
+        assert all(p.grad is None for p in hooked.parameters())  # released inside backward
+        opt.step()
+        for s in scheds:
+            s.step()
+    for a, b in zip(ref.parameters(), hooked.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert len(opt.state) == 4 and all("exp_avg" in s for s in opt.state.values())
+    opt.remove_hooks()
+
+
+def test_profiler_runs_autocast_and_release_configs():
+    report = fusedopt.profile.run_profile(
+        "tiny",
+        ["torch:autocast='bf16'", "torch:release=True,foreach=False"],
+        device="cpu",
+        dtype="bf16",
+        seq_len=16,
+        steps=2,
+        isolate=False,
+        allocator_pass=False,
+        timeline=False,
+        progress=False,
+    )
+    autocast, release = report.results
+    assert autocast["ok"] and release["ok"], report.results
+    assert autocast["dtype"] == "fp32" and autocast["autocast"] == "bf16"
+    assert release["release"] and release["memory"]["persistent_breakdown"]["categories"]["gradients"] == 0
+    n = release["num_params"]
+    assert release["state_bytes"] == pytest.approx(4 * n, rel=0.01)  # bf16 moments
+    assert autocast["state_bytes"] == pytest.approx(8 * n, rel=0.01)  # fp32 moments
+
+
+def test_state_tensors_reach_nested_and_skip_parameters():
+    p = torch.nn.Parameter(torch.zeros(4))
+
+    class FakeOpt:
+        state = {p: {"ustate": {"codes": torch.zeros(8, dtype=torch.uint8)}, "group": {"params": [p]}, "step": 3}}
+
+    names = [(k, t.numel()) for k, t in state_tensors(FakeOpt)]
+    assert names == [("ustate", 8)]
+    assert sum(n for _, n in state_storages(FakeOpt, torch.device("cpu"))) == 8
+
+
+def test_lineup_parses_and_parts_are_consistent():
+    assert len({e.key for e in competitors.LINEUP}) == len(competitors.LINEUP)
+    for entry in competitors.LINEUP:
+        config = entry.optimizer_config()
+        assert config.kwargs["lr"] == competitors.HPARAMS["lr"]
+        assert entry.step_bytes is None or not config.release  # release configs have no separate step
+    for part, keys in competitors.PARTS.items():
+        assert set(keys) <= set(competitors.BY_KEY), part
+    assert competitors.BY_KEY["FO"].step_bytes == 12.25  # 2 grad + 4 param + 2 corr + 4 moments + 0.25 scales
+    with pytest.raises(SystemExit):
+        competitors.select("A,NOPE", "memory")
+
+
+@pytest.mark.parametrize("limit", [0, 1, 7, 40, 97, 300])
+def test_fit_search_finds_the_largest_depth(limit):
+    trials = []
+
+    def fits(layers):
+        trials.append(layers)
+        return layers <= limit
+
+    assert compare_fit.largest(fits, guess=50, resolution=1, max_trials=40) == limit
+    assert len(trials) <= 25
+
+
+def test_quality_summary_gap_and_spread():
+    runs = {
+        "A/0": {"key": "A", "seed": 0, "ok": True, "final_eval": 1.00},
+        "A/1": {"key": "A", "seed": 1, "ok": True, "final_eval": 1.02},
+        "FO/0": {"key": "FO", "seed": 0, "ok": True, "final_eval": 1.015},
+        "B/0": {"key": "B", "seed": 0, "ok": True, "final_eval": 1.05},
+    }
+    s = compare_quality.summary({"runs": runs})
+    assert s["A"]["mean"] == pytest.approx(1.01) and s["A"]["std"] is not None
+    assert s["FO"]["gap"] == pytest.approx(0.005) and s["FO"]["within_ref_spread"]
+    assert s["B"]["gap_pct"] == pytest.approx(100 * 0.04 / 1.01) and not s["B"]["within_ref_spread"]
