@@ -195,10 +195,9 @@ def report(data: dict) -> str:
     budgets = sorted({b for r in data["rows"].values() for b in r.get("budgets", {})}, key=int)
     unit = GIB if data["settings"]["device"] == "cuda" else MIB
     headers = ["key", "optimizer"] + [f"{int(b) / unit:.0f} {'GiB' if unit == GIB else 'MiB'}" for b in budgets]
-    rows, missing = [], []
+    rows = []
     for key, r in data["rows"].items():
         if not r.get("ok"):
-            missing.append(f"  {key} ({r['label']}): {r.get('error')}")
             continue
         cells = []
         for b in budgets:
@@ -207,16 +206,12 @@ def report(data: dict) -> str:
         rows.append([key, r["label"]] + cells)
     lines = [f"largest depth that trains (d_model {family(1, data['settings']['shape']).d_model})", ""]
     lines.append(compare_io.table(headers, rows))
-    if missing:
-        lines += ["", "Not measured:"] + missing
-    return "\n".join(lines)
+    return "\n".join(lines + compare_io.not_measured(data))
 
 
-def plot(data: dict, path: str) -> str | None:
-    plt = compare_io.pyplot()
-    if plt is None:
-        return "matplotlib not installed"
-    rows = [(k, r) for k, r in data["rows"].items() if r.get("ok")]
+def plot(plt, data: dict):
+    """The figure, or why there is none."""
+    rows = compare_io.ok_rows(data)
     budgets = sorted({b for _, r in rows for b in r["budgets"]}, key=int)
     if not rows or not budgets:
         return "no results"
@@ -231,10 +226,7 @@ def plot(data: dict, path: str) -> str | None:
     ax.set_ylabel("largest trainable model, billion parameters")
     ax.set_title("full fine-tuning, activation checkpointing, micro-batch 1 x 1024")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return None
+    return fig
 
 
 def main(argv=None) -> int:
@@ -308,10 +300,7 @@ def main(argv=None) -> int:
         times.append(seconds)
         compare_io.save(args.out, data)
     compare_io.save(args.out, data)
-    print(report(data))
-    plot_path = args.plot or args.out.rsplit(".", 1)[0] + ".png"
-    why_not = plot(data, plot_path)
-    print(f"plot: {plot_path}" if why_not is None else f"plot: not written ({why_not})")
+    compare_io.finish(report(data), plot, data, args.out, args.plot)
     return 0 if all(math.isfinite(t) for t in times) else 1
 
 

@@ -60,3 +60,27 @@ def pyplot():
 
 def fmt(value, spec: str = ".2f", missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
+
+
+def ok_rows(data: dict) -> list[tuple[str, dict]]:
+    return [(k, r) for k, r in data.get("rows", {}).items() if r.get("ok")]
+
+
+def not_measured(data: dict) -> list[str]:
+    bad = [(k, r) for k, r in data.get("rows", {}).items() if not r.get("ok")]
+    return ["", "Not measured:"] + [f"  {k} ({r['label']}): {r.get('error')}" for k, r in bad] if bad else []
+
+
+def finish(text: str, plot, data: dict, out: str, plot_path: str | None) -> None:
+    """Print the report, then save ``plot(plt, data)`` (a figure, or why there is none) next to ``out``."""
+    print(text)
+    path = plot_path or os.path.splitext(out)[0] + ".png"
+    plt = pyplot()
+    fig = "matplotlib not installed" if plt is None else plot(plt, data)
+    if isinstance(fig, str):
+        print(f"plot: not written ({fig})")
+        return
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"plot: {path}")

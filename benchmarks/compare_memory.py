@@ -81,10 +81,9 @@ def report(data: dict) -> str:
     rows = data.get("rows", {})
     ref = rows.get(REFERENCE) if rows.get(REFERENCE, {}).get("ok") else None
     unit, scale = ("GiB", GIB) if data["settings"]["device"].startswith("cuda") else ("MiB", 1 << 20)
-    mem, speed, missing = [], [], []
+    mem, speed = [], []
     for key, r in rows.items():
-        if not r["ok"]:
-            missing.append(f"  {key} ({r['label']}): {r.get('error')}")
+        if not r.get("ok"):
             continue
         ratio = {k: f"{r[k] / ref[k]:.2f}" if ref else "-" for k in ("peak", "persistent")}
         n = r["num_params"]
@@ -108,16 +107,12 @@ def report(data: dict) -> str:
         "Step time (part 3): median of the timed steps after 2 warm-up steps and the tracked step",
         compare_io.table(["key", "optimizer", "step ms", "tokens/s"], speed),
     ]
-    if missing:
-        lines += ["", "Not measured:"] + missing
-    return "\n".join(lines)
+    return "\n".join(lines + compare_io.not_measured(data))
 
 
-def plot(data: dict, path: str) -> str | None:
-    plt = compare_io.pyplot()
-    if plt is None:
-        return "matplotlib not installed"
-    rows = [(k, r) for k, r in data["rows"].items() if r["ok"]]
+def plot(plt, data: dict):
+    """The figure, or why there is none."""
+    rows = compare_io.ok_rows(data)
     if not rows:
         return "no successful configuration"
     ref = data["rows"].get(REFERENCE)
@@ -137,10 +132,7 @@ def plot(data: dict, path: str) -> str | None:
     ax.set_title(f"{s['num_params'] / 1e9:.2f}B params, batch {s['batch']} x {s['seq_len']}, {s['regime_desc']}")
     ax.legend()
     fig.text(0.01, 0.01, "numbers above bars: peak / peak of A (torch AdamW, fp32 params + bf16 autocast)", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return None
+    return fig
 
 
 def main(argv=None) -> int:
@@ -213,10 +205,7 @@ def main(argv=None) -> int:
         rows[entry.key]["raw"] = profile.results[0]
         compare_io.save(args.out, data)
         spent.append(time.perf_counter() - t0)
-    print(report(data))
-    plot_path = args.plot or os.path.splitext(args.out)[0] + ".png"
-    why_not = plot(data, plot_path)
-    print(f"plot: {plot_path}" if why_not is None else f"plot: not written ({why_not})")
+    compare_io.finish(report(data), plot, data, args.out, args.plot)
     return 0
 
 

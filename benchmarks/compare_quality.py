@@ -185,10 +185,8 @@ def report(data: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(data: dict, path: str) -> str | None:
-    plt = compare_io.pyplot()
-    if plt is None:
-        return "matplotlib not installed"
+def plot(plt, data: dict):
+    """The figure, or why there is none."""
     runs = sorted(data["runs"].values(), key=lambda r: (r["key"], r["seed"]))
     if not runs:
         return "no runs"
@@ -212,10 +210,7 @@ def plot(data: dict, path: str) -> str | None:
     lo, hi = min(finals), max(finals)
     zoom.set_ylim(lo - 0.02, hi + 0.1 + 0.5 * (hi - lo))
     zoom.set_title("held-out loss (zoomed on the end)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return None
+    return fig
 
 
 def _ints(text: str) -> list[int]:
@@ -284,6 +279,7 @@ def run_all(todo, args, device, data, t_start, train, held) -> None:
 
 def worker(args) -> int:
     key, seed = args.worker_run.split("/")
+    torch.set_num_threads(2)  # several workers share the host's cores
     train, held, _ = corpus(args.corpus_limit)
     entry = select(key, "quality")[0]
     run = train_one(entry, int(seed), args, args.device, train.to(args.device), held.to(args.device))
@@ -360,10 +356,7 @@ def main(argv=None) -> int:
     if not data.get("runs"):
         print("no runs yet")
         return 0
-    print(report(data))
-    plot_path = args.plot or args.out.rsplit(".", 1)[0] + ".png"
-    why_not = plot(data, plot_path)
-    print(f"plot: {plot_path}" if why_not is None else f"plot: not written ({why_not})")
+    compare_io.finish(report(data), plot, data, args.out, args.plot)
     return 0
 
 

@@ -90,10 +90,9 @@ def bench(entry, device: str, shape, n_tensors: int, warmup: int, reps: int) -> 
 
 def report(data: dict) -> str:
     rows, copy = data["rows"], data["copy_GBps"]
-    body, missing = [], []
+    body = []
     for key, r in rows.items():
-        if not r["ok"]:
-            missing.append(f"  {key} ({r['label']}): {r['error']}")
+        if not r.get("ok"):
             continue
         ideal = r["bytes_per_element"] * r["elements"] / copy / 1e6
         transient = compare_io.fmt(r.get("transient_bytes", None) and r["transient_bytes"] / (1 << 30), ".2f")
@@ -105,16 +104,12 @@ def report(data: dict) -> str:
     head = f"{s['elements']:,} elements ({s['tensors']} x {s['shape']}), {s['device']}; copy {copy:.0f} GB/s"
     headers = ["key", "optimizer", "params", "ms / step", "bytes/elem", "GB/s", "% of copy", "ms at copy BW"]
     lines = [head, "", compare_io.table(headers + ["transient GiB"], body)]
-    if missing:
-        lines += ["", "Not measured:"] + missing
-    return "\n".join(lines)
+    return "\n".join(lines + compare_io.not_measured(data))
 
 
-def plot(data: dict, path: str) -> str | None:
-    plt = compare_io.pyplot()
-    if plt is None:
-        return "matplotlib not installed"
-    rows = [(k, r) for k, r in data["rows"].items() if r["ok"]]
+def plot(plt, data: dict):
+    """The figure, or why there is none."""
+    rows = compare_io.ok_rows(data)
     if not rows:
         return "no successful configuration"
     fig, ax = plt.subplots(figsize=(max(7, 0.6 * len(rows) + 2), 4.5))
@@ -128,10 +123,7 @@ def plot(data: dict, path: str) -> str | None:
         f"optimizer step, {data['settings']['elements'] / 1e9:.2f}e9 elements, copy {data['copy_GBps']:.0f} GB/s"
     )
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return None
+    return fig
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -169,10 +161,7 @@ def main(argv=None) -> int:
         r = data["rows"][entry.key]
         print(f"[{entry.key}] " + (f"{r['ms']:.3f} ms, {r['GBps']:.0f} GB/s" if r["ok"] else r["error"]), flush=True)
         compare_io.save(args.out, data)
-    print(report(data))
-    plot_path = args.plot or args.out.rsplit(".", 1)[0] + ".png"
-    why_not = plot(data, plot_path)
-    print(f"plot: {plot_path}" if why_not is None else f"plot: not written ({why_not})")
+    compare_io.finish(report(data), plot, data, args.out, args.plot)
     return 0
 
 
