@@ -147,3 +147,15 @@ def test_quality_summary_gap_and_spread():
     assert s["A"]["mean"] == pytest.approx(1.01) and s["A"]["std"] is not None
     assert s["FO"]["gap"] == pytest.approx(0.005) and s["FO"]["within_ref_spread"]
     assert s["B"]["gap_pct"] == pytest.approx(100 * 0.04 / 1.01) and not s["B"]["within_ref_spread"]
+
+
+def test_frontier_gives_release_configs_the_loss_of_their_plain_twin():
+    import compare_report
+
+    memory = {"rows": {k: {"ok": True, "peak": p} for k, p in {"A": 16, "G": 6, "FOR": 5, "FO": 7}.items()}}
+    runs = {f"{k}/0": {"key": k, "seed": 0, "ok": True, "final_eval": x} for k, x in {"A": 1.0, "F": 1.01}.items()}
+    runs["FO/0"] = {"key": "FO", "seed": 0, "ok": True, "final_eval": 1.005}
+    points = compare_report.frontier_points(memory, {"runs": runs})
+    assert points == {"A": (16, 1.0), "G": (6, 1.01), "FOR": (5, 1.005), "FO": (7, 1.005)}
+    lines = compare_report.check_targets(memory, {"runs": runs}, None)
+    assert any(line.startswith("frontier: G") and "dominated by FOR" in line for line in lines)
