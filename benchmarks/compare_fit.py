@@ -242,10 +242,11 @@ def main(argv=None) -> int:
     parser.add_argument("--activations-gib", type=float, default=1.0, help="assumed non-parameter memory")
     parser.add_argument("--budget-s", type=float, help="start no optimizer that would end after this many seconds")
     parser.add_argument("--device", default=None)
-    parser.add_argument("--out", default="out/compare/fit.json")
-    parser.add_argument("--plot", help="bar chart PNG (default: --out with .png)")
+    compare_io.output_args(parser, "out/compare/fit.json", "bar chart")
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if compare_io.report_only(args, report, plot):
+        return 0
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.budgets_mib:
         args._budgets = [int(float(b) * MIB) for b in args.budgets_mib.split(",")]

@@ -84,3 +84,17 @@ def finish(text: str, plot, data: dict, out: str, plot_path: str | None) -> None
     fig.savefig(path, dpi=120)
     plt.close(fig)
     print(f"plot: {path}")
+
+
+def output_args(parser, out: str, what: str) -> None:
+    parser.add_argument("--out", default=out, help=f"results JSON (default {out})")
+    parser.add_argument("--plot", help=f"{what} PNG (default: --out with .png)")
+    parser.add_argument("--report", action="store_true", help="only print the table and plot of --out")
+
+
+def report_only(args, report, plot) -> bool:
+    """With --report: table and plot from an earlier run's JSON (e.g. where matplotlib is installed)."""
+    if args.report:
+        data = load(args.out)
+        finish(report(data), plot, data, args.out, args.plot)
+    return args.report

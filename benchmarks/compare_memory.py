@@ -148,9 +148,10 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default=None)
     parser.add_argument("--redo", action="store_true", help="measure keys already in --out again")
     parser.add_argument("--budget-s", type=float, help="start no configuration that would end after this many seconds")
-    parser.add_argument("--out", default="out/compare/memory.json")
-    parser.add_argument("--plot", help="bar chart PNG (default: --out with .png)")
+    compare_io.output_args(parser, "out/compare/memory.json", "bar chart")
     args = parser.parse_args(argv)
+    if compare_io.report_only(args, report, plot):
+        return 0
     regime = dict(REGIMES[args.regime])
     for name in ("batch", "seq_len", "steps"):
         if getattr(args, name) is not None:

@@ -306,9 +306,7 @@ def main(argv=None) -> int:
     parser.add_argument("--corpus-limit", type=int, help="use at most this many bytes of each split (tests)")
     parser.add_argument("--budget-s", type=float, help="start no run that would end after this many seconds")
     parser.add_argument("--device", default=None)
-    parser.add_argument("--out", default="out/compare/quality.json")
-    parser.add_argument("--plot", help="loss-curve PNG (default: --out with .png)")
-    parser.add_argument("--report", action="store_true", help="only print the table and plot of --out")
+    compare_io.output_args(parser, "out/compare/quality.json", "loss-curve")
     parser.add_argument("--worker-run", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -316,43 +314,44 @@ def main(argv=None) -> int:
     device = args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.worker_run:
         return worker(args)
+    if compare_io.report_only(args, report, plot):
+        return 0
     data = compare_io.load(args.out)
-    if not args.report:
-        train, held, digest = corpus(args.corpus_limit)
-        shape = parse_shape(args.shape, PRESETS["tiny"])
-        settings = {
-            "steps": args.steps,
-            "warmup": args.warmup,
-            "lr": args.lr,
-            "shape": args.shape,
-            "num_params": shape.num_params(),
-            "batch": args.batch,
-            "seq": args.seq,
-            "eval_seqs": args.eval_seqs,
-            "corpus": digest,
-            "corpus_bytes": [train.numel(), held.numel()],
-            "hparams": {**HPARAMS, "lr": args.lr},
-        }
-        if data and data.get("settings") != settings:
-            print(f"error: {args.out} holds runs of other settings or another corpus:", file=sys.stderr)
-            print(f"  there: {data.get('settings')}\n  here:  {settings}", file=sys.stderr)
-            return 2
-        data.setdefault("settings", settings)
-        data.setdefault("runs", {})
-        data.setdefault("env", compare_io.environment())
-        todo = []
-        for seed in sorted({*_ints(args.seeds), *_ints(args.multi_seeds)}):
-            for entry in select(args.only, "quality"):
-                wanted = _ints(args.multi_seeds) if entry.key in args.multi_seed_keys.split(",") else _ints(args.seeds)
-                if seed in wanted and f"{entry.key}/{seed}" not in data["runs"]:
-                    why = entry.unavailable(device)
-                    if why:
-                        data.setdefault("skipped", {})[entry.key] = why
-                    else:
-                        todo.append((entry, seed))
-        for key, why in data.get("skipped", {}).items():
-            print(f"[{key}] skipped: {why}", flush=True)
-        run_all(todo, args, device, data, t_start, train, held)
+    train, held, digest = corpus(args.corpus_limit)
+    shape = parse_shape(args.shape, PRESETS["tiny"])
+    settings = {
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "lr": args.lr,
+        "shape": args.shape,
+        "num_params": shape.num_params(),
+        "batch": args.batch,
+        "seq": args.seq,
+        "eval_seqs": args.eval_seqs,
+        "corpus": digest,
+        "corpus_bytes": [train.numel(), held.numel()],
+        "hparams": {**HPARAMS, "lr": args.lr},
+    }
+    if data and data.get("settings") != settings:
+        print(f"error: {args.out} holds runs of other settings or another corpus:", file=sys.stderr)
+        print(f"  there: {data.get('settings')}\n  here:  {settings}", file=sys.stderr)
+        return 2
+    data.setdefault("settings", settings)
+    data.setdefault("runs", {})
+    data.setdefault("env", compare_io.environment())
+    todo = []
+    for seed in sorted({*_ints(args.seeds), *_ints(args.multi_seeds)}):
+        for entry in select(args.only, "quality"):
+            wanted = _ints(args.multi_seeds) if entry.key in args.multi_seed_keys.split(",") else _ints(args.seeds)
+            if seed in wanted and f"{entry.key}/{seed}" not in data["runs"]:
+                why = entry.unavailable(device)
+                if why:
+                    data.setdefault("skipped", {})[entry.key] = why
+                else:
+                    todo.append((entry, seed))
+    for key, why in data.get("skipped", {}).items():
+        print(f"[{key}] skipped: {why}", flush=True)
+    run_all(todo, args, device, data, t_start, train, held)
     if not data.get("runs"):
         print("no runs yet")
         return 0

@@ -139,9 +139,10 @@ def main(argv=None) -> int:
     parser.add_argument("--tensors", type=int, help="number of tensors (default 8 on CUDA)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--out", default="out/compare/step.json")
-    parser.add_argument("--plot", help="bar chart PNG (default: --out with .png)")
+    compare_io.output_args(parser, "out/compare/step.json", "bar chart")
     args = parser.parse_args(argv)
+    if compare_io.report_only(args, report, plot):
+        return 0
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     small = device != "cuda"
     shape = args.shape or ((256, 512) if small else SHAPE)

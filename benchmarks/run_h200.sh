@@ -19,7 +19,7 @@ for part in "${@:-perf tests}"; do
   case $part in
     perf)
       python3 benchmarks/kernel_ablation.py --out "$OUT/ablation.json" 2>&1 | tee "$OUT/ablation.log"
-      python3 benchmarks/step_bandwidth.py --out "$OUT/step_bandwidth.json" 2>&1 | tee "$OUT/step_bandwidth.log" ;;
+      python3 benchmarks/step_bandwidth.py --sweep --out "$OUT/step_bandwidth.json" 2>&1 | tee "$OUT/step_bandwidth.log" ;;
     bandwidth)
       python3 benchmarks/step_bandwidth.py --out "$OUT/step_bandwidth.json" 2>&1 | tee "$OUT/step_bandwidth.log" ;;
     tests)

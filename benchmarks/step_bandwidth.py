@@ -121,6 +121,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--sweep", action="store_true", help="also time other tile sizes, warps and register caps")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -161,7 +162,8 @@ def main(argv=None) -> int:
 
     defaults = update.BLOCK, update.NUM_WARPS, update.MAX_REGISTERS
     sweep = []
-    for block, warps, maxnreg in ((512, 4, None), (512, 2, None), (1024, 4, 64), (1024, 4, 72), (2048, 8, 64)):
+    variants = ((512, 4, None), (512, 2, None), (1024, 4, 64), (1024, 4, 72), (2048, 8, 64)) if args.sweep else ()
+    for block, warps, maxnreg in variants:
         update.BLOCK, update.NUM_WARPS, update.MAX_REGISTERS = block, warps, maxnreg
         name = f"default, BLOCK={block}, warps={warps}, maxnreg={maxnreg}"
         try:

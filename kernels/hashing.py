@@ -1,7 +1,7 @@
 """Counter-based hash in Triton, bit-identical to the PyTorch reference ``fusedopt.rng``.
 
 Same key layout as the reference (see its docstring): the host part arrives as one uint32
-scalar, the step is loaded from its device tensor, the element index is the row-major
+scalar, the step is loaded from its device tensor by the caller, the element index is the row-major
 int64 offset. Native uint32 arithmetic wraps modulo 2**32, which the reference emulates.
 """
 
@@ -22,10 +22,9 @@ def fmix32(h):
 
 
 @triton.jit
-def step_hash(key, step_ptr):
-    """Fold the parameter's step count (a 0-d tensor in memory) into the host key."""
-    step = tl.load(step_ptr).to(tl.int64).to(tl.uint32)
-    return fmix32(step ^ key.to(tl.uint32))
+def step_hash(key, step):
+    """Fold the parameter's step count (the fp32 value loaded from its 0-d tensor) into the host key."""
+    return fmix32(step.to(tl.int64).to(tl.uint32) ^ key.to(tl.uint32))
 
 
 @triton.jit
@@ -52,7 +51,7 @@ def _uniform_bits_kernel(
     pid = tl.program_id(0).to(tl.int64)
     local = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = local < n_elements
-    bits = element_bits(step_hash(key, step_ptr), local + first)
+    bits = element_bits(step_hash(key, tl.load(step_ptr)), local + first)
     tl.store(out_ptr + local, bits.to(tl.int64), mask=mask)
 
 

@@ -131,14 +131,16 @@ def store_moment(
     TOP: tl.constexpr,  # largest level, QMAX**POWER
     NB: tl.constexpr,
     QBLOCK: tl.constexpr,
+    status,  # the check kernel's status: non-zero stores nothing (the update is skipped)
 ):
     offs = tile_offsets(start, NB, QBLOCK)
+    commit = (tl.zeros([NB, QBLOCK], tl.int32) + status) == 0  # a tile: the interpreter rejects scalar masks
     mask = offs < n_elements
     if FMT == 32:
-        tl.store(ptr + offs, x, mask=mask)
+        tl.store(ptr + offs, x, mask=mask & commit)
     elif FMT == 16:
         pattern = (x.to(tl.int32, bitcast=True) + (rbits >> 16).to(tl.int32)) & -65536
-        tl.store(ptr + offs, pattern.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)
+        tl.store(ptr + offs, pattern.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask & commit)
     elif FMT != 0:
         x = tl.where(mask, x, 0.0)
         mag = tl.abs(x)
@@ -152,7 +154,7 @@ def store_moment(
         cols = tl.arange(0, QBLOCK)[None, :]
         n_blocks = (n_elements + QBLOCK - 1) // QBLOCK
         scale_bytes = (e + 127).to(tl.uint8)[:, None] + tl.zeros([NB, QBLOCK], dtype=tl.uint8)
-        tl.store(scale_ptr + rows + cols * 0, scale_bytes, mask=(cols == 0) & (rows < n_blocks))
+        tl.store(scale_ptr + rows + cols * 0, scale_bytes, mask=(cols == 0) & (rows < n_blocks) & commit)
         t = mag * _pow2(K - e)[:, None]
         t = tl.where(t < TOP, t, TOP * 1.0)  # saturate (inf and NaN too)
         # lo with lo**p <= t < (lo + 1)**p: round the (approximate) root to an integer, which is
@@ -176,8 +178,9 @@ def store_moment(
         else:
             q = tl.where((q == 0) & (x > 0), 1, q)
         if FMT == 8:
-            tl.store(ptr + offs, q.to(tl.uint8), mask=mask)
+            tl.store(ptr + offs, q.to(tl.uint8), mask=mask & commit)
         else:
             low_nibble, high_nibble = tl.split(tl.reshape(q, [NB, QBLOCK // 2, 2]))
             pair = _pair_offsets(start, NB, QBLOCK)
-            tl.store(ptr + pair, (low_nibble | (high_nibble << 4)).to(tl.uint8), mask=pair < n_pairs)
+            pair_commit = (tl.zeros([NB, QBLOCK // 2], tl.int32) + status) == 0
+            tl.store(ptr + pair, (low_nibble | (high_nibble << 4)).to(tl.uint8), mask=(pair < n_pairs) & pair_commit)

@@ -10,7 +10,7 @@ Two kernels per parameter update:
 2. ``_update_kernel`` reads gradient, parameter (and correction) and the encoded moments,
    applies AdamW / SGD / Lion in fp32 registers exactly as ``fusedopt.reference`` orders the
    operations, writes the parameter and re-encodes the moments (new block scales included).
-   If the status says the gradient was not finite, every program returns at once.
+   If the status says the gradient was not finite, nothing is stored.
 
 Per-step scalars (lr, betas, the step count, bias corrections) are runtime values: changing
 them never recompiles. The step count lives in device memory; the bias corrections are
@@ -74,6 +74,12 @@ NO_MOMENT = MomentFormat(0)
 def _as_f32(x):
     """A runtime scalar argument as an fp32 tensor (a Python float in the interpreter)."""
     return x + tl.zeros([], tl.float32)
+
+
+@triton.jit
+def _ok(status, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """The check kernel's status as a [ROWS, COLS] store mask (True: the update is committed)."""
+    return (tl.zeros([ROWS, COLS], tl.int32) + status) == 0  # a tile: the interpreter rejects scalar masks
 
 
 @triton.jit
@@ -187,116 +193,123 @@ def _update_kernel(
     QBLOCK: tl.constexpr,  # elements per quantisation block (the tile's row)
     INDEX_64: tl.constexpr,  # element offsets need 64 bits
 ):
-    if tl.load(scratch_ptr + 2) == 0:
-        # fp32 scalars everywhere (the interpreter would otherwise compute with Python doubles)
-        lr, beta1, beta2, eps, decay = _as_f32(lr), _as_f32(beta1), _as_f32(beta2), _as_f32(eps), _as_f32(decay)
-        weight_decay, lerp_weight, one_minus_beta2 = (
-            _as_f32(weight_decay),
-            _as_f32(lerp_weight),
-            _as_f32(one_minus_beta2),
-        )
-        if INDEX_64:
-            start = tl.program_id(0).to(tl.int64) * (NB * QBLOCK)
-        else:  # 32-bit address arithmetic is cheaper; used below 2**31 elements
-            start = tl.program_id(0) * (NB * QBLOCK)
-        offs = tile_offsets(start, NB, QBLOCK)
-        mask = offs < n_elements
-        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_ACCUM:
-            g += tl.load(accum_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if MAXIMIZE:
-            g = -g
-        step = tl.load(step_ptr)
-        p = load_master(param_ptr, corr_ptr, offs, mask, MASTER, PARAM_BF16, CORR_BITS)
-        m = load_moment(
-            m_ptr, m_scale_ptr, start, n_elements, n_pairs, M_FMT, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, NB, QBLOCK
-        )
-        v = load_moment(
-            v_ptr, v_scale_ptr, start, n_elements, n_pairs, V_FMT, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, NB, QBLOCK
-        )
-        if ALGO == 0:  # AdamW, as torch.optim.AdamW orders it
-            step_size = tl.load(scratch_ptr + 3).to(tl.float32, bitcast=True)
-            inv_bias_correction2_sqrt = tl.load(scratch_ptr + 4).to(tl.float32, bitcast=True)
-            # torch.lerp: fma(w, g - m, m), or g - (g - m) * (1 - w) for w >= 0.5
-            if lerp_weight < 0.5:
-                m = tl.fma(lerp_weight, g - m, m)
-            else:
-                m = tl.fma(-(g - m), 1.0 - lerp_weight, g)
-            v = tl.fma(one_minus_beta2 * g, g, v * beta2)  # torch.addcmul
-            p = p * decay
-            denom = tl.sqrt_rn(v) * inv_bias_correction2_sqrt + eps
-            p = p - tl.div_rn(m, denom) * step_size
-        elif ALGO == 1:  # SGD, as torch.optim.SGD (torch.add(x, y, alpha=a) is fma(a, y, x))
-            d = tl.fma(weight_decay, p, g)
-            if M_FMT != 0:
-                m = tl.where(step == 1.0, d, tl.fma(lerp_weight, d, m * beta1))
-                if NESTEROV:
-                    d = tl.fma(beta1, m, d)
-                else:
-                    d = m
-            p = tl.fma(-lr, d, p)
-        else:  # Lion
-            c = m * beta1 + g * lerp_weight
-            direction = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
-            p = tl.fma(-lr, direction, p * decay)
-            m = tl.fma(one_minus_beta2, g, m * beta2)
-        # One hash per element feeds every rounding (fields as in fusedopt.rng: moment i takes
-        # 12 bits from the top down, a bf16 + int8 parameter the low 8); each reads its top bits.
-        shared = element_bits(step_hash(key_shared, step_ptr), offs)
-        store_moment(
-            m,
-            (shared >> 20) << 20,
-            m_ptr,
-            m_scale_ptr,
-            start,
-            n_elements,
-            n_pairs,
-            M_FMT,
-            M_SIGNED,
-            M_POWER,
-            M_QMAX,
-            M_K,
-            M_MIN_E,
-            M_THR,
-            M_TOP,
-            NB,
-            QBLOCK,
-        )
-        store_moment(
-            v,
-            ((shared << 12) >> 20) << 20,
-            v_ptr,
-            v_scale_ptr,
-            start,
-            n_elements,
-            n_pairs,
-            V_FMT,
-            V_SIGNED,
-            V_POWER,
-            V_QMAX,
-            V_K,
-            V_MIN_E,
-            V_THR,
-            V_TOP,
-            NB,
-            QBLOCK,
-        )
-        if PARAM_OWN_DRAW:
-            param_bits = element_bits(step_hash(key_param, step_ptr), offs)
+    # A non-finite gradient (the check kernel's status) only masks the stores: branching on it
+    # would hold every program for one memory round trip before its loads could start.
+    status = tl.load(scratch_ptr + 2)
+    # fp32 scalars everywhere (the interpreter would otherwise compute with Python doubles)
+    lr, beta1, beta2, eps, decay = _as_f32(lr), _as_f32(beta1), _as_f32(beta2), _as_f32(eps), _as_f32(decay)
+    weight_decay, lerp_weight, one_minus_beta2 = (
+        _as_f32(weight_decay),
+        _as_f32(lerp_weight),
+        _as_f32(one_minus_beta2),
+    )
+    if INDEX_64:
+        start = tl.program_id(0).to(tl.int64) * (NB * QBLOCK)
+    else:  # 32-bit address arithmetic is cheaper; used below 2**31 elements
+        start = tl.program_id(0) * (NB * QBLOCK)
+    offs = tile_offsets(start, NB, QBLOCK)
+    mask = offs < n_elements
+    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ACCUM:
+        g += tl.load(accum_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if MAXIMIZE:
+        g = -g
+    step = tl.load(step_ptr)
+    p = load_master(param_ptr, corr_ptr, offs, mask, MASTER, PARAM_BF16, CORR_BITS)
+    m = load_moment(
+        m_ptr, m_scale_ptr, start, n_elements, n_pairs, M_FMT, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, NB, QBLOCK
+    )
+    v = load_moment(
+        v_ptr, v_scale_ptr, start, n_elements, n_pairs, V_FMT, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, NB, QBLOCK
+    )
+    step_size = tl.load(scratch_ptr + 3).to(tl.float32, bitcast=True)  # AdamW's bias corrections
+    inv_bias_correction2_sqrt = tl.load(scratch_ptr + 4).to(tl.float32, bitcast=True)
+    # Issue every load before any arithmetic: the compiler would otherwise sink some next to
+    # their first use, and each program would wait for memory more than once.
+    tl.debug_barrier()
+    if ALGO == 0:  # AdamW, as torch.optim.AdamW orders it
+        # torch.lerp: fma(w, g - m, m), or g - (g - m) * (1 - w) for w >= 0.5
+        if lerp_weight < 0.5:
+            m = tl.fma(lerp_weight, g - m, m)
         else:
-            param_bits = shared << 24
-        store_master(
-            p,
-            param_bits,
-            param_ptr,
-            corr_ptr,
-            offs,
-            mask,
-            MASTER,
-            PARAM_BF16,
-            CORR_BITS,
-            STOCHASTIC_MASTER,
-        )
+            m = tl.fma(-(g - m), 1.0 - lerp_weight, g)
+        v = tl.fma(one_minus_beta2 * g, g, v * beta2)  # torch.addcmul
+        p = p * decay
+        denom = tl.sqrt_rn(v) * inv_bias_correction2_sqrt + eps
+        p = p - tl.div_rn(m, denom) * step_size
+    elif ALGO == 1:  # SGD, as torch.optim.SGD (torch.add(x, y, alpha=a) is fma(a, y, x))
+        d = tl.fma(weight_decay, p, g)
+        if M_FMT != 0:
+            m = tl.where(step == 1.0, d, tl.fma(lerp_weight, d, m * beta1))
+            if NESTEROV:
+                d = tl.fma(beta1, m, d)
+            else:
+                d = m
+        p = tl.fma(-lr, d, p)
+    else:  # Lion
+        c = m * beta1 + g * lerp_weight
+        direction = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
+        p = tl.fma(-lr, direction, p * decay)
+        m = tl.fma(one_minus_beta2, g, m * beta2)
+    # One hash per element feeds every rounding (fields as in fusedopt.rng: moment i takes
+    # 12 bits from the top down, a bf16 + int8 parameter the low 8); each reads its top bits.
+    shared = element_bits(step_hash(key_shared, step), offs)
+    store_moment(
+        m,
+        (shared >> 20) << 20,
+        m_ptr,
+        m_scale_ptr,
+        start,
+        n_elements,
+        n_pairs,
+        M_FMT,
+        M_SIGNED,
+        M_POWER,
+        M_QMAX,
+        M_K,
+        M_MIN_E,
+        M_THR,
+        M_TOP,
+        NB,
+        QBLOCK,
+        status,
+    )
+    store_moment(
+        v,
+        ((shared << 12) >> 20) << 20,
+        v_ptr,
+        v_scale_ptr,
+        start,
+        n_elements,
+        n_pairs,
+        V_FMT,
+        V_SIGNED,
+        V_POWER,
+        V_QMAX,
+        V_K,
+        V_MIN_E,
+        V_THR,
+        V_TOP,
+        NB,
+        QBLOCK,
+        status,
+    )
+    if PARAM_OWN_DRAW:
+        param_bits = element_bits(step_hash(key_param, step), offs)
+    else:
+        param_bits = shared << 24
+    store_master(
+        p,
+        param_bits,
+        param_ptr,
+        corr_ptr,
+        offs,
+        mask & _ok(status, NB, QBLOCK),
+        MASTER,
+        PARAM_BF16,
+        CORR_BITS,
+        STOCHASTIC_MASTER,
+    )
 
 
 @functools.lru_cache(maxsize=1024)
