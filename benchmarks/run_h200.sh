@@ -30,9 +30,9 @@ for part in "${@:-perf tests}"; do
     release)
       python3 benchmarks/release_overhead.py --out "$OUT/release_overhead.json" 2>&1 | tee "$OUT/release_overhead.log" ;;
     examples)
-      python3 examples/finetune_lowvram.py --steps ${EXAMPLE_STEPS:-60} --out /tmp/ex_lowvram \
+      timeout 120 python3 examples/finetune_lowvram.py --steps ${EXAMPLE_STEPS:-60} --out /tmp/ex_lowvram \
         --summary-json "$OUT/example_lowvram.json" 2>&1 | tail -30 | tee "$OUT/example_lowvram.log"
-      python3 examples/finetune_hf.py --steps ${EXAMPLE_STEPS:-60} 2>&1 | tail -30 | tee "$OUT/example_hf.log" ;;
+      timeout 120 python3 examples/finetune_hf.py --steps ${EXAMPLE_STEPS:-60} 2>&1 | tail -30 | tee "$OUT/example_hf.log" ;;
     *) echo "unknown part: $part"; exit 2 ;;
   esac
 done
