@@ -170,8 +170,10 @@ def main(argv=None) -> int:
         "seq_len": regime["seq_len"],
         "steps": regime["steps"],
     }
-    if data.get("settings", {}) | {"steps": None} != settings | {"steps": None}:
+    same = ("regime", "num_params", "batch", "seq_len")  # not the model's path: it differs between machines
+    if any(data.get("settings", {}).get(k) != settings[k] for k in same):
         data = {"settings": settings, "rows": {}}  # another model or regime: start over
+    data["settings"] = settings
     data["env"] = compare_io.environment()
     rows = data.setdefault("rows", {})
     t_start, spent = time.perf_counter(), []
