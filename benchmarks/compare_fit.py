@@ -9,7 +9,8 @@ fine-tunes within a 24 GiB and an 80 GiB memory budget, per optimizer of the lin
 A trial builds the profiler's embedded Llama-style model (``fusedopt.profiler_models``, preset
 ``1b`` with ``layers`` = L; bf16 parameters, fp32 for key A with bf16 autocast), activation
 checkpointing, micro-batch 1 x 1024 random tokens, and runs ``--steps`` full training steps
-with the optimizer; it fits if none runs out of memory while the CUDA caching allocator is
+with the optimizer (default 2: the second runs with the state and the gradients alive); it fits
+if none runs out of memory while the CUDA caching allocator is
 capped at the budget with ``torch.cuda.set_per_process_memory_fraction`` (the CUDA context and
 library handles are outside the cap: a real card of that size has ~0.5 GiB less). The search
 starts from the depth the planner's byte model predicts, steps out until it brackets the limit,
@@ -236,7 +237,7 @@ def main(argv=None) -> int:
     parser.add_argument("--budgets-mib", help="memory budgets in MiB (CPU smoke tests: tensor bytes, no cap)")
     parser.add_argument("--shape", help="override of the 1b shape (depth is searched), e.g. for CPU smoke tests")
     parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=3, help="training steps a trial must complete")
+    parser.add_argument("--steps", type=int, default=2, help="steps a trial must complete (default 2)")
     parser.add_argument("--resolution", type=int, help="stop bisecting at this many layers (default 2%% of guess)")
     parser.add_argument("--max-trials", type=int, default=10)
     parser.add_argument("--activations-gib", type=float, default=1.0, help="assumed non-parameter memory")

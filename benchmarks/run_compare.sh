@@ -2,14 +2,18 @@
 # Issue 6 head-to-head benchmarks, one device call per part. From the repo root on the GPU machine,
 # with the competitor wheels carried in benchmarks/wheels/ (bash benchmarks/fetch_wheels.sh here):
 #   bash benchmarks/run_compare.sh PART          (results, plots and logs under $OUT)
-# parts (estimated H200 time; each stays under ~8 min or stops cleanly and resumes):
-#   1a  memory + step time, 1.1B TinyLlama shape, checkpointing, micro-batch 1 x 1024   (~6 min)
-#   1b  the same at batch 4 x 1024 without checkpointing                               (~6 min)
+# parts (estimated H200 time of one call; a part stops starting work at BUDGET_S=450 s and the
+# next call of the same part resumes where it stopped):
+#   1a  memory + step time, 1.1B TinyLlama shape, checkpointing, micro-batch 1 x 1024, 18 configs
+#       in fresh processes (~20 s each + JIT/compile: torchao ~30 s, FlashOptim/TurboAdam ~10 s)  ~8 min
+#   1b  the same at batch 4 x 1024 without checkpointing                               ~8 min
 #       (part 3, end-to-end step time, is the step-time table of 1a and 1b)
-#   2   optimizer step over 1.07e9 elements against a copy                             (~3 min)
-#   4   training quality, 2000 steps of a 26M byte-level model, several runs at once   (~8 min a call, 2-3 calls)
-#   5a  largest trainable depth in 24 GiB                                              (~8 min a call, 1-2 calls)
-#   5b  largest trainable depth in 80 GiB                                              (~8 min a call, 2 calls)
+#   2   optimizer step over 1.07e9 elements against a copy, 12 configs                 ~3 min
+#   4   training quality: 18 runs of 2000 steps of a 26M byte-level model, 8 at a time
+#       (~1-2 min a run, torchao ~4 min)                                                ~8 min, maybe 2 calls
+#   5a  largest trainable depth in 24 GiB: 13 optimizers x ~6 trials of ~4 s           ~8 min, maybe 2 calls
+#   5b  the same in 80 GiB (~10 s a trial at ~15-25B parameters)                        2 calls
+#   Altogether about 55-60 min of device time; by value: 1a, 2, 4, then 1b, 5a, 5b.
 # Resuming: a part whose results file exists in benchmarks/results/issue6/ (committed from an
 # earlier call's $OUT) continues from it: copy $OUT/NAME.json there after each call.
 # ONLY=A,FO,...  narrows a part to some line-up keys; EXTRA='...' adds arguments to its script.
@@ -42,7 +46,7 @@ for part in "$@"; do
       python3 benchmarks/compare_step.py $only --out "$OUT/step.json" ${EXTRA:-} 2>&1 | tee "$OUT/step.log" ;;
     4)
       resume quality
-      python3 benchmarks/compare_quality.py $only --parallel ${PARALLEL:-6} --budget-s "$BUDGET_S" \
+      python3 benchmarks/compare_quality.py $only --parallel ${PARALLEL:-8} --budget-s "$BUDGET_S" \
         --out "$OUT/quality.json" ${EXTRA:-} 2>&1 | tee "$OUT/quality.log" ;;
     5a|5b)
       resume fit
