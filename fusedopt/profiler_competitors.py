@@ -161,7 +161,8 @@ COMPETITORS: dict[str, Competitor] = {
             "bitsandbytes",
             _plain("bitsandbytes.optim", "AdamW8bit"),
             "bitsandbytes.optim.AdamW8bit(params, ...) on bf16 parameters, blockwise 8-bit state "
-            "(the library default); no stochastic rounding of bf16 weights",
+            "(the library default); no stochastic rounding of bf16 weights. Its README also suggests "
+            "bnb.nn.StableEmbedding for NLP models: not done, every optimizer trains the same model",
             state_bytes=2.03,
         ),
         Competitor(
