@@ -151,6 +151,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     print("\n".join(status_lines(args.device)))
     print(library_versions())
+    from fusedopt.profiler_competitors import COMPETITORS
+
+    print("\nHow each library is used (fusedopt/profiler_competitors.py):")
+    for name, c in COMPETITORS.items():
+        print(f"  {name}: {c.how}")
     return 0
 
 
