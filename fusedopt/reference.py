@@ -121,12 +121,30 @@ def reference_update(math: UpdateMath, job: ParamUpdate) -> None:
     job.skipped.add_((~ok).to(job.skipped.device, torch.int64))
 
 
+# Elements per chunk of the low-precision accumulation: its fp32 sum and 64-bit random words take
+# ~30 bytes per element, so a whole 65M-element embedding gradient would need ~2 GiB of temporaries.
+ACCUMULATION_CHUNK = 1 << 21
+
+
 def accumulate_low_precision(
     buffer: torch.Tensor | None, grad: torch.Tensor, *, seed: int, index: int, micro_batch: int, step: torch.Tensor
 ) -> torch.Tensor:
-    """Add a micro-batch gradient to a bf16/fp16 buffer with stochastic rounding (small parts survive)."""
+    """Add a micro-batch gradient to a bf16/fp16 buffer with stochastic rounding (small parts survive).
+
+    The first gradient becomes the buffer; later ones are added into it in place (as torch
+    accumulates ``.grad``), chunk by chunk so the temporaries stay small. The result is the same
+    bits as one whole-tensor rounding: element ``i`` always draws the hash of index ``i``.
+    """
     if buffer is None:
         return grad
-    total = buffer.float() + grad.float()
     key = rng.host_key(seed, index, rng.STREAM_GRAD_ACCUM + micro_batch)
-    return round_stochastic(total, rng.uniform_bits(key, step, grad.shape, grad.device), grad.dtype)
+    h = rng.step_hash(key, step.to(grad.device))
+    target = buffer if buffer.is_contiguous() else buffer.contiguous()
+    flat, addend = target.view(-1), grad.reshape(-1)
+    n = flat.numel()
+    for start in range(0, n, ACCUMULATION_CHUNK):
+        end = min(n, start + ACCUMULATION_CHUNK)
+        total = flat[start:end].float() + addend[start:end].float()
+        idx = torch.arange(start, end, dtype=torch.int64, device=grad.device)
+        flat[start:end] = round_stochastic(total, rng.element_bits(h, idx, beyond_32_bits=n > 1 << 32), grad.dtype)
+    return target

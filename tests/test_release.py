@@ -104,6 +104,27 @@ def test_bf16_accumulation_keeps_contributions_below_one_ulp():
     assert applied_gradient(True) == pytest.approx(1.015, rel=2e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_chunked_accumulation_equals_one_whole_rounding(monkeypatch, dtype):
+    """The accumulation runs in chunks (bounded temporaries) and in place, with the same bits as
+    rounding the whole tensor at once: element i always draws the hash of index i."""
+    from fusedopt import reference, rng
+    from fusedopt.rounding import round_stochastic
+
+    gen = torch.Generator().manual_seed(5)
+    buffer = (torch.randn(37, 29, generator=gen) * 1e-2).to(dtype)
+    grad = (torch.randn(37, 29, generator=gen) * 1e-4).to(dtype)
+    step = torch.tensor(3.0)
+    key = rng.host_key(7, 2, rng.STREAM_GRAD_ACCUM + 1)
+    whole = round_stochastic(buffer.float() + grad.float(), rng.uniform_bits(key, step, grad.shape, grad.device), dtype)
+    monkeypatch.setattr(reference, "ACCUMULATION_CHUNK", 100)  # 1073 elements: 11 chunks, the last partial
+    target = buffer.clone()
+    out = reference.accumulate_low_precision(target, grad, seed=7, index=2, micro_batch=1, step=step)
+    assert out is target  # in place
+    assert torch.equal(out, whole)
+    assert not torch.equal(out, buffer)  # the gradient did land
+
+
 def test_hooks_survive_load_state_dict_add_param_group_and_schedulers():
     a, b = twins()
     extra_a = torch.nn.Parameter(torch.randn(4, 4))
