@@ -122,6 +122,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--sweep", action="store_true", help="also time other tile sizes, warps and register caps")
+    parser.add_argument("--host-only", action="store_true", help="only the host time per parameter")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -134,6 +135,9 @@ def main(argv=None) -> int:
         device=torch.cuda.get_device_name(),
         fusedopt=fusedopt.__version__,
     )
+    if args.host_only:
+        print(f"host time per parameter {host_overhead_us()['host_us_per_param']:.1f} us", flush=True)
+        return 0
     copy_gbps = copy_bandwidth()
     configs = [
         ("fusedopt 8-bit / 24 (default)", 8, 24),
