@@ -158,6 +158,9 @@ def test_kernel_release_mode_is_bit_identical_to_step(monkeypatch, device, dtype
         assert torch.equal(a[1][key], b[1][key]), key
 
 
+# the kernel computes on the non-finite gradient and only masks its stores: numpy (the
+# interpreter) warns about the NaN it makes on the way
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 def test_kernel_skips_non_finite_gradients(monkeypatch, device):
     gen = torch.Generator().manual_seed(8)
     w0 = torch.randn(40, 80, generator=gen)
