@@ -28,7 +28,7 @@ for part in "${@:-perf tests}"; do
     profile)
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_profile.py 2>&1 | tee "$OUT/profile_gpu_tests.log" | tail -5 ;;
     release)
-      python3 benchmarks/release_overhead.py --out "$OUT/release_overhead.json" 2>&1 | tee "$OUT/release_overhead.log" ;;
+      python3 benchmarks/release_overhead.py --out "$OUT/release_overhead.json" --diagnose "$OUT/release_traces" 2>&1 | tee "$OUT/release_overhead.log" ;;
     examples)
       timeout 120 python3 examples/finetune_lowvram.py --steps ${EXAMPLE_STEPS:-60} --out /tmp/ex_lowvram \
         --summary-json "$OUT/example_lowvram.json" 2>&1 | tail -30 | tee "$OUT/example_lowvram.log"
