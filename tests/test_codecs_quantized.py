@@ -37,9 +37,9 @@ def codec(bits: int, signed: bool, shape=SHAPE) -> BlockCodec:
 
 
 def draw(key: int, step: int, shape):
-    """The optimizer's kind of bits callback: the counter-based hash at one step."""
+    """The optimizer's bits callback: a moment's 12-bit field of the counter-based hash at one step."""
     step_t = torch.tensor(float(step))
-    return lambda: rng.uniform_bits(key, step_t, torch.Size(shape), torch.device("cpu"))
+    return lambda: rng.moment_word(rng.uniform_bits(key, step_t, torch.Size(shape), torch.device("cpu")), 1)
 
 
 def nearest(shape):
