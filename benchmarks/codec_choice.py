@@ -48,6 +48,7 @@ import fusedopt  # noqa: E402
 from fusedopt import rng  # noqa: E402
 from fusedopt.codec_blockwise import BlockCodec, PowerLevels, _pow2  # noqa: E402
 from fusedopt.codecs import BF16, FP32  # noqa: E402
+from fusedopt.profiler_models import stdlib_source_bytes  # noqa: E402
 
 
 class FloatLevels:
@@ -328,16 +329,7 @@ def track(device, steps, bits_list=(8, 4), which=("maps", "pairs"), select=None)
 
 
 def corpus(n_bytes: int) -> torch.Tensor:
-    root = os.path.dirname(os.__file__)
-    chunks, total = [], 0
-    for name in sorted(os.listdir(root)):
-        if name.endswith(".py"):
-            with open(os.path.join(root, name), "rb") as f:
-                chunks.append(f.read())
-            total += len(chunks[-1])
-            if total >= n_bytes:
-                break
-    return torch.frombuffer(bytearray(b"".join(chunks)[:n_bytes]), dtype=torch.uint8).long()
+    return stdlib_source_bytes(n_bytes).long()
 
 
 class CandidateAdamW(fusedopt.AdamW):
@@ -353,11 +345,9 @@ class CandidateAdamW(fusedopt.AdamW):
         return self._make_codecs(p.shape)
 
 
-def train_one(make_codecs, seed, device, steps, ctx=16, batch=256) -> float:
-    data = corpus(1_200_000).to(device)
-    split = int(len(data) * 0.9)
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(
+def byte_model(ctx: int, device) -> torch.nn.Module:
+    """The byte-level next-token MLP both studies train (context of ``ctx`` bytes)."""
+    return torch.nn.Sequential(
         torch.nn.Embedding(256, 48),
         torch.nn.Flatten(),
         torch.nn.Linear(48 * ctx, 512),
@@ -366,6 +356,13 @@ def train_one(make_codecs, seed, device, steps, ctx=16, batch=256) -> float:
         torch.nn.GELU(),
         torch.nn.Linear(512, 256),
     ).to(device)
+
+
+def train_one(make_codecs, seed, device, steps, ctx=16, batch=256) -> float:
+    data = corpus(1_200_000).to(device)
+    split = int(len(data) * 0.9)
+    torch.manual_seed(seed)
+    model = byte_model(ctx, device)
     if make_codecs is None:
         opt = fusedopt.AdamW(model.parameters(), lr=2e-3, state_bits=32, seed=seed)
     else:
@@ -421,15 +418,7 @@ def spread(device, steps=400, ctx=16, batch=256) -> list[str]:
     """How spread out are real moments inside a block? torch.optim.AdamW on the training task."""
     data = corpus(1_200_000).to(device)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Embedding(256, 48),
-        torch.nn.Flatten(),
-        torch.nn.Linear(48 * ctx, 512),
-        torch.nn.GELU(),
-        torch.nn.Linear(512, 512),
-        torch.nn.GELU(),
-        torch.nn.Linear(512, 256),
-    ).to(device)
+    model = byte_model(ctx, device)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     offsets = torch.arange(ctx + 1, device=device)
     for _ in range(steps):

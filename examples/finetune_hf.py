@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
 import json
 import math
 import os
@@ -31,7 +30,7 @@ import torch
 
 import fusedopt
 from fusedopt.profile import MemoryTracker
-from fusedopt.profiler_models import enable_hf_checkpointing
+from fusedopt.profiler_models import enable_hf_checkpointing, stdlib_source_bytes
 
 
 def llama_config(tiny: bool):
@@ -61,14 +60,8 @@ def llama_config(tiny: bool):
 
 
 def load_corpus() -> torch.Tensor:
-    root = os.path.dirname(os.__file__)
-    data = bytearray()
-    for path in sorted(glob.glob(os.path.join(root, "*.py"))):
-        with open(path, "rb") as f:
-            data += f.read()
-        if len(data) > 8_000_000:
-            break
-    return torch.frombuffer(data, dtype=torch.uint8).clone()
+    """8 MB of the standard library's source, as bytes (the model is byte-level)."""
+    return stdlib_source_bytes(8_000_000)
 
 
 def get_batch(corpus, step, micro, args, device):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
 import json
 import math
 import os
@@ -35,19 +34,12 @@ import torch
 
 import fusedopt
 from fusedopt.profile import MemoryTracker, StepMemory
-from fusedopt.profiler_models import PRESETS, TinyLM, UserError, parse_dtype, parse_shape
+from fusedopt.profiler_models import PRESETS, TinyLM, UserError, parse_dtype, parse_shape, stdlib_source_bytes
 
 
 def load_corpus() -> torch.Tensor:
-    """Bytes of the standard library's .py files, in sorted order, as a uint8 tensor."""
-    root = os.path.dirname(os.__file__)
-    data = bytearray()
-    for path in sorted(glob.glob(os.path.join(root, "*.py"))):
-        with open(path, "rb") as f:
-            data += f.read()
-        if len(data) > 8_000_000:
-            break
-    return torch.frombuffer(data, dtype=torch.uint8).clone()
+    """8 MB of the standard library's source, as bytes (the model is byte-level)."""
+    return stdlib_source_bytes(8_000_000)
 
 
 def get_batch(corpus: torch.Tensor, step: int, micro: int, args, split: str, device) -> torch.Tensor:

@@ -419,6 +419,21 @@ class ModelSpec:
         return cls(**data)
 
 
+def stdlib_source_bytes(n_bytes: int) -> torch.Tensor:
+    """Real text available offline: the first ``n_bytes`` of the standard library's top-level
+    ``.py`` files in name order, as a uint8 tensor (examples, convergence test, benchmarks)."""
+    root = os.path.dirname(os.__file__)
+    chunks, total = [], 0
+    for name in sorted(os.listdir(root)):
+        if name.endswith(".py"):
+            with open(os.path.join(root, name), "rb") as f:
+                chunks.append(f.read())
+            total += len(chunks[-1])
+            if total >= n_bytes:
+                break
+    return torch.frombuffer(bytearray(b"".join(chunks)[:n_bytes]), dtype=torch.uint8)
+
+
 def random_batch(vocab: int, batch: int, seq_len: int, device, generator: torch.Generator | None = None):
     """Random token ids (``input_ids``, ``labels``): memory and speed do not depend on the data."""
     ids = torch.randint(0, vocab, (batch, seq_len), device=device, generator=generator)

@@ -66,6 +66,15 @@ def tile_offsets(start, NB: tl.constexpr, QBLOCK: tl.constexpr):
 
 
 @triton.jit
+def commit_mask(status, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """The check kernel's status as a [ROWS, COLS] store mask (True: the update is committed).
+
+    A tile, not a scalar: Triton's interpreter rejects a scalar boolean in a store mask.
+    """
+    return (tl.zeros([ROWS, COLS], tl.int32) + status) == 0
+
+
+@triton.jit
 def _pair_offsets(start, NB: tl.constexpr, QBLOCK: tl.constexpr):
     """Byte offsets of a program's packed 4-bit codes, shaped [blocks, block size / 2]."""
     return start // 2 + tl.arange(0, NB)[:, None] * (QBLOCK // 2) + tl.arange(0, QBLOCK // 2)[None, :]
@@ -134,7 +143,7 @@ def store_moment(
     status,  # the check kernel's status: non-zero stores nothing (the update is skipped)
 ):
     offs = tile_offsets(start, NB, QBLOCK)
-    commit = (tl.zeros([NB, QBLOCK], tl.int32) + status) == 0  # a tile: the interpreter rejects scalar masks
+    commit = commit_mask(status, NB, QBLOCK)
     mask = offs < n_elements
     if FMT == 32:
         tl.store(ptr + offs, x, mask=mask & commit)
@@ -182,5 +191,5 @@ def store_moment(
         else:
             low_nibble, high_nibble = tl.split(tl.reshape(q, [NB, QBLOCK // 2, 2]))
             pair = _pair_offsets(start, NB, QBLOCK)
-            pair_commit = (tl.zeros([NB, QBLOCK // 2], tl.int32) + status) == 0
-            tl.store(ptr + pair, (low_nibble | (high_nibble << 4)).to(tl.uint8), mask=(pair < n_pairs) & pair_commit)
+            pair_mask = (pair < n_pairs) & commit_mask(status, NB, QBLOCK // 2)
+            tl.store(ptr + pair, (low_nibble | (high_nibble << 4)).to(tl.uint8), mask=pair_mask)

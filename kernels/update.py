@@ -35,7 +35,7 @@ import triton.language as tl
 
 from fusedopt.kernels.hashing import element_bits, step_hash
 from fusedopt.kernels.master import load_master, store_master
-from fusedopt.kernels.moments import load_moment, store_moment, tile_offsets
+from fusedopt.kernels.moments import commit_mask, load_moment, store_moment, tile_offsets
 
 ALGORITHMS = {"adamw": 0, "sgd": 1, "lion": 2}
 BLOCK = 1024  # elements per update program (a multiple of every quantisation block)
@@ -74,12 +74,6 @@ NO_MOMENT = MomentFormat(0)
 def _as_f32(x):
     """A runtime scalar argument as an fp32 tensor (a Python float in the interpreter)."""
     return x + tl.zeros([], tl.float32)
-
-
-@triton.jit
-def _ok(status, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """The check kernel's status as a [ROWS, COLS] store mask (True: the update is committed)."""
-    return (tl.zeros([ROWS, COLS], tl.int32) + status) == 0  # a tile: the interpreter rejects scalar masks
 
 
 @triton.jit
@@ -304,7 +298,7 @@ def _update_kernel(
         param_ptr,
         corr_ptr,
         offs,
-        mask & _ok(status, NB, QBLOCK),
+        mask & commit_mask(status, NB, QBLOCK),
         MASTER,
         PARAM_BF16,
         CORR_BITS,
@@ -363,8 +357,6 @@ def launch_update(
         algo, hyper["lr"], get("beta1", 0.0), get("beta2", 0.0), get("eps", 0.0), hyper["weight_decay"],
         get("momentum", 0.0), get("dampening", 0.0),
     )  # fmt: skip
-    if scratch.numel() < SCRATCH_WORDS:
-        raise ValueError(f"the kernel scratch buffer needs {SCRATCH_WORDS} int32 words, got {scratch.numel()}")
     # plain integer division: triton.cdiv is a JIT function, ~7 us per call from Python
     check_programs = -(-max(n, 1) // (CHECK_TILE * CHECK_TILES))
     _check_kernel[(check_programs,)](

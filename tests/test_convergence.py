@@ -7,28 +7,17 @@ is fp32 parameters with torch.optim.AdamW. Same data, same initial weights, same
 """
 
 import math
-import os
-import sysconfig
 
 import torch
 
 import fusedopt
+from fusedopt.profiler_models import stdlib_source_bytes
 
 CONTEXT, STEPS, BATCH = 12, 250, 32
 
 
 def _corpus(n_bytes: int = 400_000) -> torch.Tensor:
-    stdlib = sysconfig.get_paths()["stdlib"]
-    chunks, total = [], 0
-    for name in sorted(os.listdir(stdlib)):
-        if name.endswith(".py"):
-            with open(os.path.join(stdlib, name), "rb") as f:
-                data = f.read()
-            chunks.append(data)
-            total += len(data)
-            if total >= n_bytes:
-                break
-    return torch.frombuffer(bytearray(b"".join(chunks)[:n_bytes]), dtype=torch.uint8).long()
+    return stdlib_source_bytes(n_bytes).long()
 
 
 class ByteModel(torch.nn.Module):
