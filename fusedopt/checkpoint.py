@@ -127,6 +127,7 @@ def _convert_param_state(optimizer, p, group, saved: dict, where: str, seed: int
 
     step = _load_step(saved.get("step"), where, has_moments=any(k != "step" for k in saved), optimizer=optimizer)
     out = {"step": torch.tensor(step, dtype=torch.float32, device=p.device)}
+    draws = rng.UpdateDraws(seed, index, out["step"], p, None)  # re-encoding rounds like an update
     for i, (slot, codec) in enumerate(codecs.items()):
         layout = codec.layout(p.shape)
         entries = {s: saved.get(slot + s) for s in layout}
@@ -145,7 +146,6 @@ def _convert_param_state(optimizer, p, group, saved: dict, where: str, seed: int
             raise ValueError(f"state {slot!r} of {where} cannot be converted to {codec!r}: got {got}")
         decoded = source.decode({s: saved[slot + s].detach().to(p.device) for s in source.suffixes}).float()
         origin = str(value.dtype) if source is _PLAIN else repr(source)
-        draws = rng.UpdateDraws(seed, index, out["step"], p, None)
         encoded = codec.encode(decoded, draws.moment(i))
         error = (codec.decode(encoded) - decoded).abs().max().item() if decoded.numel() else 0.0
         if error > 0:
