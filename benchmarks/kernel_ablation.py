@@ -53,7 +53,7 @@ EDITS = {
     "nosqrt": [("moments.py", "lo = (tl.sqrt(t) + _ROUNDER) - _ROUNDER", "lo = (t + _ROUNDER) - _ROUNDER")],
     "noround": [("moments.py", "up = tl.fma(_uniform(rbits), gap, -d) < 0", "up = d < 0")],
     "fastmath": [("update.py", "tl.sqrt_rn(v)", "tl.sqrt(v)"), ("update.py", "tl.div_rn(m, denom)", "(m / denom)")],
-    "nomaster": [("update.py", "commit_mask(status, NB, QBLOCK),\n        MASTER,", "commit_mask(status, NB, QBLOCK),\n        1,")],
+    "nomaster": [("update.py", "QBLOCK),\n        MASTER,", "QBLOCK),\n        1,")],
 }  # fmt: skip
 EDITS["floor"] = [e for name in ("nohash", "noencode", "nodecode", "fastmath", "nomaster") for e in EDITS[name]]
 
