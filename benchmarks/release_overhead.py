@@ -92,6 +92,25 @@ def _diagnose_step(name, model, opt, preset, batch, seq_len, gen, out_dir) -> No
     os.makedirs(out_dir, exist_ok=True)
     prof.export_chrome_trace(os.path.join(out_dir, name.replace(" ", "_").replace(",", "") + ".json"))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    _python_profile(name, model, opt, preset, batch, seq_len, gen)
+
+
+def _python_profile(name, model, opt, preset, batch, seq_len, gen) -> None:
+    """cProfile of one more step: which Python functions the host time per parameter goes to."""
+    import cProfile
+    import pstats
+
+    ids, labels = random_batch(PRESETS[preset].vocab, batch, seq_len, "cuda", gen)
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    model(ids, labels=labels).backward()
+    opt.step()
+    opt.zero_grad()
+    torch.cuda.synchronize()
+    profiler.disable()
+    print(f"{name}: Python profile of one step (tottime)")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 
 
 def main(argv=None) -> int:

@@ -23,9 +23,11 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PREV=benchmarks/results/issue6
 BUDGET_S=${BUDGET_S:-450}
-python3 -m pip install -q --no-deps --no-index benchmarks/wheels/*.whl > "$OUT/install.log" 2>&1 \
-  || echo "competitor wheels not (all) installed: see $OUT/install.log; those competitors are reported as skipped"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >> "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+if [ -z "${SKIP_INSTALL:-}" ]; then  # SKIP_INSTALL=1: installed already (benchmarks/run_pair.sh)
+  python3 -m pip install -q --no-deps --no-index benchmarks/wheels/*.whl > "$OUT/install.log" 2>&1 \
+    || echo "competitor wheels not (all) installed: see $OUT/install.log; those competitors are reported as skipped"
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >> "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+fi
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   git log -1 --format='commit %H %cd' 2>/dev/null

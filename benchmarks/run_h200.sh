@@ -7,11 +7,14 @@
 #        profile  the profiler's CUDA tests
 #        release  release overhead on a ~1B model (benchmarks/release_overhead.py)
 #        examples the two examples at their GPU size
+#        launch   host time of one parameter's update (benchmarks/launch_overhead.py)
+# SKIP_INSTALL=1: the package is already installed (benchmarks/run_pair.sh installs once).
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+[ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 \
+  || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 git log -1 --format='commit %H %cd' 2>/dev/null | tee -a "$OUT/gpu.txt"
@@ -29,6 +32,8 @@ for part in "${@:-perf tests}"; do
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_profile.py 2>&1 | tee "$OUT/profile_gpu_tests.log" | tail -5 ;;
     release)
       python3 benchmarks/release_overhead.py --out "$OUT/release_overhead.json" --diagnose "$OUT/release_traces" 2>&1 | tee "$OUT/release_overhead.log" ;;
+    launch)
+      python3 benchmarks/launch_overhead.py --out "$OUT/launch_overhead.json" 2>&1 | tee "$OUT/launch_overhead.log" ;;
     examples)
       timeout 120 python3 examples/finetune_lowvram.py --steps ${EXAMPLE_STEPS:-60} --out /tmp/ex_lowvram \
         --summary-json "$OUT/example_lowvram.json" 2>&1 | tail -30 | tee "$OUT/example_lowvram.log"
