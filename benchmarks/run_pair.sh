@@ -17,4 +17,9 @@ for i in 0 1; do
   (CUDA_VISIBLE_DEVICES=$i OUT="$OUT/gpu$i" bash -c "$cmd" > "$OUT/gpu$i/console.log" 2>&1; echo "exit $?" >> "$OUT/gpu$i/console.log") &
 done
 wait
-tail -n 40 "$OUT/gpu0/console.log" "$OUT/gpu1/console.log"
+# the device tool returns at most 8 files: one log and one archive per GPU
+for i in 0 1; do
+  cp "$OUT/gpu$i/console.log" "$OUT/gpu$i.log"
+  tar czf "$OUT/gpu$i.tgz" -C "$OUT" "gpu$i" && rm -rf "${OUT:?}/gpu$i"
+done
+tail -n 40 "$OUT/gpu0.log" "$OUT/gpu1.log"
