@@ -32,6 +32,7 @@ import torch
 
 import fusedopt
 from fusedopt.kernels import update as real_update
+from fusedopt.kernels.launcher import DirectLauncher
 
 KERNELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
 
@@ -97,18 +98,19 @@ def main(argv=None) -> int:
     copy_gbps = copy_bandwidth()
     root = tempfile.mkdtemp(prefix="fusedopt_ablation_")
     sys.path.insert(0, root)
-    original = real_update._update_kernel, real_update._check_kernel
+    original = real_update._launch_update, real_update._launch_check
     results = []
     try:
         for name in args.variants.split(","):
             variant = build_variant(root, name)
-            real_update._update_kernel, real_update._check_kernel = variant._update_kernel, variant._check_kernel
+            real_update._launch_update = DirectLauncher(variant._update_kernel)
+            real_update._launch_check = DirectLauncher(variant._check_kernel)
             r = bench_config(name, lambda ps: fusedopt.AdamW(ps, lr=1e-4), fusedopt_bytes(8, 24), args.reps)
             r["fraction_of_copy"] = r["GBps"] / copy_gbps
             results.append(r)
             print(f"{name:10s} {r['ms']:8.3f} ms  {r['GBps']:7.0f} GB/s  {100 * r['fraction_of_copy']:4.0f}% of copy")
     finally:
-        real_update._update_kernel, real_update._check_kernel = original
+        real_update._launch_update, real_update._launch_check = original
         shutil.rmtree(root, ignore_errors=True)
     base = next((r["ms"] for r in results if r["name"] == "base"), None)
     if base is not None:

@@ -49,12 +49,9 @@ def compile_update(state_bits: int):
     corr_bits = 8 if state_bits in (8, 4) else 0
     m, v = _formats(state_bits)
     own_draw = corr_bits != 8
-    cx = update._constexprs(0, torch.bfloat16, corr_bits, own_draw, False, False, False, m, v, update.BLOCK,
-                            update.NUM_WARPS, update.MAX_REGISTERS)  # fmt: skip
-    options = {"num_warps": cx.pop("num_warps"), "enable_fp_fusion": cx.pop("enable_fp_fusion")}
-    if "maxnreg" in cx:
-        options["maxnreg"] = cx.pop("maxnreg")
-    cx["INDEX_64"] = False
+    config = update._update_config(0, torch.bfloat16, corr_bits, own_draw, False, False, False, m, v, update.BLOCK,
+                                   update.NUM_WARPS, update.MAX_REGISTERS, False)  # fmt: skip
+    cx, options = dict(config.constexprs), dict(config.options)
     value_types = {32: "*fp32", 16: "*bf16"}
     types = dict.fromkeys(_POINTERS, "*u8")
     types.update(param_ptr="*bf16", grad_ptr="*bf16", accum_ptr="*bf16", corr_ptr="*i8", step_ptr="*fp32")

@@ -2,12 +2,10 @@
 
     python benchmarks/launch_overhead.py [--params 200] [--numel 4096]
 
-Times, per parameter, with small tensors so the GPU is never the bottleneck:
-  * ``optimizer.step()`` over ``--params`` parameters (the whole Python path);
-  * the two Triton launches alone through ``JITFunction`` (``kernel[grid](...)``);
-  * the same two kernels through their compiled launcher (``CompiledKernel.run``), skipping
-    Triton's per-call argument binding and cache lookup: the floor a launch plan could reach.
-Then a cProfile of ``step()``: which functions the rest goes to.
+Times ``optimizer.step()`` over ``--params`` parameters per parameter, with small tensors so
+the GPU is never the bottleneck: once with the kernels' direct launch (``kernels/launcher.py``)
+and once through Triton's own ``kernel[grid](...)``. Then a cProfile of ``step()``: which
+functions the host time goes to.
 """
 
 from __future__ import annotations
@@ -23,20 +21,6 @@ import torch
 
 import fusedopt
 from fusedopt.kernels import update as kernel_update
-
-
-class _Recorder:
-    """Stands in for a JITFunction for one call: records (grid, args, kwargs), then launches."""
-
-    def __init__(self, fn, calls):
-        self.fn, self.calls = fn, calls
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.calls.append((self.fn, grid, args, kwargs))
-            return self.fn[grid](*args, **kwargs)
-
-        return launch
 
 
 def _per_call_us(fn, reps: int) -> float:
@@ -69,39 +53,16 @@ def main(argv=None) -> int:
     results = {}
     results["step_us_per_param"] = _per_call_us(opt.step, args.reps) / args.params
 
-    # record the two launches of one parameter, then replay them
-    calls = []
-    saved = kernel_update._check_kernel, kernel_update._update_kernel
-    kernel_update._check_kernel = _Recorder(saved[0], calls)
-    kernel_update._update_kernel = _Recorder(saved[1], calls)
+    # the same through Triton's own launch path (kernel[grid](...)) for comparison
+    launchers = kernel_update._launch_check, kernel_update._launch_update
+    usable = [launcher.usable for launcher in launchers]
     try:
-        opt.update_param(params[0], params[0].grad)
+        for launcher in launchers:
+            launcher.usable = False
+        results["step_us_per_param_through_triton"] = _per_call_us(opt.step, args.reps) / args.params
     finally:
-        kernel_update._check_kernel, kernel_update._update_kernel = saved
-
-    def jit_launches():
-        for fn, grid, a, kw in calls:
-            fn[grid](*a, **kw)
-
-    results["jit_two_launches_us"] = _per_call_us(jit_launches, 2000)
-
-    try:  # Triton internals (3.x): the compiled kernel and the bound arguments
-        compiled = []
-        for fn, grid, a, kw in calls:
-            kernel = fn.run(*a, grid=grid, warmup=True, **kw)
-            device = torch.cuda.current_device()
-            binder = fn.device_caches[device][-1]
-            bound = binder(*a, **kw)[0]
-            compiled.append((kernel, grid, tuple(bound.values())))
-        stream = torch.cuda.current_stream().cuda_stream
-
-        def direct_launches():
-            for kernel, grid, values in compiled:
-                kernel.run(grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *values)
-
-        results["direct_two_launches_us"] = _per_call_us(direct_launches, 2000)
-    except Exception as exc:  # report, do not hide: this is the probe's question
-        results["direct_error"] = f"{type(exc).__name__}: {exc}"
+        for launcher, was in zip(launchers, usable):
+            launcher.usable = was
 
     profiler = cProfile.Profile()
     profiler.enable()

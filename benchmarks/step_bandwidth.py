@@ -89,12 +89,11 @@ def check_only_ms(reps: int) -> float:
     _, check_args = update._scalar_args(0, 1e-3, 0.9, 0.999, 1e-8, 0.01, 0.0, 0.0)
     programs = -(-n // (update.CHECK_TILE * update.CHECK_TILES))
 
+    config = update._check_config(False, True)
+
     def run():
         for g in grads:
-            update._check_kernel[(programs,)](
-                g, g, scratch, step, skipped, n, **check_args, HAS_ACCUM=False, BIAS_CORRECTIONS=True,
-                TILE=update.CHECK_TILE, TILES=update.CHECK_TILES,
-            )  # fmt: skip
+            update._launch_check(programs, (g, g, scratch, step, skipped, n, *check_args), config)
 
     run()
     torch.cuda.synchronize()

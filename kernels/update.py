@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from fusedopt.kernels.hashing import element_bits, step_hash
+from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig
 from fusedopt.kernels.master import load_master, store_master
 from fusedopt.kernels.moments import commit_mask, load_moment, store_moment, tile_offsets
 
@@ -306,6 +307,10 @@ def _update_kernel(
     )
 
 
+_launch_check = DirectLauncher(_check_kernel)
+_launch_update = DirectLauncher(_update_kernel)
+
+
 @functools.lru_cache(maxsize=1024)
 def _split_log2(name: str, beta: float) -> dict:
     """log2(beta) as two fp32 values whose sum carries about 48 bits (beta in (0, 1))."""
@@ -359,24 +364,16 @@ def launch_update(
     )  # fmt: skip
     # plain integer division: triton.cdiv is a JIT function, ~7 us per call from Python
     check_programs = -(-max(n, 1) // (CHECK_TILE * CHECK_TILES))
-    _check_kernel[(check_programs,)](
-        grad,
-        accum if has_accum else grad,
-        scratch,
-        step,
-        skipped,
-        n,
-        **check_args,
-        HAS_ACCUM=has_accum,
-        BIAS_CORRECTIONS=algo == 0,
-        TILE=CHECK_TILE,
-        TILES=CHECK_TILES,
+    _launch_check(
+        check_programs,
+        (grad, accum if has_accum else grad, scratch, step, skipped, n, *check_args),
+        _check_config(has_accum, algo == 0),
     )
     if n == 0:
         return
     dummy = param  # unused pointer arguments (their constexpr switches are off)
     corr_bits = 0 if correction is None else (16 if correction.dtype == torch.int16 else 8)
-    constexprs = _constexprs(
+    config = _update_config(
         algo,
         param.dtype,
         corr_bits,
@@ -389,8 +386,9 @@ def launch_update(
         BLOCK,
         NUM_WARPS,
         MAX_REGISTERS,
+        n >= 2**31 - BLOCK,
     )
-    _update_kernel[(-(-n // BLOCK),)](
+    runtime_args = (
         param,
         correction if correction is not None else dummy,
         grad,
@@ -404,17 +402,16 @@ def launch_update(
         n,
         (n + 1) // 2,
         *keys,
-        **args,
-        **constexprs,
-        INDEX_64=n >= 2**31 - BLOCK,
+        *args,
     )
+    _launch_update(-(-n // BLOCK), runtime_args, config)
 
 
 @functools.lru_cache(maxsize=256)
-def _scalar_args(algo, lr, beta1, beta2, eps, weight_decay, momentum, dampening) -> tuple[dict, dict]:
-    """The runtime scalars of the update and of the check kernel for one group's hyperparameters
-    (cached: one computation per step and group, not per parameter). All floats: a Python int
-    would be typed int32 by Triton."""
+def _scalar_args(algo, lr, beta1, beta2, eps, weight_decay, momentum, dampening) -> tuple[tuple, tuple]:
+    """The runtime scalars of the update and of the check kernel for one group's hyperparameters,
+    in signature order (cached: one computation per step and group, not per parameter). All
+    floats: a Python int would be typed int32 by Triton."""
     args = dict(lr=lr, beta1=0.0, beta2=0.0, eps=0.0, decay=1.0, weight_decay=0.0, lerp_weight=0.0)
     args.update(one_minus_beta2=0.0)
     check = dict(lr=lr, **_split_log2("log2_beta1", 0.5), **_split_log2("log2_beta2", 0.5))
@@ -426,20 +423,28 @@ def _scalar_args(algo, lr, beta1, beta2, eps, weight_decay, momentum, dampening)
         if algo == 0:
             args.update(eps=eps)
             check.update(**_split_log2("log2_beta1", beta1), **_split_log2("log2_beta2", beta2))
-    as_floats = lambda values: {name: float(value) for name, value in values.items()}  # noqa: E731
-    return as_floats(args), as_floats(check)
+    order = ("lr", "beta1", "beta2", "eps", "decay", "weight_decay", "lerp_weight", "one_minus_beta2")
+    check_order = ("lr", "log2_beta1_hi", "log2_beta1_lo", "log2_beta2_hi", "log2_beta2_lo")
+    return tuple(float(args[name]) for name in order), tuple(float(check[name]) for name in check_order)
+
+
+@functools.lru_cache(maxsize=8)
+def _check_config(has_accum: bool, bias_corrections: bool) -> LaunchConfig:
+    constexprs = dict(HAS_ACCUM=has_accum, BIAS_CORRECTIONS=bias_corrections, TILE=CHECK_TILE, TILES=CHECK_TILES)
+    return LaunchConfig(constexprs, {})
 
 
 @functools.lru_cache(maxsize=1024)
-def _constexprs(
-    algo, dtype, corr_bits, param_own_draw, has_accum, maximize, nesterov, m_fmt, v_fmt, block, num_warps, maxnreg
-) -> dict:
+def _update_config(
+    algo, dtype, corr_bits, param_own_draw, has_accum, maximize, nesterov, m_fmt, v_fmt, block, num_warps, maxnreg,
+    index_64,
+) -> LaunchConfig:  # fmt: skip
     """The compile-time switches of one update configuration (cached: launches happen per parameter)."""
     blocks = {f.block for f in (m_fmt, v_fmt) if f.fmt in (8, 4)}
     if len(blocks) > 1:
         raise ValueError(f"both moments must use one quantisation block size, got {sorted(blocks)}")
     qblock = blocks.pop() if blocks else 32  # unquantised moments: any tile row length works
-    return dict(
+    constexprs = dict(
         ALGO=algo,
         MASTER=0 if dtype == torch.float32 else (1 if corr_bits == 0 else 2),
         PARAM_BF16=dtype == torch.bfloat16,
@@ -453,7 +458,11 @@ def _constexprs(
         **_moment_args("V", v_fmt),
         NB=block // qblock,
         QBLOCK=qblock,
+        INDEX_64=index_64,
+    )
+    options = dict(
         num_warps=num_warps,
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
         enable_fp_fusion=False,  # the reference rounds every operation; fma only where torch uses one
     )
+    return LaunchConfig(constexprs, options)

@@ -1,0 +1,141 @@
+"""The direct launcher's bookkeeping (kernels/launcher.py), with a stand-in for a Triton kernel.
+
+On CPU there is no compiled kernel to call, so a fake JIT function records what reaches it:
+which launches go through Triton, which go straight to the compiled launcher, and with which
+arguments. That the compiled launcher updates exactly as Triton's own launch does is checked
+on the GPU (tests/gpu/test_direct_launch.py).
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fusedopt.kernels import launcher as launcher_module
+from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig
+
+
+class FakeCompiled:
+    """A compiled kernel: records the direct launches."""
+
+    def __init__(self, log):
+        self.log, self.function, self.packed_metadata = log, "function", "metadata"
+
+    @property
+    def run(self):
+        return lambda *args: self.log.append(("direct", args))
+
+
+class FakeJIT:
+    """A @triton.jit function with parameters (x_ptr, n, scale, A: constexpr, B: constexpr)."""
+
+    def __init__(self, names=("x_ptr", "n", "scale", "A", "B"), constexprs=("A", "B")):
+        self.params = [SimpleNamespace(name=name, is_constexpr=name in constexprs) for name in names]
+        self.device_caches = {}
+        self.log = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append(("triton", grid, args, kwargs))
+            return FakeCompiled(self.log)
+
+        return launch
+
+
+class CpuDirectLauncher(DirectLauncher):
+    """Takes CPU tensors as if they were on CUDA device 0."""
+
+    def _device(self, first):
+        return 0 if self.usable else None
+
+    @staticmethod
+    def _stream(device):
+        return 7
+
+
+@pytest.fixture
+def on_device_zero(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def kinds(log):
+    return [entry[0] for entry in log]
+
+
+def test_first_launch_goes_through_triton_later_ones_direct(on_device_zero):
+    fn = FakeJIT()
+    launch = CpuDirectLauncher(fn)
+    x = torch.randn(32)
+    config = LaunchConfig({"B": 2, "A": 1}, {"num_warps": 4})  # given out of signature order
+    launch(3, (x, 32, 0.5), config)
+    assert fn.log == [("triton", (3,), (x, 32, 0.5), {"B": 2, "A": 1, "num_warps": 4})]
+    launch(5, (x, 48, 0.25), config)  # same classes: 48 is, like 32, a multiple of 16
+    hooks = launch._hooks()
+    assert fn.log[1] == ("direct", (5, 1, 1, 7, "function", "metadata", None, *hooks, x, 48, 0.25, 1, 2))
+
+
+def test_every_specialisation_triton_makes_is_a_separate_entry(on_device_zero):
+    fn = FakeJIT()
+    launch = CpuDirectLauncher(fn)
+    config = LaunchConfig({"A": 1, "B": 2}, {})
+    x = torch.randn(40)
+    launch(1, (x, 32, 0.5), config)
+    launch(1, (x[1:], 32, 0.5), config)  # a pointer off 16-byte alignment
+    launch(1, (x.double(), 32, 0.5), config)  # another dtype
+    launch(1, (x, 33, 0.5), config)  # not a multiple of 16
+    launch(1, (x, 1, 0.5), config)  # Triton specialises the value 1
+    launch(1, (x, 2**40, 0.5), config)  # a 64-bit integer
+    launch(1, (x, 32, 0.5), LaunchConfig({"A": 1, "B": 3}, {}))  # another constexpr
+    launch(1, (x, 32, 0.5), LaunchConfig({"A": 1, "B": 2}, {"num_warps": 8}))  # another option
+    assert kinds(fn.log) == ["triton"] * 8
+    launch(1, (x[1:], 17, 0.5), config)  # misaligned and not a multiple of 16: not seen yet
+    launch(1, (x[1:], 32, 0.5), config)  # seen above: direct
+    assert kinds(fn.log)[8:] == ["triton", "direct"]
+
+
+def test_launch_hooks_send_every_launch_through_triton(on_device_zero, monkeypatch):
+    fn = FakeJIT()
+    launch = CpuDirectLauncher(fn)
+    config = LaunchConfig({"A": 1, "B": 2}, {})
+    x = torch.randn(16)
+    launch(1, (x, 16, 0.5), config)
+    monkeypatch.setattr(launch, "_knobs", SimpleNamespace(launch_enter_hook=print, launch_exit_hook=None))
+    launch(1, (x, 16, 0.5), config)
+    chain = SimpleNamespace(calls=[print])  # Triton 3.9's HookChain with a hook in it
+    monkeypatch.setattr(launch, "_knobs", SimpleNamespace(launch_enter_hook=None, launch_exit_hook=chain))
+    launch(1, (x, 16, 0.5), config)
+    monkeypatch.setattr(launch, "_knobs", SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
+    launch(1, (x, 16, 0.5), config)
+    assert kinds(fn.log) == ["triton", "triton", "triton", "direct"]
+
+
+def test_a_kernel_without_the_compiled_interface_disables_direct_launches(on_device_zero):
+    config = LaunchConfig({"A": 1, "B": 2}, {})
+    x = torch.randn(16)
+
+    class Bare(FakeJIT):
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.log.append(("triton", grid)) or object()
+
+    fn = Bare()
+    launch = CpuDirectLauncher(fn)
+    launch(1, (x, 16, 0.5), config)
+    launch(1, (x, 16, 0.5), config)
+    assert not launch.usable
+    assert kinds(fn.log) == ["triton", "triton"]
+
+
+def test_constexprs_before_runtime_arguments_are_launched_through_triton(on_device_zero):
+    fn = FakeJIT(names=("x_ptr", "A", "n", "scale", "B"))
+    launch = CpuDirectLauncher(fn)
+    assert not launch.usable
+    config = LaunchConfig({"A": 1, "B": 2}, {})
+    x = torch.randn(16)
+    launch(1, (x, 16, 0.5), config)
+    launch(1, (x, 16, 0.5), config)
+    assert kinds(fn.log) == ["triton", "triton"]
+
+
+def test_environment_switch_turns_direct_launches_off(monkeypatch, on_device_zero):
+    monkeypatch.setattr(launcher_module, "DIRECT_LAUNCH", False)
+    assert not CpuDirectLauncher(FakeJIT()).usable
