@@ -153,6 +153,26 @@ def trial(entry, layers: int, args, device: str) -> dict:
     return out
 
 
+# A failed trial whose memory stays allocated (a library's hooks keep the model alive) would
+# make every later trial in the same process fail: the search stops there instead.
+LEAK_LIMIT = 256 * MIB
+
+
+def leak_error(trial_result: dict) -> str | None:
+    """Why the search cannot go on after this trial (None: it can)."""
+    left = trial_result.get("left_allocated", 0)
+    if trial_result["ok"] or left <= LEAK_LIMIT:
+        return None
+    return (
+        f"a failed trial at {trial_result['layers']} layers left {left / GIB:.1f} GiB allocated (the library "
+        "keeps the model alive), so later trials in this process would not measure the optimizer"
+    )
+
+
+class LeakedTrial(Exception):
+    pass
+
+
 def worker(args) -> int:
     """All budgets for one line-up key, in this process; writes JSON to args.worker_out."""
     entry = select(args.only, "fit")[0]
@@ -173,9 +193,17 @@ def worker(args) -> int:
 
         def fits(layers: int, trials=trials) -> bool:
             trials.append(trial(entry, layers, args, device))
+            error = leak_error(trials[-1])
+            if error:
+                raise LeakedTrial(error)
             return trials[-1]["ok"]
 
-        best = largest(fits, guess, resolution, args.max_trials)
+        try:
+            best = largest(fits, guess, resolution, args.max_trials)
+        except LeakedTrial as exc:
+            with open(args.worker_out, "w") as f:
+                json.dump({"error": str(exc)}, f)
+            return 0
         fitting = [t for t in trials if t["ok"] and t["layers"] == best]
         results[str(budget)] = {
             "budget_bytes": budget,
@@ -295,8 +323,12 @@ def main(argv=None) -> int:
             seconds = time.perf_counter() - t0
             if os.path.exists(path):
                 with open(path) as f:
-                    row["budgets"].update(json.load(f))
-                row.update(ok=True, seconds=seconds)
+                    result = json.load(f)
+                if "error" in result:
+                    row.update(ok=False, error=result["error"])
+                else:
+                    row["budgets"].update(result)
+                    row.update(ok=True, seconds=seconds)
             else:
                 row.update(ok=False, error=f"worker exit code {proc.returncode}")
         times.append(seconds)

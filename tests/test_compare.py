@@ -159,3 +159,11 @@ def test_frontier_gives_release_configs_the_loss_of_their_plain_twin():
     assert points == {"A": (16, 1.0), "G": (6, 1.01), "FOR": (5, 1.005), "FO": (7, 1.005)}
     lines = compare_report.check_targets(memory, {"runs": runs}, None)
     assert any(line.startswith("frontier: G") and "dominated by FOR" in line for line in lines)
+
+
+def test_fit_search_stops_when_a_failed_trial_keeps_its_memory():
+    gib = compare_fit.GIB
+    assert compare_fit.leak_error({"ok": True, "layers": 9, "left_allocated": 20 * gib}) is None
+    assert compare_fit.leak_error({"ok": False, "layers": 9, "left_allocated": 0}) is None
+    error = compare_fit.leak_error({"ok": False, "layers": 106, "left_allocated": int(9.7 * gib)})
+    assert "106 layers left 9.7 GiB allocated" in error
