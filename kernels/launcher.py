@@ -8,7 +8,8 @@ compiles or finds the binary) and later ones straight to the compiled kernel's l
 
 Its cache key holds everything Triton specialises on: each tensor's dtype and 16-byte
 alignment; each integer's width and whether it is 1 or a multiple of 16; the constexprs and
-compile options; the device. So a binary is reused only where Triton would reuse it.
+compile options; the device (floats are always fp32). So a binary is reused only where Triton
+would reuse it.
 
 Plain ``kernel[grid](...)`` is used instead under the interpreter, when Triton's launch hooks
 are set (profilers such as proton want to see every launch), on a device that is not the
@@ -39,29 +40,42 @@ def _active(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def _arg_class(value):
-    """What Triton specialises a runtime argument on (its type and divisibility classes)."""
-    if isinstance(value, torch.Tensor):
-        return value.dtype, value.data_ptr() % 16 == 0
-    if isinstance(value, bool):
-        return bool
-    if isinstance(value, int):
-        width = "i32" if -(2**31) <= value < 2**31 else ("u64" if value >= 2**63 else "i64")
-        return width, value == 1, value % 16 == 0
-    if isinstance(value, float):
-        return float
-    return type(value)
+def _int_class(value: int):
+    """What Triton specialises an integer argument on: its width, == 1, divisible by 16."""
+    width = "i32" if -(2**31) <= value < 2**31 else ("u64" if value >= 2**63 else "i64")
+    return width, value == 1, not value & 15
+
+
+def _layout_matches(runtime_args: tuple, tensors: int, ints: int) -> bool:
+    """Whether the arguments are ``tensors`` tensors, then ``ints`` ints, then Python floats."""
+    head, middle, tail = runtime_args[:tensors], runtime_args[tensors : tensors + ints], runtime_args[tensors + ints :]
+    return (
+        all(isinstance(t, torch.Tensor) for t in head)
+        and all(type(v) is int for v in middle)
+        and all(type(v) is float for v in tail)
+    )
+
+
+def _raw_stream_getter():
+    """The current CUDA stream as an integer handle, as Triton's own launch reads it."""
+    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if getter is not None:
+        return getter
+    return lambda device: torch.cuda.current_stream(device).cuda_stream
 
 
 class DirectLauncher:
     """``launcher(grid, runtime_args, config)`` for one ``@triton.jit`` function.
 
-    ``runtime_args``: the non-constexpr arguments in signature order; ``config``: a
+    ``runtime_args``: the non-constexpr arguments in signature order, laid out as ``tensors``
+    tensors, then ``ints`` Python ints, then Python floats (so the key is built by position,
+    with no type dispatch per argument; another layout launches through Triton); ``config``: a
     :class:`LaunchConfig` (constexprs and compile options, hashed once).
     """
 
-    def __init__(self, fn):
+    def __init__(self, fn, tensors: int, ints: int):
         self.fn = fn
+        self.tensors, self.ints = tensors, ints
         params = getattr(fn, "params", None)
         self.names = [p.name for p in params] if params else []
         self.runtime_names = [p.name for p in params if not p.is_constexpr] if params else []
@@ -75,19 +89,28 @@ class DirectLauncher:
 
     def __call__(self, grid: int, runtime_args: tuple, config: LaunchConfig) -> None:
         device = self._device(runtime_args[0])
-        if device is None or self._hooks_set():
+        hooks = self._hooks()
+        if device is None or _active(hooks[0]) or _active(hooks[1]):
             self._launch_through_triton(grid, runtime_args, config)
             return
         if device != torch.cuda.current_device():
             with torch.cuda.device(device):
                 self._launch_through_triton(grid, runtime_args, config)
             return
-        key = (config.key, device, tuple(map(_arg_class, runtime_args)))
+        tensors, ints = runtime_args[: self.tensors], runtime_args[self.tensors : self.tensors + self.ints]
+        key = (
+            config.key,
+            device,
+            tuple([t.dtype for t in tensors]),
+            tuple([not t.data_ptr() & 15 for t in tensors]),  # Triton's 16-byte alignment hint
+            tuple([_int_class(i) for i in ints]),
+        )
         entry = self.compiled.get(key)
         if entry is None:
             kernel = self._launch_through_triton(grid, runtime_args, config)
-            if not all(hasattr(kernel, name) for name in ("run", "function", "packed_metadata")):
-                self.usable = False  # a Triton without this interface: always launch through it
+            interface = all(hasattr(kernel, name) for name in ("run", "function", "packed_metadata"))
+            if not (interface and _layout_matches(runtime_args, self.tensors, self.ints)):
+                self.usable = False  # always launch through Triton from now on
                 return
             kernel.run  # noqa: B018  (loads the binary: sets kernel.function)
             self.compiled[key] = kernel, tuple(config.constexprs[name] for name in self.constexpr_names)
@@ -95,19 +118,13 @@ class DirectLauncher:
         kernel, constexpr_values = entry
         values = runtime_args + constexpr_values
         stream = self._stream(device)
-        kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, None, *self._hooks(), *values)
+        kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, None, *hooks, *values)
 
     def _device(self, first: torch.Tensor) -> int | None:
         """The CUDA device index of a direct launch (None: launch through Triton)."""
         return first.device.index if self.usable and first.is_cuda else None
 
-    @staticmethod
-    def _stream(device: int) -> int:
-        return torch.cuda.current_stream(device).cuda_stream
-
-    def _hooks_set(self) -> bool:
-        knobs = self._knobs
-        return knobs is not None and (_active(knobs.launch_enter_hook) or _active(knobs.launch_exit_hook))
+    _stream = staticmethod(_raw_stream_getter())
 
     def _hooks(self) -> tuple:
         """The hook values Triton itself hands the compiled launcher (None, or an empty chain)."""
@@ -123,8 +140,10 @@ class LaunchConfig:
     ``num_warps``, with their cache key computed once."""
 
     __slots__ = ("constexprs", "options", "key")
+    _ids: dict = {}  # (constexprs, options) -> a small int: hashing that is free at launch time
 
     def __init__(self, constexprs: dict, options: dict):
         self.constexprs = constexprs
         self.options = options
-        self.key = (tuple(sorted(constexprs.items())), tuple(sorted(options.items())))
+        full = (tuple(sorted(constexprs.items())), tuple(sorted(options.items())))
+        self.key = LaunchConfig._ids.setdefault(full, len(LaunchConfig._ids))

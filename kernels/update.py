@@ -307,8 +307,9 @@ def _update_kernel(
     )
 
 
-_launch_check = DirectLauncher(_check_kernel)
-_launch_update = DirectLauncher(_update_kernel)
+# runtime arguments: tensors, then ints, then floats (see launch_update)
+_launch_check = DirectLauncher(_check_kernel, tensors=5, ints=1)
+_launch_update = DirectLauncher(_update_kernel, tensors=10, ints=4)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -64,7 +64,7 @@ def kinds(log):
 
 def test_first_launch_goes_through_triton_later_ones_direct(on_device_zero):
     fn = FakeJIT()
-    launch = CpuDirectLauncher(fn)
+    launch = CpuDirectLauncher(fn, tensors=1, ints=1)
     x = torch.randn(32)
     config = LaunchConfig({"B": 2, "A": 1}, {"num_warps": 4})  # given out of signature order
     launch(3, (x, 32, 0.5), config)
@@ -76,7 +76,7 @@ def test_first_launch_goes_through_triton_later_ones_direct(on_device_zero):
 
 def test_every_specialisation_triton_makes_is_a_separate_entry(on_device_zero):
     fn = FakeJIT()
-    launch = CpuDirectLauncher(fn)
+    launch = CpuDirectLauncher(fn, tensors=1, ints=1)
     config = LaunchConfig({"A": 1, "B": 2}, {})
     x = torch.randn(40)
     launch(1, (x, 32, 0.5), config)
@@ -95,7 +95,7 @@ def test_every_specialisation_triton_makes_is_a_separate_entry(on_device_zero):
 
 def test_launch_hooks_send_every_launch_through_triton(on_device_zero, monkeypatch):
     fn = FakeJIT()
-    launch = CpuDirectLauncher(fn)
+    launch = CpuDirectLauncher(fn, tensors=1, ints=1)
     config = LaunchConfig({"A": 1, "B": 2}, {})
     x = torch.randn(16)
     launch(1, (x, 16, 0.5), config)
@@ -118,7 +118,7 @@ def test_a_kernel_without_the_compiled_interface_disables_direct_launches(on_dev
             return lambda *args, **kwargs: self.log.append(("triton", grid)) or object()
 
     fn = Bare()
-    launch = CpuDirectLauncher(fn)
+    launch = CpuDirectLauncher(fn, tensors=1, ints=1)
     launch(1, (x, 16, 0.5), config)
     launch(1, (x, 16, 0.5), config)
     assert not launch.usable
@@ -127,7 +127,7 @@ def test_a_kernel_without_the_compiled_interface_disables_direct_launches(on_dev
 
 def test_constexprs_before_runtime_arguments_are_launched_through_triton(on_device_zero):
     fn = FakeJIT(names=("x_ptr", "A", "n", "scale", "B"))
-    launch = CpuDirectLauncher(fn)
+    launch = CpuDirectLauncher(fn, tensors=1, ints=1)
     assert not launch.usable
     config = LaunchConfig({"A": 1, "B": 2}, {})
     x = torch.randn(16)
@@ -138,4 +138,15 @@ def test_constexprs_before_runtime_arguments_are_launched_through_triton(on_devi
 
 def test_environment_switch_turns_direct_launches_off(monkeypatch, on_device_zero):
     monkeypatch.setattr(launcher_module, "DIRECT_LAUNCH", False)
-    assert not CpuDirectLauncher(FakeJIT()).usable
+    assert not CpuDirectLauncher(FakeJIT(), tensors=1, ints=1).usable
+
+
+def test_arguments_off_the_declared_layout_are_launched_through_triton(on_device_zero):
+    fn = FakeJIT()
+    launch = CpuDirectLauncher(fn, tensors=1, ints=1)
+    config = LaunchConfig({"A": 1, "B": 2}, {})
+    x = torch.randn(16)
+    launch(1, (x, 16, 1), config)  # an int where a float belongs: Triton would type it i32
+    launch(1, (x, 16, 1), config)
+    assert not launch.usable
+    assert kinds(fn.log) == ["triton", "triton"]
