@@ -11,7 +11,12 @@ and its ``step()`` nearly empty; the target (issue 4) is a total no slower than 
 ``torch.profiler`` (Chrome traces in DIR: GPU idle gaps inside backward, host time per hook) and
 with ``torch.cuda.set_sync_debug_mode("warn")``, which names any host-device synchronisation.
 On the H200 (2026-11-30) the in-backward updates cost ~300 us per parameter against ~90 us of
-host time per parameter in ``step()``: this is the run that should say why.
+host time per parameter in ``step()``; the profile found no synchronisation.
+
+The table also gives, for fusedopt, the host time of one ``update_param`` call inside backward
+and inside ``step()`` (timed around the call), and PyTorch's own optimizer-in-backward pattern
+as the baseline of any in-backward update. ``--switch-interval 1e-6`` tests whether the GIL
+hand-off between Python threads is what costs.
 """
 
 from __future__ import annotations
@@ -20,21 +25,77 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 
 import torch
 
 import fusedopt
+import fusedopt.optimizer
 from fusedopt.profiler_models import PRESETS, TinyLM, random_batch
+
+
+class TorchInBackward:
+    """PyTorch's own "optimizer in backward" pattern: one fused torch AdamW per parameter, stepped
+    in its post-accumulate-grad hook (the baseline for what any in-backward update costs)."""
+
+    def __init__(self, params):
+        self.optimizers = {}
+        for p in params:
+            self.optimizers[p] = torch.optim.AdamW([p], lr=1e-5, fused=True)
+            p.register_post_accumulate_grad_hook(self._hook)
+
+    def _hook(self, p):
+        self.optimizers[p].step()
+        self.optimizers[p].zero_grad()
+
+    def step(self):
+        pass
+
+    def zero_grad(self):
+        pass
+
 
 CONFIGS = {
     "torch AdamW (fused=True kernel)": lambda ps: torch.optim.AdamW(ps, lr=1e-5, fused=True),
+    "torch AdamW per parameter in backward hooks": TorchInBackward,
     "fusedopt default, fused=False": lambda ps: fusedopt.AdamW(ps, lr=1e-5),
     "fusedopt default, fused=True": lambda ps: fusedopt.AdamW(ps, lr=1e-5, fused=True),
 }
 
 
-def run(name, make_opt, preset, steps, batch, seq_len, device="cuda", diagnose=None) -> dict:
+class UpdateTimer:
+    """Host time of ``FusedOptimizer.update_param`` calls, split into those made inside backward
+    (release hooks) and the rest (``step()``): the same Python either way, so a difference is
+    the cost of running it in autograd's thread."""
+
+    def __init__(self):
+        self.in_backward = False
+        self.seconds = {True: 0.0, False: 0.0}
+        self.calls = {True: 0, False: 0}
+        original = fusedopt.optimizer.FusedOptimizer.update_param
+
+        def timed(optimizer, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return original(optimizer, *args, **kwargs)
+            finally:
+                self.seconds[self.in_backward] += time.perf_counter() - t0
+                self.calls[self.in_backward] += 1
+
+        fusedopt.optimizer.FusedOptimizer.update_param = timed
+
+    def reset(self):
+        self.seconds, self.calls = {True: 0.0, False: 0.0}, {True: 0, False: 0}
+
+    def summary(self) -> dict:
+        return {
+            f"{where}_us_per_update": self.seconds[flag] / self.calls[flag] * 1e6 if self.calls[flag] else None
+            for where, flag in (("in_backward", True), ("in_step", False))
+        }
+
+
+def run(name, make_opt, preset, steps, batch, seq_len, device="cuda", diagnose=None, timer=None) -> dict:
     torch.manual_seed(0)
     model = TinyLM(PRESETS[preset], checkpointing=True, device=device, dtype=torch.bfloat16)
     opt = make_opt(model.parameters())
@@ -48,8 +109,12 @@ def run(name, make_opt, preset, steps, batch, seq_len, device="cuda", diagnose=N
         loss = model(ids, labels=labels)
         sync()
         t1 = time.perf_counter()
+        if timer is not None:
+            timer.in_backward = True
         loss.backward()
         sync()
+        if timer is not None:
+            timer.in_backward = False
         t2 = time.perf_counter()
         opt.step()
         opt.zero_grad()
@@ -58,12 +123,17 @@ def run(name, make_opt, preset, steps, batch, seq_len, device="cuda", diagnose=N
         if i >= 2:  # warm-up: compilation, allocator growth
             backward_ms.append((t2 - t1) * 1e3)
             total_ms.append((t3 - t0) * 1e3)
+        elif i == 1 and timer is not None:
+            timer.reset()
     if diagnose and device == "cuda":
         _diagnose_step(name, model, opt, preset, batch, seq_len, gen, diagnose)
     del model, opt
     if device == "cuda":
         torch.cuda.empty_cache()
-    return dict(name=name, backward_ms=statistics.median(backward_ms), step_ms=statistics.median(total_ms))
+    result = dict(name=name, backward_ms=statistics.median(backward_ms), step_ms=statistics.median(total_ms))
+    if timer is not None:
+        result.update(timer.summary())
+    return result
 
 
 def _diagnose_step(name, model, opt, preset, batch, seq_len, gen, out_dir) -> None:
@@ -122,20 +192,31 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--device", default="cuda", help="cpu only to smoke-test the script")
     parser.add_argument("--diagnose", metavar="DIR", help="profile one more step per configuration (see above)")
+    parser.add_argument(
+        "--switch-interval", type=float, help="sys.setswitchinterval(S) first (does the GIL hand-off matter?)"
+    )
     args = parser.parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
     configs = dict(CONFIGS)
     if args.device != "cuda":
         configs.pop("torch AdamW (fused=True kernel)")
-    results = [
-        run(name, make, args.preset, args.steps, args.batch, args.seq_len, args.device, args.diagnose)
-        for name, make in configs.items()
-    ]
-    print("| configuration | backward ms | whole step ms |\n|---|---|---|")
+    timer = UpdateTimer()
+    results = []
+    for name, make in configs.items():
+        timer.reset()
+        results.append(run(name, make, args.preset, args.steps, args.batch, args.seq_len, args.device, args.diagnose,
+                           timer if name.startswith("fusedopt") else None))  # fmt: skip
+    print(f"Python threads: {[t.name for t in threading.enumerate()]}; switch interval {sys.getswitchinterval()} s")
+    print("| configuration | backward ms | whole step ms | host us per update in backward | in step() |")
+    print("|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['name']} | {r['backward_ms']:.1f} | {r['step_ms']:.1f} |")
+        hooks, step = r.get("in_backward_us_per_update"), r.get("in_step_us_per_update")
+        cells = ["-" if x is None else f"{x:.0f}" for x in (hooks, step)]
+        print(f"| {r['name']} | {r['backward_ms']:.1f} | {r['step_ms']:.1f} | {cells[0]} | {cells[1]} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(torch=torch.__version__, preset=args.preset, results=results), f, indent=2)

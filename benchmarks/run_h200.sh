@@ -32,7 +32,8 @@ for part in "${@:-perf tests}"; do
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_profile.py 2>&1 | tee "$OUT/profile_gpu_tests.log" | tail -5 ;;
     release)
       diagnose=$([ "${DIAGNOSE:-1}" = 0 ] || echo "--diagnose $OUT/release_traces")  # DIAGNOSE=0: timing only
-      python3 benchmarks/release_overhead.py --out "$OUT/release_overhead.json" $diagnose 2>&1 | tee "$OUT/release_overhead.log" ;;
+      python3 benchmarks/release_overhead.py --out "$OUT/release_overhead.json" $diagnose ${RELEASE_ARGS:-} 2>&1 \
+        | tee "$OUT/release_overhead.log" ;;  # e.g. RELEASE_ARGS="--switch-interval 1e-6"
     launch)
       python3 benchmarks/launch_overhead.py --out "$OUT/launch_overhead.json" 2>&1 | tee "$OUT/launch_overhead.log" ;;
     examples)
