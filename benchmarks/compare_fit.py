@@ -173,17 +173,61 @@ class LeakedTrial(Exception):
     pass
 
 
+def _cap_memory(args, budget: int, device: str) -> None:
+    args._budget = budget
+    if device == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
+        args._baseline = torch.cuda.memory_allocated()
+
+
+def trial_in_own_process(entry, layers: int, args, budget: int) -> dict:
+    """One trial in a fresh Python process: a library whose hooks keep a failed model alive
+    cannot spoil the next trial (FlashOptim with gradient release did, 2026-11-30)."""
+    with tempfile.TemporaryDirectory(prefix="fit-trial-") as tmp:
+        path = os.path.join(tmp, "trial.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--trial-out", path, "--trial-layers", str(layers)]
+        cmd += _worker_args(entry, args, [budget])
+        proc = subprocess.run(cmd)
+        if not os.path.exists(path):
+            raise RuntimeError(f"[{entry.key}] the trial at {layers} layers exited with code {proc.returncode}")
+        with open(path) as f:
+            return json.load(f)
+
+
+def _worker_args(entry, args, budgets: list[int]) -> list[str]:
+    """Command-line arguments that give a worker or trial process this run's settings."""
+    cmd = ["--only", entry.key, "--device", args.device, "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
+    cmd += ["--max-trials", str(args.max_trials), "--activations-gib", str(args.activations_gib)]
+    cmd += ["--process-per-trial", args.process_per_trial]
+    if args.budgets_mib:
+        cmd += ["--budgets-mib", ",".join(str(b / MIB) for b in budgets)]
+    else:
+        cmd += ["--budgets", ",".join(str(b / GIB) for b in budgets)]
+    for flag, value in (("--shape", args.shape), ("--resolution", args.resolution)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    return cmd
+
+
+def one_trial(args) -> int:
+    """``--trial-out``: one trial at ``--trial-layers`` under the single budget; writes its JSON."""
+    entry = select(args.only, "fit")[0]
+    _cap_memory(args, args._budgets[0], args.device)
+    result = trial(entry, args.trial_layers, args, args.device)
+    with open(args.trial_out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
 def worker(args) -> int:
     """All budgets for one line-up key, in this process; writes JSON to args.worker_out."""
     entry = select(args.only, "fit")[0]
     device = args.device
+    own_process = args.process_per_trial == "all" or (args.process_per_trial == "release" and entry.release)
     results = {}
     for budget in args._budgets:
-        args._budget = budget
-        if device == "cuda":
-            total = torch.cuda.get_device_properties(0).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
-            args._baseline = torch.cuda.memory_allocated()
+        _cap_memory(args, budget, device)
         config = entry.optimizer_config()
         activations = args.activations_gib * GIB if device == "cuda" else 0
         guess = predicted_layers(config, budget, args.shape, activations)
@@ -191,8 +235,11 @@ def worker(args) -> int:
         trials: list[dict] = []
         t0 = time.perf_counter()
 
-        def fits(layers: int, trials=trials) -> bool:
-            trials.append(trial(entry, layers, args, device))
+        def fits(layers: int, trials=trials, budget=budget) -> bool:
+            if own_process:
+                trials.append(trial_in_own_process(entry, layers, args, budget))
+            else:
+                trials.append(trial(entry, layers, args, device))
             error = leak_error(trials[-1])
             if error:
                 raise LeakedTrial(error)
@@ -272,7 +319,15 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, help="start no optimizer that would end after this many seconds")
     parser.add_argument("--device", default=None)
     compare_io.output_args(parser, "out/compare/fit.json", "bar chart")
+    parser.add_argument(
+        "--process-per-trial",
+        choices=("release", "all", "none"),
+        default="release",
+        help="run each trial in a fresh process: for gradient-release configurations (default), all, none",
+    )
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    parser.add_argument("--trial-out", help=argparse.SUPPRESS)
+    parser.add_argument("--trial-layers", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if compare_io.report_only(args, report, plot):
         return 0
@@ -282,6 +337,8 @@ def main(argv=None) -> int:
     else:
         args._budgets = [int(float(b) * GIB) for b in args.budgets.split(",")]
     args._baseline = 0
+    if args.trial_out:
+        return one_trial(args)
     if args.worker_out:
         return worker(args)
     t_start = time.perf_counter()
@@ -308,16 +365,8 @@ def main(argv=None) -> int:
         print(f"[{entry.key}] {entry.label}", flush=True)
         with tempfile.TemporaryDirectory(prefix="fit-") as tmp:
             path = os.path.join(tmp, "out.json")
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker-out", path, "--only", entry.key]
-            cmd += ["--device", args.device, "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
-            cmd += ["--max-trials", str(args.max_trials), "--activations-gib", str(args.activations_gib)]
-            if args.budgets_mib:
-                cmd += ["--budgets-mib", ",".join(str(b / MIB) for b in todo)]
-            else:
-                cmd += ["--budgets", ",".join(str(b / GIB) for b in todo)]
-            for flag, value in (("--shape", args.shape), ("--resolution", args.resolution)):
-                if value is not None:
-                    cmd += [flag, str(value)]
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker-out", path]
+            cmd += _worker_args(entry, args, todo)
             t0 = time.perf_counter()
             proc = subprocess.run(cmd)
             seconds = time.perf_counter() - t0

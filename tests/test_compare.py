@@ -2,6 +2,7 @@
 "optimizer in backward" pattern, and the benchmark scripts' pure logic (line-up, search,
 quality summary). None of this needs the competitor libraries installed."""
 
+import argparse
 import os
 import sys
 
@@ -167,3 +168,17 @@ def test_fit_search_stops_when_a_failed_trial_keeps_its_memory():
     assert compare_fit.leak_error({"ok": False, "layers": 9, "left_allocated": 0}) is None
     error = compare_fit.leak_error({"ok": False, "layers": 106, "left_allocated": int(9.7 * gib)})
     assert "106 layers left 9.7 GiB allocated" in error
+
+
+def test_a_trial_in_its_own_process_measures_what_it_measures_in_this_one():
+    shape = "vocab=256,d_model=32,heads=2,kv_heads=2,ffn=64"
+    args = argparse.Namespace(
+        device="cpu", shape=shape, seq_len=8, steps=1, max_trials=4, activations_gib=0.0, resolution=None,
+        process_per_trial="release", budgets_mib="4", budgets=None, _baseline=0,
+    )  # fmt: skip
+    entry = competitors.BY_KEY["FOR"]
+    budget = 4 * compare_fit.MIB
+    compare_fit._cap_memory(args, budget, "cpu")
+    here = compare_fit.trial(entry, 3, args, "cpu")
+    there = compare_fit.trial_in_own_process(entry, 3, args, budget)
+    assert here == there and here["ok"] and here["peak"] > 0
