@@ -78,8 +78,10 @@ def unsupported_reason(job: ParamUpdate) -> str | None:
     return None
 
 
-def run_update(algorithm: str, math: UpdateMath, job: ParamUpdate, scratch) -> None:
-    """Apply one update through the chosen path. ``scratch(p)`` gives the kernel's scratch words."""
+def run_update(algorithm: str, math: UpdateMath, job: ParamUpdate, scratch):
+    """Apply one update through the chosen path. ``scratch(p)`` gives the kernel's scratch words.
+
+    Returns the kernel's ``PreparedUpdate`` when the kernel ran (None: the reference did)."""
     choice = backend_choice()
     if choice == "reference":
         return reference_update(math, job)
@@ -93,7 +95,18 @@ def run_update(algorithm: str, math: UpdateMath, job: ParamUpdate, scratch) -> N
         if choice == "triton":
             raise RuntimeError(f"FUSEDOPT_BACKEND=triton: the fused kernel cannot run this update: {reason}")
         return reference_update(math, job)
-    _launch(algorithm, job, scratch(job.param))
+    return _launch(algorithm, job, scratch(job.param))
+
+
+def gradient_fits_prepared(param: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None) -> bool:
+    """Whether a gradient can go to a parameter's prepared kernel launch: the per-step part of
+    ``unsupported_reason`` (the rest is fixed while the prepared launch is valid)."""
+    return (
+        backend_choice() != "reference"
+        and grad.device == param.device
+        and grad.is_contiguous()
+        and (accum is None or (accum.device == param.device and accum.is_contiguous()))
+    )
 
 
 def new_scratch(device: torch.device) -> torch.Tensor:
@@ -103,7 +116,7 @@ def new_scratch(device: torch.device) -> torch.Tensor:
     return torch.zeros(SCRATCH_WORDS, dtype=torch.int32, device=device)
 
 
-def _launch(algorithm: str, job: ParamUpdate, scratch: torch.Tensor) -> None:
+def _launch(algorithm: str, job: ParamUpdate, scratch: torch.Tensor):
     from .kernels.update import launch_update
 
     state = job.state
@@ -113,7 +126,7 @@ def _launch(algorithm: str, job: ParamUpdate, scratch: torch.Tensor) -> None:
         values = state[slot] if fmt.fmt in (32, 16) else state[slot + ".codes"]
         moments.append((fmt, values, state.get(slot + ".scales")))
     split = job.param.dtype != torch.float32 and job.master_weight_bits
-    launch_update(
+    return launch_update(
         algorithm,
         job.param,
         job.grad,

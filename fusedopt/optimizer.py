@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from . import checkpoint
-from .backend import new_scratch, run_update
+from .backend import gradient_fits_prepared, new_scratch, run_update
 from .codecs import NONNEGATIVE_SLOTS, SUPPORTED_STATE_BITS, MomentCodec, codec_for
 from .master import check_master_weight_bits, correction_zeros, master_value
 from .reference import ParamUpdate, UpdateMath
@@ -69,6 +69,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._position: dict[torch.Tensor, tuple[int, int]] = {}  # param -> (group index, param index)
         self._release: GradientRelease | None = None
         self._kernel_scratch: dict[torch.Tensor, torch.Tensor] = {}
+        self._prepared: dict[torch.Tensor, tuple] = {}  # param -> (PreparedUpdate, structure, state items)
         super().__init__(params, defaults)
         first = self.param_groups[0]["params"][0]
         self.num_skipped_updates = torch.zeros((), dtype=torch.int64, device=first.device)
@@ -170,6 +171,21 @@ class FusedOptimizer(torch.optim.Optimizer):
         if grad.is_sparse:
             raise RuntimeError(f"fusedopt.{type(self).__name__} does not support sparse gradients")
         group, index = self.position(p)
+        hyper = self._hyper(group)
+        # The kernel's launch arguments from the previous step, while nothing they depend on changed:
+        # the host work per update is then the scalars and two launches (it runs in backward hooks).
+        prepared = self._prepared.get(p)
+        if prepared is not None and gradient_fits_prepared(p, grad, accum):
+            launch, structure, tensors = prepared
+            state = self.state.get(p)
+            if (
+                state is not None
+                and len(state) == len(tensors)
+                and all(state.get(k) is t for k, t in tensors)
+                and structure == self._structure(p, group, hyper)
+            ):
+                launch.launch(grad, accum, hyper)
+                return
         state, codecs = self.ensure_state(p), self.codecs(p, group)
         for slot, codec in codecs.items():
             if slot + codec.suffixes[0] not in state:
@@ -184,13 +200,23 @@ class FusedOptimizer(torch.optim.Optimizer):
             accum=accum,
             state=state,
             codecs=codecs,
-            hyper=self._hyper(group),
+            hyper=hyper,
             master_weight_bits=group["master_weight_bits"],
             seed=self.seed,
             index=index,
             skipped=self.num_skipped_updates,
         )
-        run_update(self.algorithm, type(self).math, job, self._scratch)
+        launch = run_update(self.algorithm, type(self).math, job, self._scratch)
+        if launch is not None:
+            self._prepared[p] = launch, self._structure(p, group, hyper), tuple(state.items())
+        else:
+            self._prepared.pop(p, None)
+
+    def _structure(self, p: torch.Tensor, group: dict, hyper: dict) -> tuple:
+        """What a prepared launch of ``p`` was built for, besides its tensors: formats, flags, seed."""
+        flags = tuple(v for v in hyper.values() if isinstance(v, bool))
+        formats = (group["state_bits"], group["min_compress_numel"], group["master_weight_bits"], self._slots(group))
+        return p.dtype, p.shape, p.device, formats, flags, self.seed, id(self.num_skipped_updates)
 
     def _scratch(self, p: torch.Tensor) -> torch.Tensor:
         """The kernel's per-parameter scratch words (flags and per-step scalars), kept between updates."""
@@ -255,6 +281,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a fusedopt or torch.optim checkpoint; state keeps its saved dtypes (see checkpoint.py)."""
         checkpoint.load_state_dict(self, state_dict)
+        self._prepared.clear()  # they hold the replaced state tensors
 
 
 def check_param(p: torch.Tensor) -> None:

@@ -347,65 +347,88 @@ def launch_update(
     keys: tuple[int, int],
     param_own_draw: bool,
     hyper: dict,
-) -> None:
+) -> "PreparedUpdate":
     """Update one parameter in place. ``moments``: up to two (format, values, scales); ``keys``:
     host keys of the shared and the parameter's own random word (``fusedopt.rng``).
 
     The caller guarantees contiguous tensors on one device and supported formats
-    (``fusedopt.backend`` checks); this only launches.
+    (``fusedopt.backend`` checks); this only launches. Returns the parameter's
+    :class:`PreparedUpdate`, which launches the next steps' updates with less host work.
     """
-    n = param.numel()
-    (m_fmt, m_val, m_scales), (v_fmt, v_val, v_scales) = (moments + [(NO_MOMENT, None, None)] * 2)[:2]
-    has_accum = accum is not None
-    algo = ALGORITHMS[algorithm]
-    get = hyper.get
-    args, check_args = _scalar_args(
-        algo, hyper["lr"], get("beta1", 0.0), get("beta2", 0.0), get("eps", 0.0), hyper["weight_decay"],
-        get("momentum", 0.0), get("dampening", 0.0),
-    )  # fmt: skip
-    # plain integer division: triton.cdiv is a JIT function, ~7 us per call from Python
-    check_programs = -(-max(n, 1) // (CHECK_TILE * CHECK_TILES))
-    _launch_check(
-        check_programs,
-        (grad, accum if has_accum else grad, scratch, step, skipped, n, *check_args),
-        _check_config(has_accum, algo == 0),
+    prepared = PreparedUpdate(
+        algorithm, param, correction, moments, step, scratch, skipped, keys, param_own_draw, hyper
     )
-    if n == 0:
-        return
-    dummy = param  # unused pointer arguments (their constexpr switches are off)
-    corr_bits = 0 if correction is None else (16 if correction.dtype == torch.int16 else 8)
-    config = _update_config(
-        algo,
-        param.dtype,
-        corr_bits,
-        param_own_draw,
-        has_accum,
-        bool(hyper.get("maximize", False)),
-        bool(hyper.get("nesterov", False)),
-        m_fmt,
-        v_fmt,
-        BLOCK,
-        NUM_WARPS,
-        MAX_REGISTERS,
-        n >= 2**31 - BLOCK,
-    )
-    runtime_args = (
-        param,
-        correction if correction is not None else dummy,
-        grad,
-        accum if has_accum else dummy,
-        m_val if m_val is not None else dummy,
-        m_scales if m_scales is not None else dummy,
-        v_val if v_val is not None else dummy,
-        v_scales if v_scales is not None else dummy,
-        step,
-        scratch,
-        n,
-        (n + 1) // 2,
-        *keys,
-        *args,
-    )
-    _launch_update(-(-n // BLOCK), runtime_args, config)
+    prepared.launch(grad, accum, hyper)
+    return prepared
+
+
+class PreparedUpdate:
+    """The launch arguments of one parameter's update that do not change from step to step.
+
+    Valid while the parameter's tensors (parameter, correction, moments, step, scratch) are the
+    same objects and the hyperparameters' flags (``maximize``, ``nesterov``) are unchanged: the
+    optimizer checks that before reusing it (``FusedOptimizer.update_param``). Per step only the
+    gradient, the accumulated gradient and the runtime scalars (lr, betas, ...) are new.
+    """
+
+    def __init__(self, algorithm, param, correction, moments, step, scratch, skipped, keys, param_own_draw, hyper):
+        n = param.numel()
+        (m_fmt, m_val, m_scales), (v_fmt, v_val, v_scales) = (moments + [(NO_MOMENT, None, None)] * 2)[:2]
+        self.algo = algo = ALGORITHMS[algorithm]
+        self.n = n
+        self.dummy = dummy = param  # unused pointer arguments (their constexpr switches are off)
+        self.scratch, self.step, self.skipped = scratch, step, skipped
+        # plain integer division: triton.cdiv is a JIT function, ~7 us per call from Python
+        self.check_programs = -(-max(n, 1) // (CHECK_TILE * CHECK_TILES))
+        self.programs = -(-n // BLOCK)
+        corr_bits = 0 if correction is None else (16 if correction.dtype == torch.int16 else 8)
+        flags = bool(hyper.get("maximize", False)), bool(hyper.get("nesterov", False))
+        self.configs = [  # [has_accum]
+            _update_config(
+                algo,
+                param.dtype,
+                corr_bits,
+                param_own_draw,
+                has_accum,
+                *flags,
+                m_fmt,
+                v_fmt,
+                BLOCK,
+                NUM_WARPS,
+                MAX_REGISTERS,
+                n >= 2**31 - BLOCK,
+            )  # fmt: skip
+            for has_accum in (False, True)
+        ]
+        self.head = (param, correction if correction is not None else dummy)  # before the gradient
+        self.tail = (  # between the accumulated gradient and the scalars
+            m_val if m_val is not None else dummy,
+            m_scales if m_scales is not None else dummy,
+            v_val if v_val is not None else dummy,
+            v_scales if v_scales is not None else dummy,
+            step,
+            scratch,
+            n,
+            (n + 1) // 2,
+            *keys,
+        )
+
+    def launch(self, grad: torch.Tensor, accum: torch.Tensor | None, hyper: dict) -> None:
+        algo, get = self.algo, hyper.get
+        args, check_args = _scalar_args(
+            algo, hyper["lr"], get("beta1", 0.0), get("beta2", 0.0), get("eps", 0.0), hyper["weight_decay"],
+            get("momentum", 0.0), get("dampening", 0.0),
+        )  # fmt: skip
+        has_accum = accum is not None
+        _launch_check(
+            self.check_programs,
+            (grad, accum if has_accum else grad, self.scratch, self.step, self.skipped, self.n, *check_args),
+            _check_config(has_accum, algo == 0),
+        )
+        if self.n == 0:
+            return
+        runtime_args = (*self.head, grad, accum if has_accum else self.dummy, *self.tail, *args)
+        _launch_update(self.programs, runtime_args, self.configs[has_accum])
 
 
 @functools.lru_cache(maxsize=256)
