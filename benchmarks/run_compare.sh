@@ -15,7 +15,8 @@
 #   5b  the same in 80 GiB (~10 s a trial at ~15-25B parameters)                        2 calls
 #   Altogether about 55-60 min of device time; by value: 1a, 2, 4, then 1b, 5a, 5b.
 # Resuming: a part whose results file exists in benchmarks/results/issue6/ (committed from an
-# earlier call's $OUT) continues from it: copy $OUT/NAME.json there after each call.
+# earlier call's $OUT) continues from it: copy NAME.json there after each call (run standalone,
+# the script leaves $OUT as one archive, results.tgz: the device tool returns at most 8 files).
 # ONLY=A,FO,...  narrows a part to some line-up keys; EXTRA='...' adds arguments to its script.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -58,3 +59,5 @@ for part in "$@"; do
     *) echo "unknown part: $part (1a 1b 2 4 5a 5b)"; exit 2 ;;
   esac
 done
+# standalone on the GPU machine: logs plus one archive (run_pair.sh archives per GPU itself)
+[ -n "${SKIP_INSTALL:-}" ] || bash benchmarks/pack_out.sh "$OUT"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks, one device call per part. From the repo root on the GPU machine:
-#   bash benchmarks/run_h200.sh PART...     (logs under $OUT)
+#   bash benchmarks/run_h200.sh PART...     (logs and results under $OUT, left as one archive,
+#                                            $OUT/results.tgz, unless run by run_pair.sh)
 # parts: perf     kernel ablation + step bandwidth (benchmarks/kernel_ablation.py, step_bandwidth.py)
 #        bandwidth      step bandwidth only
 #        tests    GPU parity and end-to-end tests (tests/gpu) + the interpreter suite on CUDA tensors
@@ -43,3 +44,5 @@ for part in "${@:-perf tests}"; do
     *) echo "unknown part: $part"; exit 2 ;;
   esac
 done
+# standalone on the GPU machine: logs plus one archive (run_pair.sh archives per GPU itself)
+[ -n "${SKIP_INSTALL:-}" ] || bash benchmarks/pack_out.sh "$OUT"
