@@ -166,7 +166,8 @@ class StepMemory:
 
 def _leaves(name: str, value, depth: int = 0):
     """(key, tensor) for every plain tensor in a state value: nested dicts and lists (TurboAdam),
-    and the inner tensors of tensor subclasses (torchao's quantized states)."""
+    the inner tensors of tensor subclasses (torchao's quantized states) and the tensor attributes
+    of plain holder objects (FlashOptim's quantized moments)."""
     if depth > 8 or isinstance(value, torch.nn.Parameter):  # optimi keeps its param group in the state
         return
     if isinstance(value, torch.Tensor):
@@ -182,6 +183,9 @@ def _leaves(name: str, value, depth: int = 0):
             yield from _leaves(name, item, depth + 1)
     elif isinstance(value, (list, tuple)):
         for item in value:
+            yield from _leaves(name, item, depth + 1)
+    elif hasattr(value, "__dict__") and not isinstance(value, (type, torch.nn.Module)):
+        for item in list(vars(value).values()):
             yield from _leaves(name, item, depth + 1)
 
 

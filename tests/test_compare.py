@@ -112,6 +112,22 @@ def test_state_tensors_reach_nested_and_skip_parameters():
     assert sum(n for _, n in state_storages(FakeOpt, torch.device("cpu"))) == 8
 
 
+def test_state_tensors_reach_the_tensors_of_holder_objects():
+    """FlashOptim keeps each quantized moment in a plain object (codes and scales as attributes):
+    on the H200 its moments were missing from the state column until the profiler looked inside."""
+    p = torch.nn.Parameter(torch.zeros(32))
+
+    class Holder:
+        def __init__(self):
+            self._data, self._quantized, self._scales = None, torch.zeros(32, dtype=torch.int8), torch.zeros(2)
+
+    class FakeOpt:
+        state = {p: {"exp_avg": Holder(), "exp_avg_sq": Holder(), "error_bits": torch.zeros(32, dtype=torch.int8)}}
+
+    names = sorted((k, t.numel()) for k, t in state_tensors(FakeOpt))
+    assert names == [("error_bits", 32), ("exp_avg", 2), ("exp_avg", 32), ("exp_avg_sq", 2), ("exp_avg_sq", 32)]
+
+
 def test_lineup_parses_and_parts_are_consistent():
     assert len({e.key for e in competitors.LINEUP}) == len(competitors.LINEUP)
     for entry in competitors.LINEUP:
