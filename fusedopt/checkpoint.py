@@ -22,6 +22,7 @@ import torch
 from . import rng
 from .codecs import NONNEGATIVE_SLOTS, MomentCodec
 from .master import MASTER_CORRECTION, convert_correction
+from .state_memory import pack_tensors
 
 FORMAT = 1
 # torch.optim group keys that fusedopt ignores when loading a torch checkpoint (implementation
@@ -132,7 +133,7 @@ def _convert_param_state(optimizer, p, group, saved: dict, where: str, seed: int
         layout = codec.layout(p.shape)
         entries = {s: saved.get(slot + s) for s in layout}
         if all(isinstance(t, torch.Tensor) and (t.dtype, t.shape) == layout[s] for s, t in entries.items()):
-            out.update({slot + s: t.detach().to(p.device).clone() for s, t in entries.items()})
+            out.update({slot + s: t.detach() for s, t in entries.items()})  # copied to p.device by pack_tensors
             continue
         value = saved.get(slot)
         if value is None and not any(k.startswith(slot) for k in saved):
@@ -153,7 +154,8 @@ def _convert_param_state(optimizer, p, group, saved: dict, where: str, seed: int
             lossy.append(f"{slot} of {where}: {origin} -> {codec!r}, max abs error {error:.3g} (max |x| {scale:.3g})")
         out.update({slot + s: t for s, t in encoded.items()})
     out.update(correction)
-    return out
+    step_tensor = out.pop("step")
+    return {"step": step_tensor, **pack_tensors(out, p.device)}  # shared allocations, as a fresh state
 
 
 def _saved_codec(slot: str, saved: dict, shape: torch.Size, signed: bool) -> MomentCodec | None:

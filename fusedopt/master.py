@@ -133,12 +133,17 @@ def is_split(param: torch.Tensor, master_weight_bits) -> bool:
     return master_weight_bits is not None and param.dtype in LOW_PRECISION
 
 
-def correction_zeros(param: torch.Tensor, master_weight_bits) -> dict[str, torch.Tensor]:
-    """State entries the master scheme keeps beside the parameter (none without splitting)."""
+def correction_layout(param: torch.Tensor, master_weight_bits) -> dict[str, tuple[torch.dtype, torch.Size]]:
+    """dtype and shape of the state entries the master scheme keeps beside the parameter."""
     if not is_split(param, master_weight_bits):
         return {}
-    dtype = CORRECTION_DTYPES[master_weight_bits]
-    return {MASTER_CORRECTION: torch.zeros(param.shape, dtype=dtype, device=param.device)}
+    return {MASTER_CORRECTION: (CORRECTION_DTYPES[master_weight_bits], param.shape)}
+
+
+def correction_zeros(param: torch.Tensor, master_weight_bits) -> dict[str, torch.Tensor]:
+    """State entries the master scheme keeps beside the parameter (none without splitting)."""
+    layout = correction_layout(param, master_weight_bits)
+    return {key: torch.zeros(shape, dtype=dtype, device=param.device) for key, (dtype, shape) in layout.items()}
 
 
 # --- the split: fp32 <-> (head, correction) ------------------------------------------------

@@ -16,9 +16,10 @@ import torch
 from . import checkpoint
 from .backend import gradient_fits_prepared, new_scratch, run_update
 from .codecs import NONNEGATIVE_SLOTS, SUPPORTED_STATE_BITS, MomentCodec, codec_for
-from .master import check_master_weight_bits, correction_zeros, master_value
+from .master import check_master_weight_bits, correction_layout, master_value
 from .reference import ParamUpdate, UpdateMath
 from .release import GradientRelease
+from .state_memory import pack
 
 # Options that apply to the whole optimizer; a parameter group may not set them.
 OPTIMIZER_WIDE_OPTIONS = ("fused", "accumulation_steps", "seed")
@@ -147,10 +148,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         if not state:
             group, _ = self.position(p)
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            entries = {}  # tensors of one dtype share an allocation (state_memory.py says why)
             for slot, codec in self.codecs(p, group).items():
-                for suffix, tensor in codec.zeros(p.shape, p.device).items():
-                    state[slot + suffix] = tensor
-            state.update(correction_zeros(p, group["master_weight_bits"]))
+                unit = codec.zeros(torch.Size([1]), p.device)  # a zero state is one value repeated
+                for suffix, (dtype, shape) in codec.layout(p.shape).items():
+                    entries[slot + suffix] = (dtype, shape, unit[suffix].reshape(()))
+            for key, (dtype, shape) in correction_layout(p, group["master_weight_bits"]).items():
+                entries[key] = (dtype, shape, torch.zeros((), dtype=dtype, device=p.device))
+            state.update(pack(entries, p.device))
         return state
 
     def master_weight(self, p: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,47 @@
+"""A parameter's optimizer state tensors of one dtype share one allocation.
+
+PyTorch's CUDA caching allocator serves a request of 10 MiB or more from a segment rounded up
+to 2 MiB, and splits the tail off for other tensors only when more than 1 MiB remains. So an
+11 MiB one-byte tensor (the moment codes of a 2048 x 5632 matrix) holds a 12 MiB block: on the
+1.1B Llama shape the two moments' codes and the int8 correction of the 66 MLP matrices held
+~0.19 GiB that no tensor used (benchmarks/RESULTS.md, 2026-11-30). As views of one buffer,
+a parameter's moment codes and block scales (all uint8) are one request and lose one tail at
+most. Only tensors of the same dtype share a buffer: ``torch.save`` refuses views of one
+storage with different dtypes, so the int8 correction keeps its own allocation.
+
+Each view starts on a 64-byte boundary (the kernels' vector loads need 16).
+"""
+
+from __future__ import annotations
+
+import torch
+
+ALIGN_BYTES = 64
+
+
+def pack(entries: dict[str, tuple[torch.dtype, torch.Size, torch.Tensor]], device: torch.device) -> dict:
+    """``name -> (dtype, shape, source)`` to ``name -> tensor``: the tensors of each dtype are views
+    of one new buffer; each holds ``source`` (a tensor of that shape, or a 0-d value to fill with)."""
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name, (dtype, _, _) in entries.items():
+        by_dtype.setdefault(dtype, []).append(name)
+    out = {}
+    for dtype, names in by_dtype.items():
+        step = max(1, ALIGN_BYTES // dtype.itemsize)  # elements per alignment unit
+        offsets, total = [], 0
+        for name in names:
+            offsets.append(total)
+            total += -(-torch.Size(entries[name][1]).numel() // step) * step
+        buffer = torch.zeros(total, dtype=dtype, device=device)
+        for name, start in zip(names, offsets):
+            _, shape, source = entries[name]
+            shape = torch.Size(shape)
+            view = buffer[start : start + shape.numel()].view(shape)
+            view.copy_(source.expand(shape) if source.dim() == 0 else source)
+            out[name] = view
+    return {name: out[name] for name in entries}
+
+
+def pack_tensors(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Copies of ``tensors`` on ``device``, the tensors of each dtype as views of one buffer."""
+    return pack({name: (t.dtype, t.shape, t) for name, t in tensors.items()}, device)
