@@ -57,7 +57,7 @@ def launcher_us(reps: int) -> float:
     """us per launch of the update kernel's argument layout (10 tensors, 4 ints, 8 floats, 25 constexprs)."""
     names = [f"t{i}" for i in range(10)] + [f"i{i}" for i in range(4)] + [f"f{i}" for i in range(8)]
     constexprs = [f"C{i}" for i in range(25)]
-    launch = DirectLauncher(_StandIn(names + constexprs, constexprs), tensors=10, ints=4)
+    launch = DirectLauncher(_StandIn(names + constexprs, constexprs), **update.UPDATE_ARGS)
     launch._device = lambda first: 0  # CPU tensors as if on CUDA device 0
     launch._stream = lambda device: 0
     torch.cuda.current_device = lambda: 0

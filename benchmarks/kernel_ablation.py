@@ -103,8 +103,8 @@ def main(argv=None) -> int:
     try:
         for name in args.variants.split(","):
             variant = build_variant(root, name)
-            real_update._launch_update = DirectLauncher(variant._update_kernel, tensors=10, ints=4)
-            real_update._launch_check = DirectLauncher(variant._check_kernel, tensors=5, ints=1)
+            real_update._launch_update = DirectLauncher(variant._update_kernel, **real_update.UPDATE_ARGS)
+            real_update._launch_check = DirectLauncher(variant._check_kernel, **real_update.CHECK_ARGS)
             r = bench_config(name, lambda ps: fusedopt.AdamW(ps, lr=1e-4), fusedopt_bytes(8, 24), args.reps)
             r["fraction_of_copy"] = r["GBps"] / copy_gbps
             results.append(r)

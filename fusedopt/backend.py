@@ -62,14 +62,30 @@ def _moment_format(codec: MomentCodec):
     return None
 
 
+_DEVICES = "parameter, gradient and optimizer state are on different devices"
+_LAYOUT = "non-contiguous parameter or gradient"
+
+
+def _gradient_problem(param: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None) -> str | None:
+    """Why this step's gradient (and accumulated buffer) cannot go to the kernel (None: it can)."""
+    grads = (grad,) if accum is None else (grad, accum)
+    if any(g.device != param.device for g in grads):
+        return _DEVICES
+    if not all(g.is_contiguous() for g in grads):
+        return _LAYOUT
+    return None
+
+
 def unsupported_reason(job: ParamUpdate) -> str | None:
     """Why the kernel cannot run this update (None: it can)."""
     p = job.param
-    tensors = [p, job.grad, job.state["step"], job.skipped] + ([job.accum] if job.accum is not None else [])
-    if any(t.device != p.device for t in tensors):
-        return "parameter, gradient and optimizer state are on different devices"
-    if not (p.is_contiguous() and job.grad.is_contiguous() and (job.accum is None or job.accum.is_contiguous())):
-        return "non-contiguous parameter or gradient"
+    if job.state["step"].device != p.device or job.skipped.device != p.device:
+        return _DEVICES
+    problem = _gradient_problem(p, job.grad, job.accum)
+    if problem is not None:
+        return problem
+    if not p.is_contiguous():
+        return _LAYOUT
     correction = job.state.get(MASTER_CORRECTION)
     if p.dtype != torch.float32 and job.master_weight_bits is not None and correction is None:
         return "a split parameter without its correction tensor"
@@ -101,12 +117,7 @@ def run_update(algorithm: str, math: UpdateMath, job: ParamUpdate, scratch):
 def gradient_fits_prepared(param: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None) -> bool:
     """Whether a gradient can go to a parameter's prepared kernel launch: the per-step part of
     ``unsupported_reason`` (the rest is fixed while the prepared launch is valid)."""
-    return (
-        backend_choice() != "reference"
-        and grad.device == param.device
-        and grad.is_contiguous()
-        and (accum is None or (accum.device == param.device and accum.is_contiguous()))
-    )
+    return backend_choice() != "reference" and _gradient_problem(param, grad, accum) is None
 
 
 def new_scratch(device: torch.device) -> torch.Tensor:

@@ -221,7 +221,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """What a prepared launch of ``p`` was built for, besides its tensors: formats, flags, seed."""
         flags = tuple(v for v in hyper.values() if isinstance(v, bool))
         formats = (group["state_bits"], group["min_compress_numel"], group["master_weight_bits"], self._slots(group))
-        return p.dtype, p.shape, p.device, formats, flags, self.seed, id(self.num_skipped_updates)
+        return p.dtype, p.shape, p.device, formats, flags, self.seed
 
     def _scratch(self, p: torch.Tensor) -> torch.Tensor:
         """The kernel's per-parameter scratch words (flags and per-step scalars), kept between updates."""

@@ -64,10 +64,8 @@ def fmix32(h):
 
 
 @functools.lru_cache(maxsize=65536)
-@functools.lru_cache(maxsize=1 << 16)
 def host_key(seed: int, param_index: int, stream: int) -> int:
-    """The part of the key known on the host; passed to kernels as one uint32 scalar (cached:
-    it is asked for at every launch)."""
+    """The part of the key known on the host; passed to kernels as one uint32 scalar."""
     h = fmix32((seed & MASK32) ^ GOLDEN)
     h = fmix32(h ^ (param_index & MASK32))
     return fmix32(h ^ (stream & MASK32))

@@ -76,14 +76,14 @@ class DirectLauncher:
     def __init__(self, fn, tensors: int, ints: int):
         self.fn = fn
         self.tensors, self.ints = tensors, ints
-        params = getattr(fn, "params", None)
-        self.names = [p.name for p in params] if params else []
-        self.runtime_names = [p.name for p in params if not p.is_constexpr] if params else []
-        self.constexpr_names = self.names[len(self.runtime_names) :]
+        params = getattr(fn, "params", None) or []
+        names = [p.name for p in params]
+        runtime_names = [p.name for p in params if not p.is_constexpr]
+        self.constexpr_names = names[len(runtime_names) :]
         self.compiled: dict = {}  # key -> (compiled kernel, constexpr values in signature order)
         # the compiled launcher takes every argument in signature order: runtime ones, then
         # constexprs (the layout of fusedopt's kernels; any other layout launches through Triton)
-        runtime_first = self.names[: len(self.runtime_names)] == self.runtime_names
+        runtime_first = names[: len(runtime_names)] == runtime_names
         self.usable = DIRECT_LAUNCH and bool(params) and runtime_first and hasattr(fn, "device_caches")
         self._knobs = _runtime_knobs()
 

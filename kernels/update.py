@@ -307,9 +307,11 @@ def _update_kernel(
     )
 
 
-# runtime arguments: tensors, then ints, then floats (see launch_update)
-_launch_check = DirectLauncher(_check_kernel, tensors=5, ints=1)
-_launch_update = DirectLauncher(_update_kernel, tensors=10, ints=4)
+# runtime arguments: tensors, then ints, then floats (see PreparedUpdate)
+CHECK_ARGS = dict(tensors=5, ints=1)
+UPDATE_ARGS = dict(tensors=10, ints=4)
+_launch_check = DirectLauncher(_check_kernel, **CHECK_ARGS)
+_launch_update = DirectLauncher(_update_kernel, **UPDATE_ARGS)
 
 
 @functools.lru_cache(maxsize=1024)
