@@ -68,10 +68,10 @@ _LAYOUT = "non-contiguous parameter or gradient"
 
 def _gradient_problem(param: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None) -> str | None:
     """Why this step's gradient (and accumulated buffer) cannot go to the kernel (None: it can)."""
-    grads = (grad,) if accum is None else (grad, accum)
-    if any(g.device != param.device for g in grads):
+    # plain conditions, no generators: this runs for every parameter in every step
+    if grad.device != param.device or (accum is not None and accum.device != param.device):
         return _DEVICES
-    if not all(g.is_contiguous() for g in grads):
+    if not grad.is_contiguous() or (accum is not None and not accum.is_contiguous()):
         return _LAYOUT
     return None
 
