@@ -306,6 +306,19 @@ def plot(plt, data: dict):
     return fig
 
 
+def merge(data: dict, other: dict) -> dict:
+    """Add ``other``'s measured budgets to ``data`` (two GPUs searching halves of a line-up)."""
+    for key, row in other.get("rows", {}).items():
+        if not row.get("budgets"):
+            data.setdefault("rows", {}).setdefault(key, row)
+            continue
+        mine = data.setdefault("rows", {}).setdefault(key, {"key": key, "label": row["label"], "budgets": {}})
+        mine.setdefault("budgets", {}).update(row["budgets"])
+        mine.pop("error", None)
+        mine["ok"] = True
+    return data
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated line-up keys (default: the part's line-up)")
@@ -326,10 +339,17 @@ def main(argv=None) -> int:
         default="release",
         help="run each trial in a fresh process: for gradient-release configurations (default), all, none",
     )
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="only add these runs' budgets to --out, then report")
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     parser.add_argument("--trial-out", help=argparse.SUPPRESS)
     parser.add_argument("--trial-layers", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.merge:
+        data = compare_io.load(args.out)
+        for path in args.merge:
+            data = merge(data, compare_io.load(path))
+        compare_io.save(args.out, data)
+        args.report = True
     if compare_io.report_only(args, report, plot):
         return 0
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

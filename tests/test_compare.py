@@ -200,3 +200,15 @@ def test_a_trial_in_its_own_process_measures_what_it_measures_in_this_one():
     here = compare_fit.trial(entry, 3, args, "cpu")
     there = compare_fit.trial_in_own_process(entry, 3, args, budget)
     assert here == there and here["ok"] and here["peak"] > 0
+
+
+def test_fit_results_of_two_gpus_merge_budget_by_budget():
+    a = {"rows": {"A": {"key": "A", "label": "a", "ok": True, "budgets": {"24": {"layers": 32}}},
+                  "G": {"key": "G", "label": "g", "ok": False, "error": "leak"}}}  # fmt: skip
+    b = {"rows": {"A": {"key": "A", "label": "a", "ok": True, "budgets": {"80": {"layers": 120}}},
+                  "G": {"key": "G", "label": "g", "ok": True, "budgets": {"24": {"layers": 99}}},
+                  "H": {"key": "H", "label": "h", "ok": False, "error": "not started"}}}  # fmt: skip
+    merged = compare_fit.merge(a, b)["rows"]
+    assert merged["A"]["budgets"] == {"24": {"layers": 32}, "80": {"layers": 120}}
+    assert merged["G"]["ok"] and "error" not in merged["G"] and merged["G"]["budgets"] == {"24": {"layers": 99}}
+    assert merged["H"] == {"key": "H", "label": "h", "ok": False, "error": "not started"}
