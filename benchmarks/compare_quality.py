@@ -288,6 +288,25 @@ def worker(args) -> int:
     return 0
 
 
+def run_settings(args, shape, train, held, digest) -> dict:
+    """What must match for runs to be compared, in the form the results file stores it (JSON turns
+    tuples into lists: compared unconverted, a resumed call refused its own file, 2026-11-30)."""
+    settings = {
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "lr": args.lr,
+        "shape": args.shape,
+        "num_params": shape.num_params(),
+        "batch": args.batch,
+        "seq": args.seq,
+        "eval_seqs": args.eval_seqs,
+        "corpus": digest,
+        "corpus_bytes": [train.numel(), held.numel()],
+        "hparams": {**HPARAMS, "lr": args.lr},
+    }
+    return json.loads(json.dumps(settings))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated line-up keys (default: the part's line-up)")
@@ -319,19 +338,7 @@ def main(argv=None) -> int:
     data = compare_io.load(args.out)
     train, held, digest = corpus(args.corpus_limit)
     shape = parse_shape(args.shape, PRESETS["tiny"])
-    settings = {
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "lr": args.lr,
-        "shape": args.shape,
-        "num_params": shape.num_params(),
-        "batch": args.batch,
-        "seq": args.seq,
-        "eval_seqs": args.eval_seqs,
-        "corpus": digest,
-        "corpus_bytes": [train.numel(), held.numel()],
-        "hparams": {**HPARAMS, "lr": args.lr},
-    }
+    settings = run_settings(args, shape, train, held, digest)
     if data and data.get("settings") != settings:
         print(f"error: {args.out} holds runs of other settings or another corpus:", file=sys.stderr)
         print(f"  there: {data.get('settings')}\n  here:  {settings}", file=sys.stderr)

@@ -3,6 +3,7 @@
 quality summary). None of this needs the competitor libraries installed."""
 
 import argparse
+import json
 import os
 import sys
 
@@ -212,3 +213,13 @@ def test_fit_results_of_two_gpus_merge_budget_by_budget():
     assert merged["A"]["budgets"] == {"24": {"layers": 32}, "80": {"layers": 120}}
     assert merged["G"]["ok"] and "error" not in merged["G"] and merged["G"]["budgets"] == {"24": {"layers": 99}}
     assert merged["H"] == {"key": "H", "label": "h", "ok": False, "error": "not started"}
+
+
+def test_quality_settings_compare_equal_after_the_results_file_round_trip():
+    import compare_quality
+
+    args = argparse.Namespace(steps=20, warmup=2, lr=1e-3, shape="d_model=32", batch=2, seq=8, eval_seqs=4)
+    shape = compare_quality.parse_shape("d_model=32", compare_quality.PRESETS["tiny"])
+    settings = compare_quality.run_settings(args, shape, torch.zeros(100), torch.zeros(10), "digest")
+    assert isinstance(settings["hparams"]["betas"], list)  # HPARAMS holds a tuple
+    assert json.loads(json.dumps(settings)) == settings
