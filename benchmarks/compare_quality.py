@@ -178,7 +178,9 @@ def report(data: dict) -> str:
     lines = [
         f"{st['num_params']:,} params, {st['steps']} steps, batch {st['batch']} x {st['seq']}, corpus {st['corpus']}",
         "",
-        compare_io.table(["key", "optimizer", "seeds", "held-out loss", "seed range", "gap to A", "in A range"], rows),
+        compare_io.table(
+            ["key", "optimizer", "seeds", "held-out loss", "seed range", "gap to A", "|gap| <= A spread"], rows
+        ),
         "",
         f"runs: {len(times)}, wall s per run: min {min(times):.0f}, max {max(times):.0f}" if times else "no runs",
     ]

@@ -81,7 +81,10 @@ def load_state_dict(optimizer, saved: dict) -> None:
         where = f"parameter {index} (shape {tuple(p.shape)})"
         new_state[p] = _convert_param_state(optimizer, p, group, param_state, where, seed, index, lossy)
 
-    # Everything validated and converted: commit.
+    # Everything validated and converted: commit (the shared corrections are built, if they were
+    # not, before the first one is overwritten).
+    for p, state in new_state.items():
+        optimizer.share_correction(p, state, new_groups)
     for i, group in enumerate(new_groups):
         groups[i] = group
     optimizer.state = new_state

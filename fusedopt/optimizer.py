@@ -16,10 +16,10 @@ import torch
 from . import checkpoint
 from .backend import gradient_fits_prepared, new_scratch, run_update
 from .codecs import NONNEGATIVE_SLOTS, SUPPORTED_STATE_BITS, MomentCodec, codec_for
-from .master import check_master_weight_bits, correction_layout, master_value
+from .master import MASTER_CORRECTION, check_master_weight_bits, correction_layout, master_value
 from .reference import ParamUpdate, UpdateMath
 from .release import GradientRelease
-from .state_memory import pack
+from .state_memory import SharedCorrections, pack
 
 # Options that apply to the whole optimizer; a parameter group may not set them.
 OPTIMIZER_WIDE_OPTIONS = ("fused", "accumulation_steps", "seed")
@@ -71,6 +71,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._release: GradientRelease | None = None
         self._kernel_scratch: dict[torch.Tensor, torch.Tensor] = {}
         self._prepared: dict[torch.Tensor, tuple] = {}  # param -> (PreparedUpdate, structure, state items)
+        self._corrections = SharedCorrections()
         super().__init__(params, defaults)
         first = self.param_groups[0]["params"][0]
         self.num_skipped_updates = torch.zeros((), dtype=torch.int64, device=first.device)
@@ -153,10 +154,32 @@ class FusedOptimizer(torch.optim.Optimizer):
                 unit = codec.zeros(torch.Size([1]), p.device)  # a zero state is one value repeated
                 for suffix, (dtype, shape) in codec.layout(p.shape).items():
                     entries[slot + suffix] = (dtype, shape, unit[suffix].reshape(()))
+            shared = {}
             for key, (dtype, shape) in correction_layout(p, group["master_weight_bits"]).items():
-                entries[key] = (dtype, shape, torch.zeros((), dtype=dtype, device=p.device))
+                view = self._corrections.view(p, dtype, shape, self._correction_members)
+                if view is not None:
+                    shared[key] = view.zero_()
+                else:
+                    entries[key] = (dtype, shape, torch.zeros((), dtype=dtype, device=p.device))
             state.update(pack(entries, p.device))
+            state.update(shared)
         return state
+
+    def _correction_members(self, groups: list[dict] | None = None):
+        """(parameter, dtype, shape) of every parameter whose group keeps a master-weight correction."""
+        for group in self.param_groups if groups is None else groups:
+            for q in group["params"]:
+                for dtype, shape in correction_layout(q, group["master_weight_bits"]).values():
+                    yield q, dtype, shape
+
+    def share_correction(self, p: torch.Tensor, state: dict, groups: list[dict]) -> None:
+        """Move a loaded state's correction into ``p``'s shared view (checkpoint loading, at commit,
+        under the loaded ``groups``: their master_weight_bits decide the dtypes)."""
+        value = state.get(MASTER_CORRECTION)
+        if value is not None:
+            view = self._corrections.view(p, value.dtype, value.shape, lambda: self._correction_members(groups))
+            if view is not None and view is not value:
+                state[MASTER_CORRECTION] = view.copy_(value)
 
     def master_weight(self, p: torch.Tensor) -> torch.Tensor:
         """The full-precision master of parameter ``p`` as a new fp32 tensor.

@@ -70,3 +70,101 @@ def test_packed_state_survives_torch_save_and_load(config):
         opt.step()
         opt2.step()
     assert torch.equal(w, w2)
+
+
+def _model(dtype=torch.bfloat16, device="cpu"):
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(37, 41), (5,), (3, 1000), (1,)]
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(device, dtype)) for s in shapes]
+
+
+def _train(opt, params, steps, seed=2):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            if p.requires_grad:
+                p.grad = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
+        opt.step()
+
+
+def _correction_storages(opt, params):
+    return {opt.state[p]["master_correction"].untyped_storage().data_ptr() for p in params if p in opt.state}
+
+
+@pytest.mark.parametrize("bits", [24, 32])
+def test_corrections_of_all_trainable_parameters_share_one_buffer(bits):
+    params = _model()
+    frozen = torch.nn.Parameter(torch.randn(7, 9).to(torch.bfloat16), requires_grad=False)
+    opt = fusedopt.AdamW([*params, frozen], master_weight_bits=bits, min_compress_numel=0)
+    _train(opt, params, 3)
+    assert len(_correction_storages(opt, params)) == 1
+    dtype = torch.int8 if bits == 24 else torch.int16
+    for p in params:
+        corr = opt.state[p]["master_correction"]
+        assert corr.dtype == dtype and corr.shape == p.shape and corr.data_ptr() % ALIGN_BYTES == 0
+    assert any(bool((opt.state[p]["master_correction"] != 0).any()) for p in params)  # it carries bits
+    # a parameter frozen when the buffer was built, trained later, allocates its own
+    frozen.requires_grad_(True)
+    frozen.grad = torch.randn(frozen.shape).to(frozen.dtype)
+    opt.step()
+    assert opt.state[frozen]["master_correction"].untyped_storage().data_ptr() not in _correction_storages(opt, params)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("bits", [24, 32])
+def test_shared_and_separate_corrections_update_identically(bits, device):
+    shared, separate = _model(device=device), _model(device=device)
+    opt = fusedopt.AdamW(shared, master_weight_bits=bits, min_compress_numel=0)
+    opt_separate = fusedopt.AdamW(separate, master_weight_bits=bits, min_compress_numel=0)
+    opt_separate._corrections.view = lambda *args: None  # every correction allocates its own
+    _train(opt, shared, 4)
+    _train(opt_separate, separate, 4)
+    assert len(_correction_storages(opt, shared)) == 1
+    assert len(_correction_storages(opt_separate, separate)) == len(separate)
+    for p, q in zip(shared, separate):
+        assert torch.equal(p, q)
+        for key, t in opt.state[p].items():
+            assert torch.equal(t, opt_separate.state[q][key]), key
+
+
+def test_a_state_created_again_starts_from_a_zero_correction():
+    params = _model()
+    opt = fusedopt.AdamW(params, min_compress_numel=0)
+    _train(opt, params, 2)
+    shared = opt.state[params[0]]["master_correction"]
+    assert bool((shared != 0).any())
+    del opt.state[params[0]]
+    again = opt.ensure_state(params[0])["master_correction"]
+    assert again.data_ptr() == shared.data_ptr() and not bool(again.any())
+    assert torch.equal(opt.master_weight(params[0]), params[0].float())
+
+
+@pytest.mark.parametrize("bits_after", [24, 32])
+def test_shared_corrections_survive_a_checkpoint_and_a_failed_load(bits_after):
+    params = _model()
+    opt = fusedopt.AdamW(params, min_compress_numel=0)
+    _train(opt, params, 3)
+    masters = [opt.master_weight(p) for p in params]
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    # a load that fails on the last parameter changes nothing, not even the earlier corrections
+    bad = {**saved, "state": {**saved["state"], 3: {**saved["state"][3], "step": torch.tensor(-1.0)}}}
+    with pytest.raises(ValueError, match="invalid step count"):
+        opt.load_state_dict(bad)
+    assert all(torch.equal(opt.master_weight(p), m) for p, m in zip(params, masters))
+    # into a fresh optimizer, possibly with wider corrections: same masters, one shared buffer again
+    params2 = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = fusedopt.AdamW(params2, min_compress_numel=0, master_weight_bits=bits_after)
+    if bits_after == 32:
+        saved["param_groups"][0]["master_weight_bits"] = 32  # the checkpoint's groups rule
+    opt2.load_state_dict(saved)
+    assert all(torch.equal(opt2.master_weight(p2), m) for p2, m in zip(params2, masters))
+    assert len(_correction_storages(opt2, params2)) == 1
+    dtype = torch.int8 if bits_after == 24 else torch.int16
+    assert all(opt2.state[p]["master_correction"].dtype == dtype for p in params2)
+    _train(opt, params, 2, seed=5)
+    _train(opt2, params2, 2, seed=5)
+    if bits_after == 24:
+        assert all(torch.equal(p, p2) for p, p2 in zip(params, params2))
