@@ -306,6 +306,11 @@ def plot(plt, data: dict):
     return fig
 
 
+def budgets_to_measure(row: dict, budgets: list[int], redo: bool) -> list[int]:
+    """The budgets a run searches for one key: those not in its results file yet (all with --redo)."""
+    return list(budgets) if redo else [b for b in budgets if str(b) not in row.get("budgets", {})]
+
+
 def merge(data: dict, other: dict) -> dict:
     """Add ``other``'s measured budgets to ``data`` (two GPUs searching halves of a line-up)."""
     for key, row in other.get("rows", {}).items():
@@ -339,6 +344,7 @@ def main(argv=None) -> int:
         default="release",
         help="run each trial in a fresh process: for gradient-release configurations (default), all, none",
     )
+    parser.add_argument("--redo", action="store_true", help="search keys already in --out again (e.g. after a change)")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="only add these runs' budgets to --out, then report")
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     parser.add_argument("--trial-out", help=argparse.SUPPRESS)
@@ -371,7 +377,7 @@ def main(argv=None) -> int:
     times = [r["seconds"] for r in data["rows"].values() if r.get("seconds")]
     for entry in select(args.only, "fit"):
         row = data["rows"].setdefault(entry.key, {"key": entry.key, "label": entry.label, "budgets": {}})
-        todo = [b for b in args._budgets if str(b) not in row.get("budgets", {})]
+        todo = budgets_to_measure(row, args._budgets, args.redo)
         if not todo:
             continue
         why = entry.unavailable(args.device)

@@ -223,3 +223,10 @@ def test_quality_settings_compare_equal_after_the_results_file_round_trip():
     settings = compare_quality.run_settings(args, shape, torch.zeros(100), torch.zeros(10), "digest")
     assert isinstance(settings["hparams"]["betas"], list)  # HPARAMS holds a tuple
     assert json.loads(json.dumps(settings)) == settings
+
+
+def test_fit_redo_searches_measured_budgets_again():
+    row = {"budgets": {"24": {"layers": 32}}}
+    assert compare_fit.budgets_to_measure(row, [24, 80], redo=False) == [80]
+    assert compare_fit.budgets_to_measure(row, [24, 80], redo=True) == [24, 80]
+    assert compare_fit.budgets_to_measure({}, [24], redo=False) == [24]
