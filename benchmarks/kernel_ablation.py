@@ -16,6 +16,11 @@ The time a stage costs is the base time minus the variant's. Variants:
   fastmath   approximate sqrt and division instead of IEEE sqrt_rn / div_rn
   nomaster   parameter written with stochastic rounding instead of head + correction
   floor      all of the above: loads, fp32 math and stores only
+
+Candidates (results right, for timing a change against the base in one run):
+
+  scale1d    block scales stored as a 1-D row vector (branch kernel-scale-store-1d; SASS:
+             1592 -> 1544 instructions per 8 elements, benchmarks/kernel_sass.py)
 """
 
 from __future__ import annotations
@@ -55,6 +60,21 @@ EDITS = {
     "noround": [("moments.py", "up = tl.fma(_uniform(rbits), gap, -d) < 0", "up = d < 0")],
     "fastmath": [("update.py", "tl.sqrt_rn(v)", "tl.sqrt(v)"), ("update.py", "tl.div_rn(m, denom)", "(m / denom)")],
     "nomaster": [("update.py", "QBLOCK),\n        MASTER,", "QBLOCK),\n        1,")],
+    "scale1d": [
+        (
+            "moments.py",
+            "        rows = start // QBLOCK + tl.arange(0, NB)[:, None]\n"
+            "        cols = tl.arange(0, QBLOCK)[None, :]\n"
+            "        n_blocks = (n_elements + QBLOCK - 1) // QBLOCK\n"
+            "        scale_bytes = (e + 127).to(tl.uint8)[:, None] + tl.zeros([NB, QBLOCK], dtype=tl.uint8)\n"
+            "        tl.store(scale_ptr + rows + cols * 0, scale_bytes, "
+            "mask=(cols == 0) & (rows < n_blocks) & commit)\n",
+            "        blocks = start // QBLOCK + tl.arange(0, NB)\n"
+            "        n_blocks = (n_elements + QBLOCK - 1) // QBLOCK\n"
+            "        block_commit = (tl.zeros([NB], tl.int32) + status) == 0\n"
+            "        tl.store(scale_ptr + blocks, (e + 127).to(tl.uint8), mask=(blocks < n_blocks) & block_commit)\n",
+        )
+    ],
 }  # fmt: skip
 EDITS["floor"] = [e for name in ("nohash", "noencode", "nodecode", "fastmath", "nomaster") for e in EDITS[name]]
 

@@ -22,7 +22,8 @@ git log -1 --format='commit %H %cd' 2>/dev/null | tee -a "$OUT/gpu.txt"
 for part in "${@:-perf tests}"; do
   case $part in
     perf)
-      python3 benchmarks/kernel_ablation.py --out "$OUT/ablation.json" 2>&1 | tee "$OUT/ablation.log"
+      python3 benchmarks/kernel_ablation.py --out "$OUT/ablation.json" ${VARIANTS:+--variants $VARIANTS} 2>&1 \
+        | tee "$OUT/ablation.log"  # e.g. VARIANTS=base,scale1d,base,scale1d (a candidate against the base)
       python3 benchmarks/step_bandwidth.py --sweep --out "$OUT/step_bandwidth.json" 2>&1 | tee "$OUT/step_bandwidth.log" ;;
     bandwidth)
       python3 benchmarks/step_bandwidth.py --out "$OUT/step_bandwidth.json" 2>&1 | tee "$OUT/step_bandwidth.log" ;;

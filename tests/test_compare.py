@@ -230,3 +230,15 @@ def test_fit_redo_searches_measured_budgets_again():
     assert compare_fit.budgets_to_measure(row, [24, 80], redo=False) == [80]
     assert compare_fit.budgets_to_measure(row, [24, 80], redo=True) == [24, 80]
     assert compare_fit.budgets_to_measure({}, [24], redo=False) == [24]
+
+
+def test_every_kernel_ablation_variant_applies_to_the_current_kernels(tmp_path):
+    import kernel_ablation
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        for name in ["base", *kernel_ablation.EDITS]:
+            variant = kernel_ablation.build_variant(str(tmp_path), name)
+            assert hasattr(variant, "_update_kernel") and hasattr(variant, "_check_kernel"), name
+    finally:
+        sys.path.remove(str(tmp_path))
