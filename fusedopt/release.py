@@ -15,6 +15,7 @@ the optimizer removes the hooks.
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 from collections.abc import Iterable
 
@@ -26,6 +27,26 @@ from .rounding import LOW_PRECISION
 
 # param -> weakref to the GradientRelease whose hook it carries (one live owner per parameter)
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+ALLOW_DISTRIBUTED = "FUSEDOPT_ALLOW_DISTRIBUTED_RELEASE"
+
+
+def check_single_process() -> None:
+    """Refuse gradient release when several processes train together: the hooks would update each
+    parameter from this process's own gradient, before DistributedDataParallel averages it (every
+    process would then train its own model, silently). ``FUSEDOPT_ALLOW_DISTRIBUTED_RELEASE=1``
+    allows it where no gradient is reduced across processes (e.g. pipeline stages)."""
+    dist = torch.distributed
+    if os.environ.get(ALLOW_DISTRIBUTED, "").strip() == "1":
+        return
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            f"fused=True (gradient release) in a process group of {dist.get_world_size()} processes: each "
+            "parameter would be updated from this process's own gradient inside backward, before "
+            "DistributedDataParallel / FSDP reduce gradients across processes. Use fused=False with data "
+            f"parallelism; set {ALLOW_DISTRIBUTED}=1 if no gradient is reduced across processes"
+        )
 
 
 def _hook(release_ref: weakref.ref, p: torch.Tensor) -> None:
@@ -43,10 +64,12 @@ class GradientRelease:
         self._counts: dict[torch.Tensor, int] = {}
         self._buffers: dict[torch.Tensor, torch.Tensor] = {}
         self.attached = True
+        self._checked_processes = False  # checked again at the first hook: the group may come later
         weakref.finalize(optimizer, GradientRelease._remove_handles, self._handles)
 
     def attach(self, params: Iterable[torch.Tensor]) -> None:
         """Register the release hook on every trainable parameter in ``params``."""
+        check_single_process()
         params = [p for p in params if p.requires_grad]
         for p in params:
             owner = _OWNERS.get(p)
@@ -77,6 +100,9 @@ class GradientRelease:
 
     def on_gradient(self, p: torch.Tensor) -> None:
         """Called by autograd once ``p.grad`` holds this backward's full gradient."""
+        if not self._checked_processes:
+            check_single_process()  # before any update: raising here leaves everything as it was
+            self._checked_processes = True
         optimizer = self._optimizer()
         if optimizer is None or p.grad is None:
             return

@@ -253,3 +253,36 @@ def test_zero_grad_during_accumulation_drops_held_gradients():
     opt.step()  # nothing left to apply
     assert torch.equal(w, before)
     opt.state_dict()  # and nothing left to lose
+
+
+def _pretend_processes(monkeypatch, n):
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *args, **kwargs: n)
+
+
+def test_release_is_refused_when_several_processes_train_together(monkeypatch):
+    model = make_model()
+    _pretend_processes(monkeypatch, 2)
+    with pytest.raises(RuntimeError, match="process group of 2 processes.*before DistributedDataParallel"):
+        fusedopt.AdamW(model.parameters(), fused=True)
+    train(model, fusedopt.AdamW(model.parameters()), inputs(1))  # fused=False is fine
+    _pretend_processes(monkeypatch, 1)
+    fusedopt.AdamW(model.parameters(), fused=True).remove_hooks()  # so is one process
+    _pretend_processes(monkeypatch, 2)
+    monkeypatch.setenv("FUSEDOPT_ALLOW_DISTRIBUTED_RELEASE", "1")
+    opt = fusedopt.AdamW(model.parameters(), fused=True)  # the user says no gradient is reduced
+    before = [p.clone() for p in model.parameters()]
+    loss_fn(model, inputs(1)[0]).backward()
+    assert all(p.grad is None and not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    opt.remove_hooks()
+
+
+def test_a_process_group_started_after_construction_stops_the_first_hook(monkeypatch):
+    model = make_model()
+    opt = fusedopt.AdamW(model.parameters(), fused=True)
+    _pretend_processes(monkeypatch, 4)
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="process group of 4 processes"):
+        loss_fn(model, inputs(1)[0]).backward()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))  # nothing was updated
+    assert not opt.state
