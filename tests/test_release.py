@@ -286,3 +286,28 @@ def test_a_process_group_started_after_construction_stops_the_first_hook(monkeyp
         loss_fn(model, inputs(1)[0]).backward()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))  # nothing was updated
     assert not opt.state
+
+
+def _construct_in_group(rank, world_size, init_file, out_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        model = torch.nn.Linear(4, 3)
+        try:
+            fusedopt.AdamW(model.parameters(), fused=True)
+            message = "constructed"
+        except RuntimeError as exc:
+            message = str(exc)
+        with open(f"{out_dir}/rank{rank}.txt", "w") as f:
+            f.write(message)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_release_is_refused_in_a_real_two_process_group(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_construct_in_group, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        assert "process group of 2 processes" in (tmp_path / f"rank{rank}.txt").read_text()
