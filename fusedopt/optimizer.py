@@ -160,7 +160,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if view is not None:
                     shared[key] = view.zero_()
                 else:
-                    entries[key] = (dtype, shape, torch.zeros((), dtype=dtype, device=p.device))
+                    entries[key] = (dtype, shape, None)  # zeros
             state.update(pack(entries, p.device))
             state.update(shared)
         return state

@@ -22,9 +22,10 @@ import torch
 ALIGN_BYTES = 64
 
 
-def pack(entries: dict[str, tuple[torch.dtype, torch.Size, torch.Tensor]], device: torch.device) -> dict:
+def pack(entries: dict[str, tuple[torch.dtype, torch.Size, torch.Tensor | None]], device: torch.device) -> dict:
     """``name -> (dtype, shape, source)`` to ``name -> tensor``: the tensors of each dtype are views
-    of one new buffer; each holds ``source`` (a tensor of that shape, or a 0-d value to fill with)."""
+    of one new zeroed buffer; each holds ``source`` (a tensor of that shape, a 0-d value to fill
+    with, or None: zeros)."""
     by_dtype: dict[torch.dtype, list[str]] = {}
     for name, (dtype, _, _) in entries.items():
         by_dtype.setdefault(dtype, []).append(name)
@@ -40,7 +41,8 @@ def pack(entries: dict[str, tuple[torch.dtype, torch.Size, torch.Tensor]], devic
             _, shape, source = entries[name]
             shape = torch.Size(shape)
             view = buffer[start : start + shape.numel()].view(shape)
-            view.copy_(source.expand(shape) if source.dim() == 0 else source)
+            if source is not None:
+                view.copy_(source.expand(shape) if source.dim() == 0 else source)
             out[name] = view
     return {name: out[name] for name in entries}
 
@@ -70,8 +72,7 @@ class SharedCorrections:
             by_device: dict[torch.device, dict] = {}
             for q, q_dtype, q_shape in members():
                 if q.requires_grad:
-                    zero = torch.zeros((), dtype=q_dtype, device=q.device)
-                    by_device.setdefault(q.device, {})[q] = (q_dtype, q_shape, zero)
+                    by_device.setdefault(q.device, {})[q] = (q_dtype, q_shape, None)
             for device, entries in by_device.items():
                 self._views.update(pack(entries, device))
         view = self._views.get(p)
