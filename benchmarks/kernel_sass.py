@@ -44,8 +44,10 @@ def _formats(state_bits: int):
     return m, v
 
 
-def compile_update(state_bits: int):
-    """The compiled AdamW update kernel for bf16 parameters and the given state format."""
+def compile_update(state_bits: int, kernel=None):
+    """The compiled AdamW update kernel (``kernel``: a variant's, default the real one) for bf16
+    parameters and the given state format."""
+    kernel = kernel or update._update_kernel
     corr_bits = 8 if state_bits in (8, 4) else 0
     m, v = _formats(state_bits)
     own_draw = corr_bits != 8
@@ -56,7 +58,7 @@ def compile_update(state_bits: int):
     types = dict.fromkeys(_POINTERS, "*u8")
     types.update(param_ptr="*bf16", grad_ptr="*bf16", accum_ptr="*bf16", corr_ptr="*i8", step_ptr="*fp32")
     types.update(scratch_ptr="*i32", m_ptr=value_types.get(m.fmt, "*u8"), v_ptr=value_types.get(v.fmt, "*u8"))
-    names = update._update_kernel.arg_names
+    names = kernel.arg_names
     signature, attrs = {}, {}
     for name in names:
         if name in cx:
@@ -69,7 +71,7 @@ def compile_update(state_bits: int):
             signature[name] = "fp32"
         if name in _POINTERS or name in ("n_elements", "n_pairs"):
             attrs[(names.index(name),)] = [["tt.divisibility", 16]]
-    source = ASTSource(update._update_kernel, signature, cx, attrs)
+    source = ASTSource(kernel, signature, cx, attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -96,10 +98,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--state-bits", type=int, nargs="+", default=[8, 4, 16, 32])
     parser.add_argument("--dump", help="write each kernel's SASS to this folder")
+    parser.add_argument("--variant", help="a variant of benchmarks/kernel_ablation.py instead of the real kernel")
     args = parser.parse_args(argv)
+    kernel = None
+    if args.variant:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from kernel_ablation import build_variant
+
+        root = tempfile.mkdtemp(prefix="fusedopt_sass_")
+        sys.path.insert(0, root)
+        kernel = build_variant(root, args.variant)._update_kernel
     per_thread = update.BLOCK // (32 * update.NUM_WARPS)
     for bits in args.state_bits:
-        opcodes, text, registers = sass_report(compile_update(bits))
+        opcodes, text, registers = sass_report(compile_update(bits, kernel))
         total = sum(opcodes.values())
         slow = sum(count for op, count in opcodes.items() if op in SLOW_OPCODES)
         print(f"state_bits={bits}: {registers}; {total} instructions for {per_thread} elements per thread "

@@ -1,8 +1,10 @@
 """Gradient release overhead: one training step of the 1.1B Llama shape, fused=True against fused=False.
 
-Usage (on a CUDA machine):  python benchmarks/release_overhead.py [--preset 1b] [--steps 6] [--out f.json]
+Usage (on a CUDA machine):  python benchmarks/release_overhead.py [--preset 1b] [--steps 5] [--rounds 3]
+       [--batch 1] [--out f.json]
 
-For each configuration: median over timed steps of backward alone and of the whole step
+The configurations take turns (``--rounds``, each ``--steps`` timed steps, order rotated per
+round; models kept alive). For each: median over timed steps of backward alone and of the whole step
 (forward + backward + ``opt.step()``), bf16 weights, micro-batch 1 x 1024, activation
 checkpointing. With ``fused=True`` the updates run inside backward, so its backward is longer
 and its ``step()`` nearly empty; the target (issue 4) is a total no slower than fused=False.
@@ -95,45 +97,71 @@ class UpdateTimer:
         }
 
 
-def run(name, make_opt, preset, steps, batch, seq_len, device="cuda", diagnose=None, timer=None) -> dict:
-    torch.manual_seed(0)
-    model = TinyLM(PRESETS[preset], checkpointing=True, device=device, dtype=torch.bfloat16)
-    opt = make_opt(model.parameters())
-    gen = torch.Generator(device=device).manual_seed(1)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    backward_ms, total_ms = [], []
-    for i in range(steps):
-        ids, labels = random_batch(PRESETS[preset].vocab, batch, seq_len, device, gen)
-        sync()
-        t0 = time.perf_counter()
-        loss = model(ids, labels=labels)
-        sync()
-        t1 = time.perf_counter()
+class Trial:
+    """One configuration's model and optimizer, kept alive so that configurations can take turns."""
+
+    def __init__(self, name, make_opt, preset, batch, seq_len, device="cuda", timer=None):
+        torch.manual_seed(0)
+        self.name, self.preset, self.batch, self.seq_len, self.device = name, preset, batch, seq_len, device
+        self.model = TinyLM(PRESETS[preset], checkpointing=True, device=device, dtype=torch.bfloat16)
+        self.opt = make_opt(self.model.parameters())
+        self.gen = torch.Generator(device=device).manual_seed(1)
+        self.timer = timer
+        self.backward_ms, self.step_ms, self.round_ms = [], [], []
+        self.update_us = {"in_backward": [], "in_step": []}
+
+    def steps(self, n: int, warmup: int) -> None:
+        """``warmup`` untimed steps (compilation, allocator growth), then ``n`` timed ones."""
+        sync = torch.cuda.synchronize if self.device == "cuda" else (lambda: None)
+        model, opt, timer = self.model, self.opt, self.timer
+        round_ms = []
+        for i in range(warmup + n):
+            if i == warmup and timer is not None:
+                timer.reset()
+            ids, labels = random_batch(PRESETS[self.preset].vocab, self.batch, self.seq_len, self.device, self.gen)
+            sync()
+            t0 = time.perf_counter()
+            loss = model(ids, labels=labels)
+            sync()
+            t1 = time.perf_counter()
+            if timer is not None:
+                timer.in_backward = True
+            loss.backward()
+            sync()
+            if timer is not None:
+                timer.in_backward = False
+            t2 = time.perf_counter()
+            opt.step()
+            opt.zero_grad()
+            sync()
+            t3 = time.perf_counter()
+            if i >= warmup:
+                self.backward_ms.append((t2 - t1) * 1e3)
+                round_ms.append((t3 - t0) * 1e3)
+        self.step_ms += round_ms
+        self.round_ms.append(statistics.median(round_ms))
         if timer is not None:
-            timer.in_backward = True
-        loss.backward()
-        sync()
-        if timer is not None:
-            timer.in_backward = False
-        t2 = time.perf_counter()
-        opt.step()
-        opt.zero_grad()
-        sync()
-        t3 = time.perf_counter()
-        if i >= 2:  # warm-up: compilation, allocator growth
-            backward_ms.append((t2 - t1) * 1e3)
-            total_ms.append((t3 - t0) * 1e3)
-        elif i == 1 and timer is not None:
-            timer.reset()
-    if diagnose and device == "cuda":
-        _diagnose_step(name, model, opt, preset, batch, seq_len, gen, diagnose)
-    del model, opt
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    result = dict(name=name, backward_ms=statistics.median(backward_ms), step_ms=statistics.median(total_ms))
-    if timer is not None:
-        result.update(timer.summary())
-    return result
+            for key, value in timer.summary().items():
+                self.update_us[key.removesuffix("_us_per_update")].append(value)
+
+    def result(self) -> dict:
+        result = dict(
+            name=self.name,
+            backward_ms=statistics.median(self.backward_ms),
+            step_ms=statistics.median(self.step_ms),
+            round_step_ms=self.round_ms,
+        )
+        for where, values in self.update_us.items():
+            values = [v for v in values if v is not None]
+            result[f"{where}_us_per_update"] = statistics.median(values) if values else None
+        return result
+
+    def close(self, diagnose=None) -> None:
+        if diagnose and self.device == "cuda":
+            _diagnose_step(self.name, self.model, self.opt, self.preset, self.batch, self.seq_len, self.gen, diagnose)
+        del self.model, self.opt
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _diagnose_step(name, model, opt, preset, batch, seq_len, gen, out_dir) -> None:
@@ -186,7 +214,8 @@ def _python_profile(name, model, opt, preset, batch, seq_len, gen) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="1b", choices=sorted(PRESETS))
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration and round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds in which the configurations take turns")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--out", default=None)
@@ -204,19 +233,31 @@ def main(argv=None) -> int:
     configs = dict(CONFIGS)
     if args.device != "cuda":
         configs.pop("torch AdamW (fused=True kernel)")
-    timer = UpdateTimer()
-    results = []
-    for name, make in configs.items():
-        timer.reset()
-        results.append(run(name, make, args.preset, args.steps, args.batch, args.seq_len, args.device, args.diagnose,
-                           timer if name.startswith("fusedopt") else None))  # fmt: skip
+    timer = UpdateTimer()  # one patch of update_param; each trial resets it before its timed steps
+    trials = [Trial(name, make, args.preset, args.batch, args.seq_len, args.device,
+                    timer if name.startswith("fusedopt") else None) for name, make in configs.items()]  # fmt: skip
+    # Configurations take turns, in a rotated order each round: the host's speed drifts (other
+    # jobs, clocks), and a whole step here is mostly host time.
+    for r in range(args.rounds):
+        for trial in trials[r % len(trials) :] + trials[: r % len(trials)]:
+            trial.steps(args.steps, warmup=2 if r == 0 else 1)
+    results = [trial.result() for trial in trials]
+    for trial in trials:
+        trial.close(args.diagnose)
     print(f"Python threads: {[t.name for t in threading.enumerate()]}; switch interval {sys.getswitchinterval()} s")
-    print("| configuration | backward ms | whole step ms | host us per update in backward | in step() |")
-    print("|---|---|---|---|---|")
+    print("| configuration | backward ms | whole step ms | per round | host us per update in backward | in step() |")
+    print("|---|---|---|---|---|---|")
     for r in results:
         hooks, step = r.get("in_backward_us_per_update"), r.get("in_step_us_per_update")
         cells = ["-" if x is None else f"{x:.0f}" for x in (hooks, step)]
-        print(f"| {r['name']} | {r['backward_ms']:.1f} | {r['step_ms']:.1f} | {cells[0]} | {cells[1]} |")
+        rounds = " / ".join(f"{x:.1f}" for x in r["round_step_ms"])
+        print(f"| {r['name']} | {r['backward_ms']:.1f} | {r['step_ms']:.1f} | {rounds} | {cells[0]} | {cells[1]} |")
+    by_name = {r["name"]: r for r in results}
+    fused, unfused = by_name.get("fusedopt default, fused=True"), by_name.get("fusedopt default, fused=False")
+    if fused and unfused:
+        ratios = [a / b for a, b in zip(fused["round_step_ms"], unfused["round_step_ms"])]
+        print(f"fused=True / fused=False, whole step: {fused['step_ms'] / unfused['step_ms']:.3f} "
+              f"(per round {' / '.join(f'{x:.3f}' for x in ratios)})")  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(torch=torch.__version__, preset=args.preset, results=results), f, indent=2)

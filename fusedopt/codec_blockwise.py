@@ -9,9 +9,9 @@ Format of one moment tensor of ``n`` elements, taken flattened in row-major orde
   power of two, exact in fp32 on CPU and GPU alike, and the range is fp32's, so fine-tuning
   moments (|g| ~ 1e-8, v ~ 1e-16) are not flushed as by fp16 scales (zero below ~6e-8).
 * **Codes** (``<slot>.codes``, uint8): a magnitude ``q`` in ``[0, qmax]`` and, for signed
-  moments, a sign bit above it (sign-magnitude; zero is always +0). 8 bits: one code per
-  byte, shape of the parameter. 4 bits: two per byte, element ``2i`` in the low nibble,
-  shape ``(ceil(n / 2),)``.
+  moments, a sign bit above it (sign-magnitude; the value's own sign bit, so a negative value
+  that rounds to zero is stored as -0). 8 bits: one code per byte, shape of the parameter.
+  4 bits: two per byte, element ``2i`` in the low nibble, shape ``(ceil(n / 2),)``.
 * **Value** ``= ±q**2 * 2**(e - k)``, ``k = ceil(log2(qmax**2))``: levels evenly spaced in
   ``sqrt(|x|)`` (fine near zero, where linear levels lose the block's small elements), the
   largest just below ``2**e``. ``q**2 < 2**24``, so decode is exact.
@@ -37,10 +37,13 @@ Encode, element by element (what the Triton kernel repeats in registers):
    ``2**(k - e)`` normal fp32 numbers (larger values saturate; values below ``2**-126``
    round on that grid).
 2. ``t = min(|x| * 2**(k - e), qmax**2)`` (exact; inf and NaN saturate).
-3. ``lo = floor(sqrt(t))``, corrected by one either way so that ``lo**2 <= t < (lo + 1)**2``.
+3. ``lo = round(sqrt(t) - 0.5)``: ``floor(sqrt(t))`` except within ~2**-22 of a level, where
+   it may be one off (``PowerLevels.quantize`` says why that is harmless and not corrected).
 4. Stochastic rounding, unbiased in the value itself: ``q = lo + (u * (2 lo + 1) < t - lo**2)``
    with ``u = (bits >> 9) * 2**-23`` (the top 23 bits of the draw), compared exactly (no
-   rounding anywhere), so CPU and GPU agree bit for bit. Nearest rounding would freeze the
+   rounding anywhere), so CPU and GPU agree bit for bit given the same ``lo`` (always in the
+   Triton interpreter; on the GPU, whose sqrt is approximate, but for the rare near-level
+   cases of step 3). Nearest rounding would freeze the
    EMA (``0.999 * v`` rounds back to ``v``); this keeps its decay exact in expectation, and a
    value on a level (zero included) stays put.
 5. Nonnegative moments: a nonzero ``v`` never becomes 0 (``q = 1`` where ``q = 0 < x``). An
@@ -91,9 +94,17 @@ class PowerLevels:
         """``t`` in [0, top] -> q (int32): ``lo`` with ``lo**p <= t < (lo + 1)**p``, plus one when
         ``u * gap < t - lo**p``. ``u`` uniform in [0, 1) rounds stochastically, 0.5 to nearest."""
         p = self.power
-        root = t if p == 1 else t.sqrt() if p == 2 else t.sqrt().sqrt() if p == 4 else t.pow(1.0 / 3.0)
-        lo = root.floor()
-        if p > 1:  # the root is rounded: fix its floor by at most one either way, exactly
+        if p == 1:
+            lo = t.floor()
+        elif p == 2:
+            # round(sqrt(t) - 0.5) (ties to even), not corrected: the kernel does the same with its
+            # approximate sqrt. lo is floor(sqrt(t)) except within ~2**-22 of a level, where it may
+            # be one off; the decision below stays exact for any lo and is then still right with
+            # probability > 1 - 2**-14 (one too low: d >= gap, always up; one too high: d < 0,
+            # never up), so the fix-up (7 instructions per element in the kernel) is not worth it.
+            lo = torch.round(t.sqrt() - 0.5)
+        else:  # reference only: the root is rounded, fix its floor by at most one either way
+            lo = (t.sqrt().sqrt() if p == 4 else t.pow(1.0 / 3.0)).floor()
             lo = lo - (self.level(lo) > t).to(torch.float32)
             lo = lo + (self.level(lo + 1) <= t).to(torch.float32)
         low = self.level(lo)
@@ -194,8 +205,8 @@ class BlockCodec(MomentCodec):
         t = torch.where(t < self.top, t, float(self.top))  # saturate (also inf and NaN)
         u = ((bits().reshape(-1) >> 9).to(torch.int32)).to(torch.float32) * 2.0**-23
         q = self.levels.quantize(t, F.pad(u, (0, pad)).view(nb, self.block))
-        if self.signed:
-            q = q | (((x < 0) & (q > 0)).to(torch.int32) << (self.state_bits - 1))
+        if self.signed:  # the sign bit of the value (a negative value rounded to zero gives -0)
+            q = q | ((x.view(torch.int32) >> 31) & (1 << (self.state_bits - 1)))
         else:
             q = torch.where((q == 0) & (x > 0), 1, q)
         codes = q.reshape(-1)

@@ -117,7 +117,8 @@ def load_moment(
         e = tl.minimum(tl.maximum(scales - 127, MIN_E), 127)
         x = _level(_small_int_to_f32(codes & QMAX), POWER) * _pow2(e - K)[:, None]
         if SIGNED:
-            x = tl.where(((codes >> (FMT - 1)) & 1) != 0, -x, x)
+            # the sign or-ed into the (non-negative) value's bits: one instruction instead of a select
+            x = (x.to(tl.int32, bitcast=True) | (((codes >> (FMT - 1)) & 1) << 31)).to(tl.float32, bitcast=True)
     return x
 
 
@@ -157,33 +158,30 @@ def store_moment(
         pattern = absmax.to(tl.int32, bitcast=True)
         e = ((pattern >> 23) & 0xFF) - 126 + ((pattern & 0x7FFFFF) > THRESHOLD).to(tl.int32)
         e = tl.minimum(tl.maximum(e, MIN_E), 127)
-        # The scale is stored from the tile's own layout by the lane holding column 0 of each row
-        # (a 1-D store of the row vector would go through shared memory and two barriers).
-        rows = start // QBLOCK + tl.arange(0, NB)[:, None]
-        cols = tl.arange(0, QBLOCK)[None, :]
+        blocks = start // QBLOCK + tl.arange(0, NB)
         n_blocks = (n_elements + QBLOCK - 1) // QBLOCK
-        scale_bytes = (e + 127).to(tl.uint8)[:, None] + tl.zeros([NB, QBLOCK], dtype=tl.uint8)
-        tl.store(scale_ptr + rows + cols * 0, scale_bytes, mask=(cols == 0) & (rows < n_blocks) & commit)
+        block_commit = (tl.zeros([NB], tl.int32) + status) == 0
+        tl.store(scale_ptr + blocks, (e + 127).to(tl.uint8), mask=(blocks < n_blocks) & block_commit)
         t = mag * _pow2(K - e)[:, None]
         t = tl.where(t < TOP, t, TOP * 1.0)  # saturate (inf and NaN too)
-        # lo with lo**p <= t < (lo + 1)**p: round the (approximate) root to an integer, which is
-        # the floor or one above, then move it by one where the inequality fails (exact checks)
+        # The lower level lo: linear levels, floor(t) (round, then one down where it went up);
+        # square levels, round(sqrt(t) - 0.5) as the reference, without fix-up (see its quantize).
         if POWER == 1:
-            lo = (t + _ROUNDER) - _ROUNDER
-            lo += tl.where(t - lo < 0, -1.0, 0.0)
+            rounded = t + _ROUNDER
+            rounded -= tl.where(t < rounded - _ROUNDER, 1.0, 0.0)
+            lo = rounded - _ROUNDER
             d = t - lo
             gap = 1.0
         else:
-            lo = (tl.sqrt(t) + _ROUNDER) - _ROUNDER
+            rounded = (tl.sqrt(t) - 0.5) + _ROUNDER  # the integer in the low mantissa bits
+            lo = rounded - _ROUNDER
             d = tl.fma(-lo, lo, t)  # t - lo**2, exact
-            lo += tl.where(d < 0, -1.0, tl.where(d >= tl.fma(2.0, lo, 1.0), 1.0, 0.0))
-            d = tl.fma(-lo, lo, t)
             gap = tl.fma(2.0, lo, 1.0)  # (lo + 1)**2 - lo**2
         # round up with probability d / gap: u * gap < d, decided exactly by the sign of one fma
         up = tl.fma(_uniform(rbits), gap, -d) < 0
-        q = ((lo + _ROUNDER).to(tl.int32, bitcast=True) - _ROUNDER_BITS) + up.to(tl.int32)
-        if SIGNED:
-            q = q | (((x < 0) & (q > 0)).to(tl.int32) << (FMT - 1))
+        q = (rounded.to(tl.int32, bitcast=True) - _ROUNDER_BITS) + up.to(tl.int32)
+        if SIGNED:  # the value's own sign bit (a negative value rounded to zero is stored as -0)
+            q = q | ((x.to(tl.int32, bitcast=True) >> 31) & (1 << (FMT - 1)))
         else:
             q = tl.where((q == 0) & (x > 0), 1, q)
         if FMT == 8:
