@@ -46,7 +46,7 @@ os.environ["FUSEDOPT_BACKEND"] = "reference"
 
 import fusedopt  # noqa: E402
 from fusedopt import rng  # noqa: E402
-from fusedopt.codec_blockwise import BlockCodec, PowerLevels, _pow2  # noqa: E402
+from fusedopt.codec_blockwise import BlockCodec, MinifloatLevels, PowerLevels, _pow2  # noqa: E402
 from fusedopt.codecs import BF16, FP32  # noqa: E402
 from fusedopt.profiler_models import stdlib_source_bytes  # noqa: E402
 
@@ -104,9 +104,12 @@ POWERS = {"lin": 1, "sq": 2, "cube": 3, "pow4": 4}
 
 
 def levels(name: str, bits: int, signed: bool):
-    """'lin' / 'sq' / 'cube' / 'pow4': q**p levels; 'E4M3' etc.: minifloat levels."""
+    """'lin' / 'sq' / 'cube' / 'pow4': q**p levels; 'mf': shifted minifloat with 4 mantissa bits
+    (the 8-bit default since 2026-11-30); 'E4M3' etc.: minifloat levels."""
     if name in POWERS:
         return PowerLevels((1 << (bits - signed)) - 1, POWERS[name])
+    if name == "mf":
+        return MinifloatLevels((1 << (bits - signed)) - 1, 4)
     ebits, mbits = int(name[1]), int(name[3])
     assert ebits + mbits == bits - signed, name
     return FloatLevels(ebits, mbits)
@@ -132,8 +135,8 @@ def bytes_per_element(bits: int, spec: str) -> float:
 
 # Level maps at block 32 with E8M0 scales, each moment measured with the other one exact.
 MAPS = {
-    (8, True): ["lin", "sq", "cube", "E4M3", "E3M4", "E2M5"],
-    (8, False): ["lin", "sq", "cube", "E5M3", "E4M4", "E3M5"],
+    (8, True): ["lin", "sq", "cube", "E4M3", "E3M4", "E2M5", "mf"],
+    (8, False): ["lin", "sq", "cube", "E5M3", "E4M4", "E3M5", "mf"],
     (4, True): ["lin", "sq", "cube", "E2M1"],
     (4, False): ["lin", "sq", "cube", "pow4", "E2M2", "E3M1"],
 }
@@ -152,6 +155,8 @@ PAIRS = {
         ("sq/64", "sq/64"),
         ("sq/128", "sq/128"),
         ("sq/16", "cube/16"),
+        ("mf", "mf"),
+        ("mf/16", "mf/16"),
     ],
     4: [
         ("lin/32/fp32", "lin/32/fp32"),
@@ -176,6 +181,7 @@ TRAINED = {
         ("sq", "cube"),
         ("E4M3", "E4M4"),
         ("sq/16", "sq/16"),
+        ("mf/16", "mf/16"),
     ],
     4: [
         ("lin/32/fp32", "lin/32/fp32"),

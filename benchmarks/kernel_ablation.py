@@ -11,18 +11,15 @@ The time a stage costs is the base time minus the variant's. Variants:
   noencode   moments stored as a plain byte cast (no absmax, scale, stochastic rounding)
   nodecode   codes read as plain values (no scale, level or sign)
   noscale    block scales computed but not stored
-  nosqrt     the level search without the square root (wrong levels, same fix-ups)
-  noround    no stochastic rounding decision (the draw is not used by the moments)
+  noround    nearest instead of stochastic rounding of the moments (the draw is not used)
   fastmath   approximate sqrt and division instead of IEEE sqrt_rn / div_rn
   nomaster   parameter written with stochastic rounding instead of head + correction
   floor      all of the above: loads, fp32 math and stores only
 
-  sqrtround  candidate, not bit-identical: stochastic rounding of the root on a 2**-12 grid
-             (unbiased in sqrt|x|, not in |x|): what the exact decision costs
-
-Variants named twice (e.g. base,lean,base) are timed twice: the spread is the run's noise.
-The third sitting's candidates (1-D scale store, sign or-ed into the decoded bits) and the
-fix-up-free lower level are in the kernels since the fifth sitting (benchmarks/RESULTS.md).
+Variants named twice (e.g. base,nohash,base) are timed twice: the spread is the run's noise.
+The fifth sitting's candidates are in the kernels now (benchmarks/RESULTS.md): the 1-D scale
+store, the sign or-ed into the decoded bits, square levels without fix-up, and 8-bit minifloat
+levels (which removed the square root: the nosqrt and sqrtround variants went with it).
 """
 
 from __future__ import annotations
@@ -54,26 +51,13 @@ EDITS = {
         )
     ],
     "nodecode": [
-        ("moments.py", "_level(_small_int_to_f32(codes & QMAX), POWER)", "codes.to(tl.float32)"),
+        ("moments.py", "tl.fma(shifted.to(tl.float32, bitcast=True), unit, -(2.0**M) * unit)", "codes.to(tl.float32)"),
         ("moments.py", "if SIGNED:\n            # the sign", "if FMT == 99:\n            # the sign"),
     ],
     "noscale": [("moments.py", "tl.store(scale_ptr + blocks, (e + 127).to(tl.uint8), mask=", "tl.where(True, 0, ")],
-    "nosqrt": [("moments.py", "rounded = (tl.sqrt(t) - 0.5) + _ROUNDER", "rounded = (t - 0.5) + _ROUNDER")],
-    "noround": [("moments.py", "up = tl.fma(_uniform(rbits), gap, -d) < 0", "up = d < 0")],
+    "noround": [("moments.py", "fraction_draw = (rbits >> (9 + M)).to(tl.int32)", "fraction_draw = 1 << (22 - M)")],
     "fastmath": [("update.py", "tl.sqrt_rn(v)", "tl.sqrt(v)"), ("update.py", "tl.div_rn(m, denom)", "(m / denom)")],
     "nomaster": [("update.py", "QBLOCK),\n        MASTER,", "QBLOCK),\n        1,")],
-    # candidate, not bit-identical: stochastic rounding in the root's domain on a fixed-point grid
-    # of 2**-12 (unbiased in sqrt|x|, biased upwards in |x|), instead of the exact decision
-    "sqrtround": [
-        (
-            "moments.py",
-            "        up = tl.fma(_uniform(rbits), gap, -d) < 0\n"
-            "        q = (rounded.to(tl.int32, bitcast=True) - _ROUNDER_BITS) + up.to(tl.int32)\n",
-            "        root = t if POWER == 1 else tl.sqrt(t)\n"
-            "        fixed = (root + 2048.0).to(tl.int32, bitcast=True) - 0x45000000  # root * 2**12\n"
-            "        q = (fixed + (rbits >> 20).to(tl.int32)) >> 12\n",
-        )
-    ],
 }  # fmt: skip
 EDITS["floor"] = [e for name in ("nohash", "noencode", "nodecode", "fastmath", "nomaster") for e in EDITS[name]]
 
@@ -110,7 +94,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--reps", type=int, default=10)
-    default_variants = "base,nohash,noencode,nodecode,noscale,nosqrt,noround,fastmath,nomaster,floor"
+    default_variants = "base,nohash,noencode,nodecode,noscale,noround,fastmath,nomaster,floor"
     parser.add_argument("--variants", default=default_variants)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

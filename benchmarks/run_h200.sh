@@ -9,6 +9,9 @@
 #        release  release overhead on a ~1B model (benchmarks/release_overhead.py)
 #        examples the two examples at their GPU size
 #        launch   host time of one parameter's update (benchmarks/launch_overhead.py)
+#        codec    8-bit square vs shifted-minifloat levels: tracking error, then training loss
+#                 (benchmarks/codec_choice.py, ~6 min; the figures of docs/codecs.md)
+#        ablation kernel ablation only (VARIANTS=...)
 # SKIP_INSTALL=1: the package is already installed (benchmarks/run_pair.sh installs once).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -36,6 +39,15 @@ for part in "${@:-perf tests}"; do
       diagnose=$([ "${DIAGNOSE:-1}" = 0 ] || echo "--diagnose $OUT/release_traces")  # DIAGNOSE=0: timing only
       python3 benchmarks/release_overhead.py --out "$OUT/release_overhead.json" $diagnose ${RELEASE_ARGS:-} 2>&1 \
         | tee "$OUT/release_overhead.log" ;;  # e.g. RELEASE_ARGS="--switch-interval 1e-6"
+    codec)
+      maps=("int8 m sq, v fp32" "int8 m mf, v fp32" "int8 m fp32, v sq" "int8 m fp32, v mf")
+      pairs=("int8 m sq/16, v sq/16" "int8 m mf/16, v mf/16")
+      python3 benchmarks/codec_choice.py --part train --bits 8 --select "${pairs[@]}" 2>&1 | tee "$OUT/codec_train.log"
+      python3 benchmarks/codec_choice.py --part track --track maps pairs --bits 8 --select "${maps[@]}" "${pairs[@]}" \
+        2>&1 | tee "$OUT/codec_track.log" ;;
+    ablation)
+      python3 benchmarks/kernel_ablation.py --out "$OUT/ablation.json" ${VARIANTS:+--variants $VARIANTS} 2>&1 \
+        | tee "$OUT/ablation.log" ;;
     launch)
       python3 benchmarks/launch_overhead.py --out "$OUT/launch_overhead.json" 2>&1 | tee "$OUT/launch_overhead.log" ;;
     examples)

@@ -45,13 +45,20 @@ def _moment_format(codec: MomentCodec):
         return MomentFormat(32)
     if codec is BF16:
         return MomentFormat(16)
-    from .codec_blockwise import BlockCodec
+    from .codec_blockwise import BlockCodec, MinifloatLevels, PowerLevels
 
-    if type(codec) is BlockCodec and codec.power in (1, 2):  # not variants with other scales
+    levels = getattr(codec, "levels", None)
+    if type(levels) is PowerLevels and levels.power in (1, 2):
+        power = levels.power
+    elif type(levels) is MinifloatLevels:
+        power = -levels.mantissa_bits
+    else:
+        return None
+    if type(codec) is BlockCodec:  # not variants with other scales
         return MomentFormat(
             codec.state_bits,
             signed=codec.signed,
-            power=codec.power,
+            power=power,
             qmax=codec.qmax,
             k=codec.k,
             min_exponent=codec.min_exponent,

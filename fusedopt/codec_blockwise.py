@@ -12,44 +12,62 @@ Format of one moment tensor of ``n`` elements, taken flattened in row-major orde
   moments, a sign bit above it (sign-magnitude; the value's own sign bit, so a negative value
   that rounds to zero is stored as -0). 8 bits: one code per byte, shape of the parameter.
   4 bits: two per byte, element ``2i`` in the low nibble, shape ``(ceil(n / 2),)``.
-* **Value** ``= ±q**2 * 2**(e - k)``, ``k = ceil(log2(qmax**2))``: levels evenly spaced in
-  ``sqrt(|x|)`` (fine near zero, where linear levels lose the block's small elements), the
-  largest just below ``2**e``. ``q**2 < 2**24``, so decode is exact.
+* **Value** ``= ±L(q) * 2**(e - k)``, ``k = ceil(log2(top))``, ``top = L(qmax)``, the largest
+  level just below ``2**e``. ``L(q) < 2**24``, so decode is exact. Two level maps:
 
-=====  ======================  =====  ====  ========================================
- bits  moment                   qmax    k   bytes/element (codes + scale)
-=====  ======================  =====  ====  ========================================
- 8     signed (m, momentum)     127     14  1 + 1/16 = 1.0625
- 8     nonnegative (v)          255     16  1 + 1/16 = 1.0625
- 4     signed                   7       6   1/2 + 1/16 = 0.5625
- 4     nonnegative              15      8   1/2 + 1/16 = 0.5625
-=====  ======================  =====  ====  ========================================
+  - 8 bits, **shifted minifloat** (``MinifloatLevels``, M = 4 mantissa bits):
+    ``L(q) = (16 + q mod 16) * 2**(q >> 4) - 16``: 0..15, then 16, 18, .., 46, 48, 52, ..:
+    a relative step of 1/16 to 1/32 over 8 (m) or 16 (v) binades, linear near zero.
+    ``L(q) + 16`` is the fp32 number whose exponent and top 4 mantissa bits are ``q``
+    (offset by 16's), which makes decode and encode a few integer operations.
+  - 4 bits, **square levels** (``PowerLevels``, p = 2): ``L(q) = q**2``, evenly spaced in
+    ``sqrt(|x|)`` (fine near zero, where linear levels lose the block's small elements).
+
+=====  ======================  =====  ===========  ====  ===============================
+ bits  moment                   qmax   top          k    bytes/element (codes + scale)
+=====  ======================  =====  ===========  ====  ===============================
+ 8     signed (m, momentum)     127    3952         12   1 + 1/16 = 1.0625
+ 8     nonnegative (v)          255    1015792      20   1 + 1/16 = 1.0625
+ 4     signed                   7      49           6    1/2 + 1/16 = 0.5625
+ 4     nonnegative              15     225          8    1/2 + 1/16 = 0.5625
+=====  ======================  =====  ===========  ====  ===============================
 
 AdamW keeps 2.125 bytes per element for both moments at 8 bits, 1.125 at 4 bits.
 ``docs/codecs.md`` gives the measurements behind these choices (against linear levels,
-cube-root and minifloat levels, fp32 scales, blocks of 8 to 128).
+cube-root and minifloat levels, fp32 scales, blocks of 8 to 128). Until 2026-11-30 (fifth
+sitting) 8 bits used square levels too; the shifted minifloat tracks the moments as well
+(docs/codecs.md) and its kernel encode costs about 15 fewer instructions per element and
+moment, the largest share of the fused step's time (benchmarks/RESULTS.md).
 
 Encode, element by element (what the Triton kernel repeats in registers):
 
 1. ``e = E(absmax) + 1 + (mantissa(absmax) > thr)`` from the fp32 bits of the absmax of
    the block's new values, clamped to ``[k - 126, 127]``: the smallest exponent whose top
-   level ``qmax**2 * 2**(e - k)`` covers the block. The clamps keep ``2**(e - k)`` and
+   level ``top * 2**(e - k)`` covers the block. The clamps keep ``2**(e - k)`` and
    ``2**(k - e)`` normal fp32 numbers (larger values saturate; values below ``2**-126``
    round on that grid).
-2. ``t = min(|x| * 2**(k - e), qmax**2)`` (exact; inf and NaN saturate).
-3. ``lo = round(sqrt(t) - 0.5)``: ``floor(sqrt(t))`` except within ~2**-22 of a level, where
-   it may be one off (``PowerLevels.quantize`` says why that is harmless and not corrected).
-4. Stochastic rounding, unbiased in the value itself: ``q = lo + (u * (2 lo + 1) < t - lo**2)``
-   with ``u = (bits >> 9) * 2**-23`` (the top 23 bits of the draw), compared exactly (no
-   rounding anywhere), so CPU and GPU agree bit for bit given the same ``lo`` (always in the
-   Triton interpreter; on the GPU, whose sqrt is approximate, but for the rare near-level
-   cases of step 3). Nearest rounding would freeze the
-   EMA (``0.999 * v`` rounds back to ``v``); this keeps its decay exact in expectation, and a
+2. ``t = min(|x| * 2**(k - e), top)`` (exact; inf and NaN saturate).
+3. Stochastic rounding to one of the two levels around ``t``, unbiased in the value itself
+   (up with probability equal to the fraction of the way to the upper level), from a 12-bit
+   draw per element and moment:
+
+   - minifloat: ``q = (bits(t + 16) - bits(16) + floor(u * 2**19)) >> 19``: within a level
+     interval the fp32 mantissa of ``t + 16`` is linear in ``t``, so this is exact integer
+     arithmetic (the one rounding, of ``t + 16``, is IEEE's on CPU and GPU alike);
+   - square levels: ``lo = round(sqrt(t) - 0.5)`` (``floor(sqrt(t))`` except within ~2**-22
+     of a level, where it may be one off: ``PowerLevels.quantize`` says why that is harmless),
+     then ``q = lo + (u * (2 lo + 1) < t - lo**2)``, compared exactly.
+
+   ``u = (bits >> 9) * 2**-23`` (the draw's top bits). CPU and GPU agree bit for bit (square
+   levels: given the same ``lo``, always so in the Triton interpreter; on the GPU, whose sqrt is
+   approximate, but for the rare near-level cases). Nearest rounding would freeze the EMA
+   (``0.999 * v`` rounds back to ``v``); this keeps its decay exact in expectation, and a
    value on a level (zero included) stays put.
-5. Nonnegative moments: a nonzero ``v`` never becomes 0 (``q = 1`` where ``q = 0 < x``). An
+4. Nonnegative moments: a nonzero ``v`` never becomes 0 (``q = 1`` where ``q = 0 < x``). An
    Adam element with ``m != 0`` and a decoded ``v = 0`` would step by ``m / eps``; rounding
-   up errs towards a smaller step. With square levels a single round trip never halves
-   ``sqrt(v)``.
+   up errs towards a smaller step. A round trip never more than halves ``sqrt(v)``: square
+   levels, between the levels 1 and 4; minifloat levels never more than halve ``v`` itself
+   (between 1 and 2).
 """
 
 from __future__ import annotations
@@ -115,6 +133,46 @@ class PowerLevels:
 
     def __repr__(self):
         return f"q**{self.power}"
+
+
+class MinifloatLevels:
+    """Levels ``L(c) = (2**M + c mod 2**M) * 2**(c >> M) - 2**M`` for codes ``c`` in [0, qmax]:
+    ``c`` itself below ``2**M``, then ``M`` mantissa bits per binade (a relative step of
+    ``2**-M`` to ``2**-(M + 1)``), like a minifloat shifted so that the linear part near zero
+    joins the first binade.
+
+    ``L(c) + 2**M`` is the fp32 number whose exponent and top ``M`` mantissa bits hold ``c``
+    (plus ``2**M``'s pattern), so decode is an integer add; and since levels are linear between
+    neighbours, stochastic rounding of ``t`` is an integer add of the draw to the bits of
+    ``t + 2**M`` below the code and a shift: exact, unbiased, and about 15 fewer kernel
+    instructions per element than square levels' root and exact decision.
+    """
+
+    power = None  # not q**p levels
+
+    def __init__(self, qmax: int, mantissa_bits: int):
+        m = mantissa_bits
+        self.qmax, self.mantissa_bits = qmax, m
+        self.top = ((2**m + (qmax & (2**m - 1))) << (qmax >> m)) - 2**m
+        if not 1 <= m <= 8 or self.top >= 1 << 24:
+            raise ValueError(f"minifloat levels with {m} mantissa bits up to code {qmax} are not exact in fp32")
+        self._base = (127 + m) << 23  # the pattern of 2**m
+
+    def level(self, q: torch.Tensor) -> torch.Tensor:
+        """L(q) in fp32, exact (integers below 2**24)."""
+        m = self.mantissa_bits
+        return ((q.to(torch.int32) << (23 - m)) + self._base).view(torch.float32) - float(2**m)
+
+    def quantize(self, t: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """``t`` in [0, top] -> c (int32), rounded up with probability equal to the fraction of the
+        way from L(c) to L(c + 1); ``u`` uniform in [0, 1) on a 2**-23 grid."""
+        m = self.mantissa_bits
+        y = (t + float(2**m)).view(torch.int32)  # fp32 add: the only rounding, as in the kernel
+        draw = (u * float(2 ** (23 - m))).floor().to(torch.int32)  # exact: u has 23 bits
+        return ((y - self._base + draw) >> (23 - m)).clamp(max=self.qmax)
+
+    def __repr__(self):
+        return f"minifloat M{self.mantissa_bits}"
 
 
 class BlockCodec(MomentCodec):
@@ -226,8 +284,8 @@ class BlockCodec(MomentCodec):
 
 # The chosen level maps: (bits, signed) -> levels (see the module docstring and docs/codecs.md).
 LEVELS = {
-    (8, True): PowerLevels(127, 2),
-    (8, False): PowerLevels(255, 2),
+    (8, True): MinifloatLevels(127, 4),
+    (8, False): MinifloatLevels(255, 4),
     (4, True): PowerLevels(7, 2),
     (4, False): PowerLevels(15, 2),
 }

@@ -7,8 +7,10 @@ Device-side twins of the PyTorch codecs (``fusedopt.codecs`` and ``fusedopt.code
   added below the bf16 mantissa, then truncation: the same integer arithmetic as the reference, so no
   fp32->bf16 conversion is involved and CPU interpreter and GPU agree bit for bit).
 * ``FMT = 8 / 4``: blocks of ``QBLOCK`` elements, one E8M0 byte scale per block, sign-magnitude
-  codes, levels ``q**POWER``; 4-bit codes packed two per byte (element ``2i`` in the low
-  nibble). Scales are computed from the block's new values, in the same pass.
+  codes; levels ``q**POWER`` (POWER 1 or 2) or, for ``POWER = -M``, shifted minifloat levels with
+  M mantissa bits (``fusedopt.codec_blockwise.MinifloatLevels``); 4-bit codes packed two per
+  byte (element ``2i`` in the low nibble). Scales are computed from the block's new values, in
+  the same pass.
 
 A program owns ``NB`` whole quantisation blocks (``NB * QBLOCK`` consecutive elements), held
 as a [NB, QBLOCK] tile, so no other program touches its blocks or their scales.
@@ -115,7 +117,13 @@ def load_moment(
         n_blocks = (n_elements + QBLOCK - 1) // QBLOCK
         scales = tl.load(scale_ptr + blocks, mask=blocks < n_blocks, other=127).to(tl.int32)
         e = tl.minimum(tl.maximum(scales - 127, MIN_E), 127)
-        x = _level(_small_int_to_f32(codes & QMAX), POWER) * _pow2(e - K)[:, None]
+        if POWER > 0:
+            x = _level(_small_int_to_f32(codes & QMAX), POWER) * _pow2(e - K)[:, None]
+        else:  # minifloat levels: 2**M + L(c) is the float with c in its top mantissa/exponent bits
+            M: tl.constexpr = -POWER
+            unit = _pow2(e - K)[:, None]
+            shifted = ((codes & QMAX) << (23 - M)) + ((127 + M) << 23)
+            x = tl.fma(shifted.to(tl.float32, bitcast=True), unit, -(2.0**M) * unit)  # exact: L(c) * unit
         if SIGNED:
             # the sign or-ed into the (non-negative) value's bits: one instruction instead of a select
             x = (x.to(tl.int32, bitcast=True) | (((codes >> (FMT - 1)) & 1) << 31)).to(tl.float32, bitcast=True)
@@ -162,24 +170,17 @@ def store_moment(
         n_blocks = (n_elements + QBLOCK - 1) // QBLOCK
         block_commit = (tl.zeros([NB], tl.int32) + status) == 0
         tl.store(scale_ptr + blocks, (e + 127).to(tl.uint8), mask=(blocks < n_blocks) & block_commit)
-        t = mag * _pow2(K - e)[:, None]
-        t = tl.where(t < TOP, t, TOP * 1.0)  # saturate (inf and NaN too)
-        # The lower level lo: linear levels, floor(t) (round, then one down where it went up);
-        # square levels, round(sqrt(t) - 0.5) as the reference, without fix-up (see its quantize).
-        if POWER == 1:
-            rounded = t + _ROUNDER
-            rounded -= tl.where(t < rounded - _ROUNDER, 1.0, 0.0)
-            lo = rounded - _ROUNDER
-            d = t - lo
-            gap = 1.0
+        if POWER < 0:
+            # Minifloat levels: y = t + 2**M (t = mag / unit, exact) holds the level index in its bits
+            # above the low 23 - M, and the fraction of the way to the next level below them (linear
+            # inside a level interval), so adding the draw there and shifting rounds stochastically,
+            # unbiased, in integer arithmetic. t beyond the top (inf, NaN too) saturates.
+            M: tl.constexpr = -POWER
+            y = tl.fma(mag, _pow2(K - e)[:, None], 2.0**M)
+            fraction_draw = (rbits >> (9 + M)).to(tl.int32)  # floor(u * 2**(23 - M))
+            q = tl.minimum((y.to(tl.int32, bitcast=True) - ((127 + M) << 23) + fraction_draw) >> (23 - M), QMAX)
         else:
-            rounded = (tl.sqrt(t) - 0.5) + _ROUNDER  # the integer in the low mantissa bits
-            lo = rounded - _ROUNDER
-            d = tl.fma(-lo, lo, t)  # t - lo**2, exact
-            gap = tl.fma(2.0, lo, 1.0)  # (lo + 1)**2 - lo**2
-        # round up with probability d / gap: u * gap < d, decided exactly by the sign of one fma
-        up = tl.fma(_uniform(rbits), gap, -d) < 0
-        q = (rounded.to(tl.int32, bitcast=True) - _ROUNDER_BITS) + up.to(tl.int32)
+            q = _quantize_power(mag * _pow2(K - e)[:, None], rbits, POWER, TOP)
         if SIGNED:  # the value's own sign bit (a negative value rounded to zero is stored as -0)
             q = q | ((x.to(tl.int32, bitcast=True) >> 31) & (1 << (FMT - 1)))
         else:
@@ -191,3 +192,25 @@ def store_moment(
             pair = _pair_offsets(start, NB, QBLOCK)
             pair_mask = (pair < n_pairs) & commit_mask(status, NB, QBLOCK // 2)
             tl.store(ptr + pair, (low_nibble | (high_nibble << 4)).to(tl.uint8), mask=pair_mask)
+
+
+@triton.jit
+def _quantize_power(t, rbits, POWER: tl.constexpr, TOP: tl.constexpr):
+    """Levels q**POWER: t (in level units) -> q, rounded stochastically, unbiased in the value."""
+    t = tl.where(t < TOP, t, TOP * 1.0)  # saturate (inf and NaN too)
+    # The lower level lo: linear levels, floor(t) (round, then one down where it went up);
+    # square levels, round(sqrt(t) - 0.5) as the reference, without fix-up (see its quantize).
+    if POWER == 1:
+        rounded = t + _ROUNDER
+        rounded -= tl.where(t < rounded - _ROUNDER, 1.0, 0.0)
+        lo = rounded - _ROUNDER
+        d = t - lo
+        gap = 1.0
+    else:
+        rounded = (tl.sqrt(t) - 0.5) + _ROUNDER  # the integer in the low mantissa bits
+        lo = rounded - _ROUNDER
+        d = tl.fma(-lo, lo, t)  # t - lo**2, exact
+        gap = tl.fma(2.0, lo, 1.0)  # (lo + 1)**2 - lo**2
+    # round up with probability d / gap: u * gap < d, decided exactly by the sign of one fma
+    up = tl.fma(_uniform(rbits), gap, -d) < 0
+    return (rounded.to(tl.int32, bitcast=True) - _ROUNDER_BITS) + up.to(tl.int32)

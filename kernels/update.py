@@ -59,7 +59,7 @@ class MomentFormat:
 
     fmt: int  # 0 none, 32 fp32, 16 bf16, 8 / 4 block codes
     signed: bool = True
-    power: int = 1
+    power: int = 1  # levels q**power; negative: minifloat levels with -power mantissa bits
     qmax: int = 0
     k: int = 0
     min_exponent: int = 0

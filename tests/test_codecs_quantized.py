@@ -2,8 +2,9 @@
 EMA tracking under stochastic rounding, no NaN/Inf, checkpoints and the memory budget.
 
 The format (``fusedopt/codec_blockwise.py``): blocks of 16 elements, one E8M0 exponent byte
-per block, codes ``q`` with levels ``q**2 * 2**(e - k)`` (sign-magnitude for signed moments),
-stochastic rounding between the two levels that bracket the value.
+per block, codes ``q`` with levels ``L(q) * 2**(e - k)`` (sign-magnitude for signed moments;
+L: shifted minifloat levels at 8 bits, q**2 at 4), stochastic rounding between the two levels
+that bracket the value. The tests take the level map from the codec (``level_table``).
 """
 
 import math
@@ -59,6 +60,26 @@ def sample(kind: str, shape, seed: int) -> torch.Tensor:
     return torch.exp(2.0 * torch.randn(shape, generator=gen)) * torch.randn(shape, generator=gen).sign()
 
 
+def level_table(c: BlockCodec) -> torch.Tensor:
+    """Every level L(0) < ... < L(qmax) of the codec, float64."""
+    levels = c.levels.level(torch.arange(c.qmax + 1, dtype=torch.int32)).double()
+    assert levels[0] == 0 and torch.all(levels[1:] > levels[:-1]) and levels[-1] == c.top
+    return levels
+
+
+def max_gap(c: BlockCodec) -> float:
+    """The largest distance between neighbouring levels (in level units)."""
+    levels = level_table(c)
+    return (levels[1:] - levels[:-1]).max().item()
+
+
+def bracket(c: BlockCodec, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The levels lo <= t < hi around each t (t at the top: lo = hi = top)."""
+    levels = level_table(c)
+    i = (torch.searchsorted(levels, t.clamp(max=c.top).contiguous(), right=True) - 1).clamp(max=c.qmax)
+    return levels[i], levels[(i + 1).clamp(max=c.qmax)]
+
+
 def units(c: BlockCodec, stored, shape) -> torch.Tensor:
     """Each element's level unit 2**(e - k), from the stored exponent bytes (float64)."""
     e = stored[".scales"].double() - 127
@@ -107,17 +128,18 @@ def test_layout_zeros_and_packing(bits, signed):
 # --- 1. round trip: bounds per block ---------------------------------------------------------
 
 # Why these bounds. Stochastic rounding returns one of the two levels that bracket
-# t = |x| / unit, so |x_hat - x| < ((lo + 1)**2 - lo**2) * unit, largest at the top level:
-# (2 qmax - 1) * unit. The block exponent is the smallest whose top level covers the block, so
-# absmax > top * unit / 2 with top = qmax**2. Hence, per block,
-#   max |x_hat - x| / absmax < 2 (2 qmax - 1) / qmax**2
-# = 3.1 % (int8 signed, qmax 127), 1.6 % (int8 unsigned, 255), 53 % (int4 signed, 7),
-#   26 % (int4 unsigned, 15).
-# In the square-root domain both values lie between lo and lo + 1 in units of sqrt(unit):
-#   |sqrt|x_hat| - sqrt|x|| <= sqrt(unit) < sqrt(2 absmax) / qmax,
-# relative to sqrt(absmax): sqrt(2) / qmax = 1.1 %, 0.55 %, 20 %, 9.4 %. That is the error AdamW
-# sees in its denominator sqrt(v). The bounds hold whatever the data (they are relative to each
-# block's absmax), so heavy tails only move elements towards the bottom of their block.
+# t = |x| / unit, so |x_hat - x| < gap * unit with gap the largest distance between neighbouring
+# levels. The block exponent is the smallest whose top level covers the block, so
+# absmax > top * unit / 2. Hence, per block, max |x_hat - x| / absmax < 2 gap / top:
+# int8 (minifloat, M = 4): 2 * 128 / 3952 = 6.5 % signed, 2 * 32768 / 1015792 = 6.5 % unsigned;
+# int4 (q**2): 2 (2 qmax - 1) / qmax**2 = 53 % signed (qmax 7), 26 % unsigned (15).
+# (Minifloat levels give up some of q**2's precision at the top of a block for a constant
+# relative step below it: 1/16 to 1/32 of the value over 8 or 16 binades.)
+# In the square-root domain both values lie between sqrt(lo) and sqrt(hi) in units of
+# sqrt(unit): |sqrt|x_hat| - sqrt|x|| <= max(sqrt(hi) - sqrt(lo)) sqrt(unit), relative to
+# sqrt(absmax) > sqrt(top unit / 2). That is the error AdamW sees in its denominator sqrt(v).
+# The bounds hold whatever the data (they are relative to each block's absmax), so heavy tails
+# only move elements towards the bottom of their block.
 
 
 def block_view(x: torch.Tensor) -> torch.Tensor:
@@ -140,19 +162,20 @@ def test_round_trip_error_bounds_per_block(bits, signed, kind):
     # of the codec's own rounding code); signs are kept; unsigned nonzero values stay nonzero
     unit = units(c, enc, SHAPE)
     t = x.double().abs() / unit
-    lo = t.sqrt().floor()
+    lo, hi = bracket(c, t)
     level = xh.double().abs() / unit
     floor_rule = (lo == 0) & (x > 0) & (not signed)
-    assert torch.all((level == lo**2) | (level == (lo + 1) ** 2) | (floor_rule & (level == 1)))
+    assert torch.all((level == lo) | (level == hi) | (floor_rule & (level == hi)))
     assert torch.all((xh == 0) | (xh.sign() == x.sign()))
 
     absmax = block_view(x).abs().amax(1)
     err = block_view(xh - x).abs().amax(1) / absmax
-    bound = 2 * (2 * c.qmax - 1) / c.qmax**2
+    bound = 2 * max_gap(c) / c.top
     assert err.max() < bound, (err.max().item(), bound)
     assert err.max() > bound / 8  # the bound is not vacuous
     root_err = block_view(xh.abs().sqrt() - x.abs().sqrt()).abs().amax(1) / absmax.sqrt()
-    assert root_err.max() <= math.sqrt(2) / c.qmax
+    roots = level_table(c).sqrt()
+    assert root_err.max() <= (roots[1:] - roots[:-1]).max() / math.sqrt(c.top / 2)
 
 
 @pytest.mark.parametrize("bits,signed", FORMATS, ids=IDS)
@@ -164,7 +187,8 @@ def test_stochastic_rounding_is_unbiased(bits, signed):
     draws = torch.stack([c.decode(c.encode(x, draw(9, s, shape))) for s in range(256)])
     unit = units(c, c.encode(x, draw(9, 0, shape)), shape)  # the exponents depend on x only
     t = x.double().abs() / unit
-    gap = (2 * t.sqrt().floor() + 1) * unit  # the level gap around each element
+    lo, hi = bracket(c, t)
+    gap = (hi - lo) * unit  # the level gap around each element
     keep = t >= 1 if not signed else torch.ones_like(t, dtype=torch.bool)  # below 1: rounded up
     bias = (draws.double().mean(0) - x.double()) / gap
     # per draw the error is within one gap, of standard deviation <= gap / 2
@@ -253,7 +277,7 @@ def ema_run(bits: int, signed: bool, beta: float, steps: int, rounding: str):
         ratios.append((dec * sign)[others].mean().item() / (exact0 * beta**k))
         all_zero.append(bool((dec[others] == 0).all()))
     # the block scale is held by the big elements, which stay at 1
-    assert (dec[big] - 1).abs().max() < 2 * (2 * c.qmax - 1) / c.qmax**2
+    assert (dec[big] - 1).abs().max() < 2 * max_gap(c) / c.top
     return ratios, all_zero
 
 
@@ -312,7 +336,7 @@ def test_extreme_inputs_decode_finite_and_zeros_stay_zero(bits, signed):
         top = c.top * 2.0 ** (127 - c.k)
         huge = x.abs() > 1e37
         saturated = x[huge].abs().clamp(max=top)
-        assert torch.all((xh[huge].abs() - saturated).abs() <= 2 * (2 * c.qmax - 1) / c.qmax**2 * top)
+        assert torch.all((xh[huge].abs() - saturated).abs() <= 2 * max_gap(c) / c.top * top)
         assert torch.all(xh[x.isinf()].abs() == top)
     # any bytes (a corrupted or foreign checkpoint) still decode to finite numbers
     gen = torch.Generator().manual_seed(0)
@@ -369,7 +393,7 @@ def test_torch_adamw_checkpoint_loads_into_quantized_state(state_bits):
         exact = ref.state[p_ref][slot]
         got = c.decode({s: state[slot + s] for s in (".codes", ".scales")})
         err = block_view(got - exact).abs().amax(1) / block_view(exact).abs().amax(1)
-        assert err.max() < 2 * (2 * c.qmax - 1) / c.qmax**2
+        assert err.max() < 2 * max_gap(c) / c.top
 
     # and a fusedopt checkpoint resumes bit for bit
     saved = opt.state_dict()
