@@ -57,7 +57,7 @@ def _split(x, rbits, PARAM_BF16: tl.constexpr, K: tl.constexpr, STOCHASTIC: tl.c
     """fp32 master -> (head bits as int16, correction as int32): ``split_master`` in registers."""
     pattern = x.to(tl.int32, bitcast=True)
     negative = pattern < 0
-    a = tl.minimum(pattern & 0x7FFFFFFF, _F32_MAG_MAX)
+    a = pattern & 0x7FFFFFFF  # inf and NaN give junk here: store_master writes them apart
     if PARAM_BF16:
         HEAD_MAX: tl.constexpr = 0x7F7F
         if K == 16:
