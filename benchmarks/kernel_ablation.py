@@ -12,7 +12,9 @@ The time a stage costs is the base time minus the variant's. Variants:
   nodecode   codes read as plain values (no scale, level or sign)
   noscale    block scales computed but not stored
   noround    nearest instead of stochastic rounding of the moments (the draw is not used)
-  exactmath  IEEE sqrt_rn / div_rn instead of the approximate ones (block-quantized state)
+  fastmath   approximate sqrt and division instead of IEEE sqrt_rn / div_rn (fifth sitting:
+             -0.19 ms, but masters then differ from the reference by up to ~1e-5 relative on
+             the H200, beyond one update's fp32 round-off: not taken)
   nomaster   parameter written with stochastic rounding instead of head + correction
   floor      all of the above: loads, fp32 math and stores only
 
@@ -56,10 +58,10 @@ EDITS = {
     ],
     "noscale": [("moments.py", "tl.store(scale_ptr + blocks, (e + 127).to(tl.uint8), mask=", "tl.where(True, 0, ")],
     "noround": [("moments.py", "fraction_draw = (rbits >> (9 + M)).to(tl.int32)", "fraction_draw = 1 << (22 - M)")],
-    "exactmath": [("update.py", "        if FAST_MATH:  #", "        if False:  #")],
+    "fastmath": [("update.py", "tl.sqrt_rn(v)", "tl.sqrt(v)"), ("update.py", "tl.div_rn(m, denom)", "(m / denom)")],
     "nomaster": [("update.py", "QBLOCK),\n        MASTER,", "QBLOCK),\n        1,")],
 }  # fmt: skip
-EDITS["floor"] = [e for name in ("nohash", "noencode", "nodecode", "nomaster") for e in EDITS[name]]
+EDITS["floor"] = [e for name in ("nohash", "noencode", "nodecode", "fastmath", "nomaster") for e in EDITS[name]]
 
 
 def build_variant(root: str, name: str):
@@ -94,7 +96,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--reps", type=int, default=10)
-    default_variants = "base,nohash,noencode,nodecode,noscale,noround,exactmath,nomaster,floor"
+    default_variants = "base,nohash,noencode,nodecode,noscale,noround,fastmath,nomaster,floor"
     parser.add_argument("--variants", default=default_variants)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -187,7 +187,6 @@ def _update_kernel(
     NB: tl.constexpr,  # quantisation blocks per program
     QBLOCK: tl.constexpr,  # elements per quantisation block (the tile's row)
     INDEX_64: tl.constexpr,  # element offsets need 64 bits
-    FAST_MATH: tl.constexpr,  # the GPU's approximate sqrt and division (block-quantized moments)
 ):
     # A non-finite gradient (the check kernel's status) only masks the stores: branching on it
     # would hold every program for one memory round trip before its loads could start.
@@ -231,12 +230,8 @@ def _update_kernel(
             m = tl.fma(-(g - m), 1.0 - lerp_weight, g)
         v = tl.fma(one_minus_beta2 * g, g, v * beta2)  # torch.addcmul
         p = p * decay
-        if FAST_MATH:  # error <= 2 ulp of fp32, far below the moments' quantisation (see _update_config)
-            denom = tl.sqrt(v) * inv_bias_correction2_sqrt + eps
-            p = p - (m / denom) * step_size
-        else:  # IEEE, as torch.optim.AdamW
-            denom = tl.sqrt_rn(v) * inv_bias_correction2_sqrt + eps
-            p = p - tl.div_rn(m, denom) * step_size
+        denom = tl.sqrt_rn(v) * inv_bias_correction2_sqrt + eps
+        p = p - tl.div_rn(m, denom) * step_size
     elif ALGO == 1:  # SGD, as torch.optim.SGD (torch.add(x, y, alpha=a) is fma(a, y, x))
         d = tl.fma(weight_decay, p, g)
         if M_FMT != 0:
@@ -490,11 +485,6 @@ def _update_config(
         NB=block // qblock,
         QBLOCK=qblock,
         INDEX_64=index_64,
-        # Block-quantized moments carry relative noise of ~1e-2 from stochastic rounding; the
-        # approximate sqrt and division (<= 2 ulp, ~2e-7) change nothing measurable there and
-        # save ~10 instructions per element (0.22 ms of the 1.07e9-element step on the H200,
-        # benchmarks/RESULTS.md). Exact formats keep IEEE sqrt and division.
-        FAST_MATH=any(f.fmt in (8, 4) for f in (m_fmt, v_fmt)),
     )
     options = dict(
         num_warps=num_warps,
