@@ -426,3 +426,22 @@ def test_state_bytes_per_element_for_a_large_adamw_parameter():
     assert 1.0 < measured[4] <= budget[4], measured
     assert measured[8] == pytest.approx(2 + 2 / BLOCK, abs=1e-4)
     assert measured[4] == pytest.approx(1 + 2 / BLOCK, abs=1e-4)
+
+
+def test_eight_bit_levels_are_the_documented_shifted_minifloat():
+    """L(q) = (16 + q mod 16) * 2**(q >> 4) - 16 (codec_blockwise's docstring), and a value
+    exactly on a level, or halfway between two, encodes as the docstring says."""
+    for signed, qmax, top in ((True, 127, 3952), (False, 255, 1015792)):
+        c = codec(8, signed)
+        q = torch.arange(qmax + 1)
+        expected = ((16 + q % 16) * 2 ** (q // 16) - 16).double()
+        assert torch.equal(level_table(c), expected) and c.top == top
+        assert c.k == (top - 1).bit_length()
+        levels = c.levels.level(q.to(torch.int32))
+        on_level = c.levels.quantize(levels, torch.rand(qmax + 1, generator=torch.Generator().manual_seed(0)))
+        assert torch.equal(on_level, q.to(torch.int32))  # a value on a level stays put, whatever the draw
+        middle = (levels[:-1] + levels[1:]) / 2
+        # the draw is added below the code's bits: from one half up it carries into the next level
+        down = c.levels.quantize(middle, torch.full((qmax,), 0.5 - 2.0**-12))
+        up = c.levels.quantize(middle, torch.full((qmax,), 0.5))
+        assert torch.equal(down, q[:-1].to(torch.int32)) and torch.equal(up, q[1:].to(torch.int32))
