@@ -24,7 +24,9 @@ from .codecs import NONNEGATIVE_SLOTS, MomentCodec
 from .master import MASTER_CORRECTION, convert_correction
 from .state_memory import pack_tensors
 
-FORMAT = 1
+# 2: 8-bit moments on shifted-minifloat levels (2026-11-30). 1: on square levels, converted on
+# load (the codes' layout is the same, so they must not be copied as they are).
+FORMAT = 2
 # torch.optim group keys that fusedopt ignores when loading a torch checkpoint (implementation
 # switches with no effect on the state); any other unknown key with a non-default value is refused.
 _IGNORED_FOREIGN_KEYS = {"foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay", "initial_lr"}
@@ -70,6 +72,7 @@ def load_state_dict(optimizer, saved: dict) -> None:
 
     new_groups = [_merge_group(optimizer, g, s) for g, s in zip(groups, saved_groups)]
     seed = meta["seed"] if meta is not None else optimizer.seed
+    saved_format = meta.get("format", 0) if meta is not None else None  # None: not fusedopt's
     lossy: list[str] = []
     new_state: defaultdict = defaultdict(dict)
     ids = {pid: (p, g) for g, s in zip(new_groups, saved_groups) for pid, p in zip(s["params"], g["params"])}
@@ -79,7 +82,7 @@ def load_state_dict(optimizer, saved: dict) -> None:
         p, group = ids[pid]
         _, index = optimizer.position(p)
         where = f"parameter {index} (shape {tuple(p.shape)})"
-        new_state[p] = _convert_param_state(optimizer, p, group, param_state, where, seed, index, lossy)
+        new_state[p] = _convert_param_state(optimizer, p, group, param_state, where, seed, index, lossy, saved_format)
 
     # Everything validated and converted: commit (the shared corrections are built, if they were
     # not, before the first one is overwritten).
@@ -117,7 +120,9 @@ def _merge_group(optimizer, group: dict, saved_group: dict) -> dict:
     return merged
 
 
-def _convert_param_state(optimizer, p, group, saved: dict, where: str, seed: int, index: int, lossy: list) -> dict:
+def _convert_param_state(
+    optimizer, p, group, saved: dict, where: str, seed: int, index: int, lossy: list, saved_format: int | None
+) -> dict:
     if not isinstance(saved, dict):
         raise ValueError(f"state of {where} is a {type(saved).__name__}, expected a dict")
     saved = {k: v for k, v in saved.items() if v is not None}  # torch.optim.SGD saves momentum_buffer=None
@@ -135,7 +140,11 @@ def _convert_param_state(optimizer, p, group, saved: dict, where: str, seed: int
     for i, (slot, codec) in enumerate(codecs.items()):
         layout = codec.layout(p.shape)
         entries = {s: saved.get(slot + s) for s in layout}
-        if all(isinstance(t, torch.Tensor) and (t.dtype, t.shape) == layout[s] for s, t in entries.items()):
+        source = _saved_codec(slot, saved, p.shape, slot not in NONNEGATIVE_SLOTS, saved_format)
+        same_levels = source is None or source is _PLAIN or source.levels is getattr(codec, "levels", None)
+        if same_levels and all(
+            isinstance(t, torch.Tensor) and (t.dtype, t.shape) == layout[s] for s, t in entries.items()
+        ):
             out.update({slot + s: t.detach() for s, t in entries.items()})  # copied to p.device by pack_tensors
             continue
         value = saved.get(slot)
@@ -144,7 +153,6 @@ def _convert_param_state(optimizer, p, group, saved: dict, where: str, seed: int
                 raise ValueError(f"state of {where} lacks {slot!r} although it was updated {step:g} times")
             out.update({slot + s: t for s, t in codec.zeros(p.shape, p.device).items()})
             continue
-        source = _saved_codec(slot, saved, p.shape, signed=slot not in NONNEGATIVE_SLOTS)
         if source is None:
             got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"state {slot!r} of {where} cannot be converted to {codec!r}: got {got}")
@@ -161,16 +169,19 @@ def _convert_param_state(optimizer, p, group, saved: dict, where: str, seed: int
     return {"step": step_tensor, **pack_tensors(out, p.device)}  # shared allocations, as a fresh state
 
 
-def _saved_codec(slot: str, saved: dict, shape: torch.Size, signed: bool) -> MomentCodec | None:
+def _saved_codec(
+    slot: str, saved: dict, shape: torch.Size, signed: bool, saved_format: int | None
+) -> MomentCodec | None:
     """The codec that wrote ``slot`` in a saved state: a plain float tensor (fusedopt's fp32/bf16 or
-    torch.optim's), or a fusedopt block codec whose layout matches exactly (None: unrecognised)."""
+    torch.optim's), or a fusedopt block codec whose layout matches exactly, with the levels of the
+    checkpoint's format (None: unrecognised)."""
     value = saved.get(slot)
     if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == shape:
         return _PLAIN
     from .codec_blockwise import block_codec
 
     for bits in (8, 4):
-        candidate = block_codec(bits, signed, torch.Size(shape))
+        candidate = block_codec(bits, signed, torch.Size(shape), saved_format)
         layout = candidate.layout(shape)
         entries = [saved.get(slot + s) for s in layout]
         if all(isinstance(t, torch.Tensor) and (t.dtype, t.shape) == layout[s] for t, s in zip(entries, layout)):

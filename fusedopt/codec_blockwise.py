@@ -291,7 +291,18 @@ LEVELS = {
 }
 
 
+# Level maps of earlier checkpoint formats (fusedopt.checkpoint.FORMAT), where they differ:
+# format 1 stored 8-bit moments on square levels.
+LEGACY_LEVELS = {1: {(8, True): PowerLevels(127, 2), (8, False): PowerLevels(255, 2)}}
+
+
 @functools.cache
-def block_codec(bits: int, signed: bool, shape: torch.Size) -> BlockCodec:
-    """The shared codec of a ``bits``-bit moment of ``shape`` (signed: m, momentum; else v)."""
-    return BlockCodec(bits, signed, LEVELS[bits, signed], BLOCK, shape)
+def block_codec(bits: int, signed: bool, shape: torch.Size, checkpoint_format: int | None = None) -> BlockCodec:
+    """The shared codec of a ``bits``-bit moment of ``shape`` (signed: m, momentum; else v); with
+    ``checkpoint_format``, the one that wrote such a moment in a checkpoint of that format."""
+    levels = LEVELS[bits, signed]
+    for old_format in sorted(LEGACY_LEVELS):
+        if checkpoint_format is not None and checkpoint_format <= old_format:
+            levels = LEGACY_LEVELS[old_format].get((bits, signed), levels)
+            break
+    return BlockCodec(bits, signed, levels, BLOCK, shape)
