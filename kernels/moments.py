@@ -91,7 +91,7 @@ def load_moment(
     n_pairs,  # bytes of 4-bit codes: (n_elements + 1) // 2 (an argument, so Triton sees its divisibility)
     FMT: tl.constexpr,
     SIGNED: tl.constexpr,
-    POWER: tl.constexpr,
+    POWER: tl.constexpr,  # levels q**POWER (1 or 2); -M: shifted minifloat, M mantissa bits
     QMAX: tl.constexpr,  # largest magnitude code
     K: tl.constexpr,  # level exponent: the top level is just below 2**K
     MIN_E: tl.constexpr,  # smallest block exponent
@@ -141,7 +141,7 @@ def store_moment(
     n_pairs,
     FMT: tl.constexpr,
     SIGNED: tl.constexpr,
-    POWER: tl.constexpr,
+    POWER: tl.constexpr,  # levels q**POWER (1 or 2); -M: shifted minifloat, M mantissa bits
     QMAX: tl.constexpr,
     K: tl.constexpr,
     MIN_E: tl.constexpr,
