@@ -47,26 +47,26 @@ def _moment_format(codec: MomentCodec):
         return MomentFormat(16)
     from .codec_blockwise import BlockCodec, MinifloatLevels, PowerLevels
 
-    levels = getattr(codec, "levels", None)
+    if type(codec) is not BlockCodec:  # not variants with other scales
+        return None
+    levels = codec.levels
     if type(levels) is PowerLevels and levels.power in (1, 2):
         power = levels.power
     elif type(levels) is MinifloatLevels:
         power = -levels.mantissa_bits
     else:
         return None
-    if type(codec) is BlockCodec:  # not variants with other scales
-        return MomentFormat(
-            codec.state_bits,
-            signed=codec.signed,
-            power=power,
-            qmax=codec.qmax,
-            k=codec.k,
-            min_exponent=codec.min_exponent,
-            threshold=codec.mantissa_threshold,
-            top=codec.top,
-            block=codec.block,
-        )
-    return None
+    return MomentFormat(
+        codec.state_bits,
+        signed=codec.signed,
+        power=power,
+        qmax=codec.qmax,
+        k=codec.k,
+        min_exponent=codec.min_exponent,
+        threshold=codec.mantissa_threshold,
+        top=codec.top,
+        block=codec.block,
+    )
 
 
 _DEVICES = "parameter, gradient and optimizer state are on different devices"

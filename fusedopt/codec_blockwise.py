@@ -148,8 +148,6 @@ class MinifloatLevels:
     instructions per element than square levels' root and exact decision.
     """
 
-    power = None  # not q**p levels
-
     def __init__(self, qmax: int, mantissa_bits: int):
         m = mantissa_bits
         self.qmax, self.mantissa_bits = qmax, m
@@ -189,7 +187,6 @@ class BlockCodec(MomentCodec):
         self.block = block  # a power of two (so 4-bit pairs never straddle blocks)
         self.shape = torch.Size(shape)
         self.qmax, self.top = levels.qmax, levels.top
-        self.power = getattr(levels, "power", None)  # q**power levels (None: other level maps)
         self.k = (self.top - 1).bit_length()  # top <= 2**k < 2 * top
         # e = E(absmax) + 1 covers the block iff the absmax mantissa 1.f <= 2 * top / 2**k.
         self.mantissa_threshold = ((self.top << 24) >> self.k) - (1 << 23)
