@@ -23,16 +23,19 @@ from fusedopt.kernels import update  # noqa: E402
 from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig  # noqa: E402
 
 
-def fusedopt_python_us(n_params: int, reps: int) -> float:
-    """us per parameter of step() with both launches stubbed (after a first, unstubbed-like step)."""
+def fusedopt_python_us(n_params: int, reps: int, bucket_mb: str) -> float:
+    """us per parameter of step() with both launches stubbed (after a first, unstubbed-like step),
+    with ``FUSEDOPT_BUCKET_MB=bucket_mb`` (0: one launch pair per parameter)."""
     saved = update._launch_check, update._launch_update
     update._launch_check = update._launch_update = lambda *args: None
+    os.environ["FUSEDOPT_BUCKET_MB"] = bucket_mb
     try:
-        params = [torch.nn.Parameter(torch.randn(4096, dtype=torch.bfloat16)) for _ in range(n_params)]
-        opt = fusedopt.AdamW(params, lr=1e-4)
+        params = [torch.nn.Parameter(torch.randn(64, 64, dtype=torch.bfloat16)) for _ in range(n_params)]
+        opt = fusedopt.AdamW(params, lr=1e-4, min_compress_numel=0)
         for p in params:
             p.grad = torch.randn_like(p)
-        opt.step()
+        opt.step()  # builds the prepared launches
+        opt.step()  # builds the buckets
         t0 = time.perf_counter()
         for _ in range(reps):
             opt.step()
@@ -54,15 +57,15 @@ class _StandIn:
 
 
 def launcher_us(reps: int) -> float:
-    """us per launch of the update kernel's argument layout (10 tensors, 4 ints, 8 floats, 25 constexprs)."""
-    names = [f"t{i}" for i in range(10)] + [f"i{i}" for i in range(4)] + [f"f{i}" for i in range(8)]
-    constexprs = [f"C{i}" for i in range(25)]
+    """us per launch of the update kernel's argument layout (12 tensors, 4 + 16 ints, 8 floats, 26 constexprs)."""
+    names = [f"t{i}" for i in range(12)] + [f"i{i}" for i in range(20)] + [f"f{i}" for i in range(8)]
+    constexprs = [f"C{i}" for i in range(26)]
     launch = DirectLauncher(_StandIn(names + constexprs, constexprs), **update.UPDATE_ARGS)
     launch._device = lambda first: 0  # CPU tensors as if on CUDA device 0
     launch._stream = lambda device: 0
     torch.cuda.current_device = lambda: 0
     config = LaunchConfig({c: i for i, c in enumerate(constexprs)}, {"num_warps": 4})
-    args = tuple(torch.randn(64) for _ in range(10)) + (4096, 2048, 123456789, 3000000000)
+    args = tuple(torch.randn(64) for _ in range(12)) + (4096, 2048, 123456789, 3000000000) + update.NO_GRAD_DELTAS
     args += tuple(float(i) for i in range(8))
     launch(1, args, config)  # the first launch goes "through Triton" and fills the cache
     t0 = time.perf_counter()
@@ -76,11 +79,14 @@ def main(argv=None) -> int:
     parser.add_argument("--params", type=int, default=200)
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args(argv)
-    python_us = fusedopt_python_us(args.params, args.reps)
+    python_us = fusedopt_python_us(args.params, args.reps, "0")
+    bucketed_us = fusedopt_python_us(args.params, args.reps, "32")
     launch_us = launcher_us(args.reps)
     print(f"fusedopt Python per update (launches stubbed): {python_us:.1f} us")
+    print(f"  the same, bucketed (16 per launch pair):     {bucketed_us:.1f} us")
     print(f"direct launcher per launch (stand-in kernel):  {launch_us:.1f} us")
     print(f"per parameter (two launches):                 {python_us + 2 * launch_us:.1f} us")
+    print(f"per parameter, bucketed:                      {bucketed_us + 2 * launch_us / 16:.1f} us")
     return 0
 
 

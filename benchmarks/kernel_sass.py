@@ -44,7 +44,7 @@ def _formats(state_bits: int):
     return m, v
 
 
-def compile_update(state_bits: int, kernel=None):
+def compile_update(state_bits: int, kernel=None, bucket: bool = False):
     """The compiled AdamW update kernel (``kernel``: a variant's, default the real one) for bf16
     parameters and the given state format."""
     kernel = kernel or update._update_kernel
@@ -58,6 +58,8 @@ def compile_update(state_bits: int, kernel=None):
     types = dict.fromkeys(_POINTERS, "*u8")
     types.update(param_ptr="*bf16", grad_ptr="*bf16", accum_ptr="*bf16", corr_ptr="*i8", step_ptr="*fp32")
     types.update(scratch_ptr="*i32", m_ptr=value_types.get(m.fmt, "*u8"), v_ptr=value_types.get(v.fmt, "*u8"))
+    types.update(table_ptr="*i64", map_ptr="*i32", **{f"gd{i}": "i64" for i in range(update.BUCKET_TENSORS)})
+    cx["BUCKET"] = bucket
     names = kernel.arg_names
     signature, attrs = {}, {}
     for name in names:
@@ -99,6 +101,7 @@ def main(argv=None) -> int:
     parser.add_argument("--state-bits", type=int, nargs="+", default=[8, 4, 16, 32])
     parser.add_argument("--dump", help="write each kernel's SASS to this folder")
     parser.add_argument("--variant", help="a variant of benchmarks/kernel_ablation.py instead of the real kernel")
+    parser.add_argument("--bucket", action="store_true", help="the bucketed launch's kernel (kernels/bucket.py)")
     args = parser.parse_args(argv)
     kernel = None
     if args.variant:
@@ -110,7 +113,7 @@ def main(argv=None) -> int:
         kernel = build_variant(root, args.variant)._update_kernel
     per_thread = update.BLOCK // (32 * update.NUM_WARPS)
     for bits in args.state_bits:
-        opcodes, text, registers = sass_report(compile_update(bits, kernel))
+        opcodes, text, registers = sass_report(compile_update(bits, kernel, args.bucket))
         total = sum(opcodes.values())
         slow = sum(count for op, count in opcodes.items() if op in SLOW_OPCODES)
         print(f"state_bits={bits}: {registers}; {total} instructions for {per_thread} elements per thread "

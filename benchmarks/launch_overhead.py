@@ -3,9 +3,10 @@
     python benchmarks/launch_overhead.py [--params 200] [--numel 4096]
 
 Times ``optimizer.step()`` over ``--params`` parameters per parameter, with small tensors so
-the GPU is never the bottleneck: once with the kernels' direct launch (``kernels/launcher.py``)
-and once through Triton's own ``kernel[grid](...)``. Then a cProfile of ``step()``: which
-functions the host time goes to.
+the GPU is never the bottleneck: bucketed (the default, ``fusedopt/buckets.py``), then with one
+launch pair per parameter (``FUSEDOPT_BUCKET_MB=0``) with the kernels' direct launch
+(``kernels/launcher.py``) and through Triton's own ``kernel[grid](...)``. Then a cProfile of the
+bucketed ``step()``: which functions the host time goes to.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import pstats
 import sys
 import time
@@ -46,11 +48,18 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     shape, dtype = (args.numel,), torch.bfloat16
     params = [torch.nn.Parameter(torch.randn(shape, device="cuda", dtype=dtype)) for _ in range(args.params)]
-    opt = fusedopt.AdamW(params, lr=1e-4)
-    for p in params:
+    os.environ["FUSEDOPT_BUCKET_MB"] = "0"
+    opt = fusedopt.AdamW(params, lr=1e-4)  # one launch pair per parameter
+    del os.environ["FUSEDOPT_BUCKET_MB"]
+    bucketed = fusedopt.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=1e-4)
+    for p, q in zip(params, bucketed.param_groups[0]["params"]):
         p.grad = torch.randn_like(p)
-    opt.step()  # compile + state
+        q.grad = p.grad.clone()
+    for o in (opt, bucketed):
+        o.step()  # compile + state
+        o.step()  # prepared launches, buckets
     results = {}
+    results["bucketed_step_us_per_param"] = _per_call_us(bucketed.step, args.reps) / args.params
     results["step_us_per_param"] = _per_call_us(opt.step, args.reps) / args.params
 
     # the same through Triton's own launch path (kernel[grid](...)) for comparison
@@ -67,7 +76,7 @@ def main(argv=None) -> int:
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(3):
-        opt.step()
+        bucketed.step()
     torch.cuda.synchronize()
     profiler.disable()
     print(json.dumps(results, indent=2))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import threading
@@ -58,34 +59,61 @@ class TorchInBackward:
         pass
 
 
+def _unbucketed(make):
+    """``make`` with FUSEDOPT_BUCKET_MB=0 (read at construction): one launch pair per parameter."""
+
+    def build(params):
+        saved = os.environ.get("FUSEDOPT_BUCKET_MB")
+        os.environ["FUSEDOPT_BUCKET_MB"] = "0"
+        try:
+            return make(params)
+        finally:
+            if saved is None:
+                del os.environ["FUSEDOPT_BUCKET_MB"]
+            else:
+                os.environ["FUSEDOPT_BUCKET_MB"] = saved
+
+    return build
+
+
 CONFIGS = {
     "torch AdamW (fused=True kernel)": lambda ps: torch.optim.AdamW(ps, lr=1e-5, fused=True),
     "torch AdamW per parameter in backward hooks": TorchInBackward,
     "fusedopt default, fused=False": lambda ps: fusedopt.AdamW(ps, lr=1e-5),
     "fusedopt default, fused=True": lambda ps: fusedopt.AdamW(ps, lr=1e-5, fused=True),
+    "fusedopt unbucketed, fused=False": _unbucketed(lambda ps: fusedopt.AdamW(ps, lr=1e-5)),
+    "fusedopt unbucketed, fused=True": _unbucketed(lambda ps: fusedopt.AdamW(ps, lr=1e-5, fused=True)),
 }
 
 
 class UpdateTimer:
-    """Host time of ``FusedOptimizer.update_param`` calls, split into those made inside backward
-    (release hooks) and the rest (``step()``): the same Python either way, so a difference is
-    the cost of running it in autograd's thread."""
+    """Host time of fusedopt's updates (``update_param``, ``queue_update`` and the bucket launches
+    of ``flush_updates``, outermost calls only) per parameter update, split into those made inside
+    backward (release hooks, the end-of-backward flush) and the rest (``step()``): the same Python
+    either way, so a difference is the cost of running it in autograd's thread."""
 
     def __init__(self):
         self.in_backward = False
         self.seconds = {True: 0.0, False: 0.0}
         self.calls = {True: 0, False: 0}
-        original = fusedopt.optimizer.FusedOptimizer.update_param
+        self.depth = 0
+        cls = fusedopt.optimizer.FusedOptimizer
+        for name in ("update_param", "queue_update", "flush_updates"):
+            setattr(cls, name, self._timed(getattr(cls, name), counts=name != "flush_updates"))
 
+    def _timed(self, original, counts: bool):
         def timed(optimizer, *args, **kwargs):
+            self.depth += 1
             t0 = time.perf_counter()
             try:
                 return original(optimizer, *args, **kwargs)
             finally:
-                self.seconds[self.in_backward] += time.perf_counter() - t0
-                self.calls[self.in_backward] += 1
+                self.depth -= 1
+                if self.depth == 0:
+                    self.seconds[self.in_backward] += time.perf_counter() - t0
+                    self.calls[self.in_backward] += counts
 
-        fusedopt.optimizer.FusedOptimizer.update_param = timed
+        return timed
 
     def reset(self):
         self.seconds, self.calls = {True: 0.0, False: 0.0}, {True: 0, False: 0}
@@ -253,11 +281,16 @@ def main(argv=None) -> int:
         rounds = " / ".join(f"{x:.1f}" for x in r["round_step_ms"])
         print(f"| {r['name']} | {r['backward_ms']:.1f} | {r['step_ms']:.1f} | {rounds} | {cells[0]} | {cells[1]} |")
     by_name = {r["name"]: r for r in results}
-    fused, unfused = by_name.get("fusedopt default, fused=True"), by_name.get("fusedopt default, fused=False")
-    if fused and unfused:
-        ratios = [a / b for a, b in zip(fused["round_step_ms"], unfused["round_step_ms"])]
-        print(f"fused=True / fused=False, whole step: {fused['step_ms'] / unfused['step_ms']:.3f} "
-              f"(per round {' / '.join(f'{x:.3f}' for x in ratios)})")  # fmt: skip
+    for label, a, b in (
+        ("fused=True / fused=False", "fusedopt default, fused=True", "fusedopt default, fused=False"),
+        ("fused=True / fused=False, unbucketed", "fusedopt unbucketed, fused=True", "fusedopt unbucketed, fused=False"),
+        ("bucketed / unbucketed, fused=True", "fusedopt default, fused=True", "fusedopt unbucketed, fused=True"),
+        ("bucketed / unbucketed, fused=False", "fusedopt default, fused=False", "fusedopt unbucketed, fused=False"),
+    ):  # fmt: skip
+        if a in by_name and b in by_name:
+            ratios = [x / y for x, y in zip(by_name[a]["round_step_ms"], by_name[b]["round_step_ms"])]
+            print(f"{label}, whole step: {by_name[a]['step_ms'] / by_name[b]['step_ms']:.3f} "
+                  f"(per round {' / '.join(f'{x:.3f}' for x in ratios)})")  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(torch=torch.__version__, preset=args.preset, results=results), f, indent=2)

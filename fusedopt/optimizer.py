@@ -15,6 +15,7 @@ import torch
 
 from . import checkpoint
 from .backend import gradient_fits_prepared, new_scratch, run_update
+from .buckets import UpdateBuckets, bucket_budget
 from .codecs import NONNEGATIVE_SLOTS, SUPPORTED_STATE_BITS, MomentCodec, codec_for
 from .master import MASTER_CORRECTION, check_master_weight_bits, correction_layout, master_value
 from .reference import ParamUpdate, UpdateMath
@@ -72,6 +73,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._kernel_scratch: dict[torch.Tensor, torch.Tensor] = {}
         self._prepared: dict[torch.Tensor, tuple] = {}  # param -> (PreparedUpdate, structure, state items)
         self._corrections = SharedCorrections()
+        budget = bucket_budget()
+        self._buckets = UpdateBuckets(budget) if budget > 0 else None  # see buckets.py
         super().__init__(params, defaults)
         first = self.param_groups[0]["params"][0]
         self.num_skipped_updates = torch.zeros((), dtype=torch.int64, device=first.device)
@@ -189,31 +192,47 @@ class FusedOptimizer(torch.optim.Optimizer):
         """
         if not isinstance(p, torch.Tensor) or p not in self._position:
             raise ValueError("master_weight(p): p is not a parameter of this optimizer")
+        self.flush_updates()
         group, _ = self.position(p)
         return master_value(p, self.state.get(p), group["master_weight_bits"])
 
     # --- the update ------------------------------------------------------------------------
 
+    def queue_update(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None) -> None:
+        """``update_param``, or a place in a bucket of updates launched together (``buckets.py``):
+        the update has run once ``flush_updates()`` returns. ``grad`` must stay unchanged until then."""
+        if self._buckets is None or accum is not None or grad.is_sparse:
+            self.update_param(p, grad, accum)
+            return
+        group_index, _ = self._position[p]
+        group = self.param_groups[group_index]
+        hyper = self._hyper(group)
+        launch = self._prepared_launch(p, grad, accum, group, hyper)
+        if launch is None or not self._buckets.add(launch, grad, hyper, group_index):
+            self.update_param(p, grad, accum)
+
+    def has_queued_updates(self) -> bool:
+        return self._buckets is not None and self._buckets.has_pending()
+
+    def flush_updates(self) -> None:
+        """Run every queued update (``queue_update``)."""
+        if self.has_queued_updates():
+            with torch.no_grad():
+                self._buckets.flush()
+
     def update_param(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None) -> None:
         """Apply one optimizer update to ``p`` from ``grad`` (+ an accumulated buffer)."""
         if grad.is_sparse:
             raise RuntimeError(f"fusedopt.{type(self).__name__} does not support sparse gradients")
+        prepared = self._prepared.get(p)
+        if prepared is not None and self._buckets is not None and self._buckets.is_pending(prepared[0]):
+            self.flush_updates()  # p's queued update runs first
         group, index = self.position(p)
         hyper = self._hyper(group)
-        # The kernel's launch arguments from the previous step, while nothing they depend on changed:
-        # the host work per update is then the scalars and two launches (it runs in backward hooks).
-        prepared = self._prepared.get(p)
-        if prepared is not None and gradient_fits_prepared(p, grad, accum):
-            launch, structure, tensors = prepared
-            state = self.state.get(p)
-            if (
-                state is not None
-                and len(state) == len(tensors)
-                and all(state.get(k) is t for k, t in tensors)
-                and structure == self._structure(p, group, hyper)
-            ):
-                launch.launch(grad, accum, hyper)
-                return
+        launch = self._prepared_launch(p, grad, accum, group, hyper)
+        if launch is not None:
+            launch.launch(grad, accum, hyper)
+            return
         state, codecs = self.ensure_state(p), self.codecs(p, group)
         for slot, codec in codecs.items():
             if slot + codec.suffixes[0] not in state:
@@ -236,9 +255,30 @@ class FusedOptimizer(torch.optim.Optimizer):
         )
         launch = run_update(self.algorithm, type(self).math, job, self._scratch)
         if launch is not None:
+            replaced = self._prepared.get(p)
             self._prepared[p] = launch, self._structure(p, group, hyper), tuple(state.items())
         else:
-            self._prepared.pop(p, None)
+            replaced = self._prepared.pop(p, None)
+        if replaced is not None and self._buckets is not None:
+            self._buckets.forget()  # built buckets hold the replaced launch
+
+    def _prepared_launch(self, p, grad, accum, group: dict, hyper: dict):
+        """``p``'s prepared kernel launch from an earlier step, while nothing it depends on changed
+        (the host work per update is then the scalars and two launches; it runs in backward
+        hooks); None when the update must go through the backend."""
+        prepared = self._prepared.get(p)
+        if prepared is None or not gradient_fits_prepared(p, grad, accum):
+            return None
+        launch, structure, tensors = prepared
+        state = self.state.get(p)
+        if (
+            state is not None
+            and len(state) == len(tensors)
+            and all(state.get(k) is t for k, t in tensors)
+            and structure == self._structure(p, group, hyper)
+        ):
+            return launch
+        return None
 
     def _structure(self, p: torch.Tensor, group: dict, hyper: dict) -> tuple:
         """What a prepared launch of ``p`` was built for, besides its tensors: formats, flags, seed."""
@@ -265,6 +305,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         releasing = self._release is not None and self._release.attached
+        self.flush_updates()  # left by a backward that did not finish
         for group in self.param_groups:
             for p in group["params"]:
                 accum = self._release.take_buffer(p) if self._release is not None else None
@@ -273,9 +314,10 @@ class FusedOptimizer(torch.optim.Optimizer):
                     continue
                 if grad is None:
                     grad, accum = accum, None
-                self.update_param(p, grad, accum)
+                self.queue_update(p, grad, accum)
                 if releasing:
                     p.grad = None
+        self.flush_updates()
         if self._release is not None:
             self._release.new_window()
         return loss
@@ -288,6 +330,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def remove_hooks(self) -> None:
         """Detach gradient release from the parameters; ``step()`` then updates every parameter."""
+        self.flush_updates()
         if self._release is not None:
             self._release.remove()
 
@@ -295,6 +338,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """As torch, plus a ``"fusedopt"`` entry (format, algorithm, seed, skipped-update counter)."""
+        self.flush_updates()
         if self._release is not None and self._release.holds_gradients():
             raise RuntimeError(
                 "state_dict() during an unfinished gradient accumulation would lose the accumulated "
@@ -304,12 +348,16 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def torch_state_dict(self) -> dict:
         """This state as the matching ``torch.optim`` optimizer saves it (moments decoded to fp32)."""
+        self.flush_updates()
         return checkpoint.torch_state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a fusedopt or torch.optim checkpoint; state keeps its saved dtypes (see checkpoint.py)."""
+        self.flush_updates()
         checkpoint.load_state_dict(self, state_dict)
         self._prepared.clear()  # they hold the replaced state tensors
+        if self._buckets is not None:
+            self._buckets.forget()
 
 
 def check_param(p: torch.Tensor) -> None:

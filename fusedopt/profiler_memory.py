@@ -550,17 +550,12 @@ class MemoryTracker(TorchDispatchMode):
             # always_call: checkpoint recomputation stops a forward early by raising.
             torch.nn.modules.module.register_module_forward_hook(self._post_forward, always_call=True),
         ]
-        update = getattr(self.optimizer, "update_param", None)
-        if update is not None and "update_param" not in vars(self.optimizer):
+        methods = ("update_param", "queue_update", "flush_updates")  # the last two launch bucketed updates
+        optimizer = self.optimizer
+        if all(getattr(optimizer, name, None) is not None and name not in vars(optimizer) for name in methods):
             # A fusedopt optimizer: mark its updates (also those inside backward, with fused=True).
-            def tracked_update(*args, **kwargs):
-                self._in_update += 1
-                try:
-                    return update(*args, **kwargs)
-                finally:
-                    self._in_update -= 1
-
-            self.optimizer.update_param = tracked_update
+            for name in methods:
+                setattr(self.optimizer, name, self._tracked(getattr(self.optimizer, name)))
             self._patched_update = True
         # Gradients and optimizer state change without an op of their own (autograd assigns
         # p.grad, optimizers store state): re-classify after each. These hooks run after any
@@ -581,6 +576,18 @@ class MemoryTracker(TorchDispatchMode):
         self._active = True
         return super().__enter__()
 
+    def _tracked(self, method):
+        """``method`` marking the allocations it makes as the update's."""
+
+        def tracked(*args, **kwargs):
+            self._in_update += 1
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._in_update -= 1
+
+        return tracked
+
     def __exit__(self, exc_type, exc, tb):
         try:
             result = super().__exit__(exc_type, exc, tb)
@@ -590,7 +597,7 @@ class MemoryTracker(TorchDispatchMode):
                 h.remove()
             self._hooks = []
             if self._patched_update:
-                del self.optimizer.update_param
+                del self.optimizer.update_param, self.optimizer.queue_update, self.optimizer.flush_updates
                 self._patched_update = False
         if self.cuda:
             torch.cuda.synchronize(self.device)

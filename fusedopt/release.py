@@ -49,6 +49,12 @@ def check_single_process() -> None:
         )
 
 
+def _flush(optimizer_ref: weakref.ref, release: GradientRelease) -> None:
+    optimizer = optimizer_ref()
+    if optimizer is not None:
+        release.end_of_backward(optimizer)
+
+
 def _hook(release_ref: weakref.ref, p: torch.Tensor) -> None:
     release = release_ref()
     if release is not None:
@@ -65,6 +71,7 @@ class GradientRelease:
         self._buffers: dict[torch.Tensor, torch.Tensor] = {}
         self.attached = True
         self._checked_processes = False  # checked again at the first hook: the group may come later
+        self._flush_queued = False  # an end-of-backward flush of queued updates is registered
         weakref.finalize(optimizer, GradientRelease._remove_handles, self._handles)
 
     def attach(self, params: Iterable[torch.Tensor]) -> None:
@@ -127,8 +134,23 @@ class GradientRelease:
                     )
                     p.grad = None
                 return
-            optimizer.update_param(p, p.grad, self._buffers.pop(p, None))
+            optimizer.queue_update(p, p.grad, self._buffers.pop(p, None))
             p.grad = None
+            self._flush_at_end_of_backward(optimizer)
+
+    def _flush_at_end_of_backward(self, optimizer) -> None:
+        """Have the engine launch the queued (bucketed) updates when this backward pass ends."""
+        if self._flush_queued or not optimizer.has_queued_updates():
+            return
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_flush, self._optimizer, self))
+            self._flush_queued = True
+        except RuntimeError:  # not inside a backward pass (the hook was called directly): launch now
+            optimizer.flush_updates()
+
+    def end_of_backward(self, optimizer) -> None:
+        self._flush_queued = False
+        optimizer.flush_updates()
 
     def take_buffer(self, p: torch.Tensor) -> torch.Tensor | None:
         """Hand over (and forget) the accumulated gradient the optimizer holds for ``p``."""
@@ -143,3 +165,4 @@ class GradientRelease:
     def new_window(self) -> None:
         """``step()`` was called: the next backward starts a new accumulation window."""
         self._counts.clear()
+        self._flush_queued = False  # step() flushed; a backward that failed never ran its callback

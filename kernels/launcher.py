@@ -70,12 +70,15 @@ class DirectLauncher:
     ``runtime_args``: the non-constexpr arguments in signature order, laid out as ``tensors``
     tensors, then ``ints`` Python ints, then Python floats (so the key is built by position,
     with no type dispatch per argument; another layout launches through Triton); ``config``: a
-    :class:`LaunchConfig` (constexprs and compile options, hashed once).
+    :class:`LaunchConfig` (constexprs and compile options, hashed once). The last
+    ``unkeyed_ints`` ints stay out of the key: the caller guarantees they are ``do_not_specialize``
+    arguments whose values are always in int64 range, so Triton types them alike.
     """
 
-    def __init__(self, fn, tensors: int, ints: int):
+    def __init__(self, fn, tensors: int, ints: int, unkeyed_ints: int = 0):
         self.fn = fn
         self.tensors, self.ints = tensors, ints
+        self.keyed_ints = ints - unkeyed_ints
         params = getattr(fn, "params", None) or []
         names = [p.name for p in params]
         runtime_names = [p.name for p in params if not p.is_constexpr]
@@ -97,7 +100,7 @@ class DirectLauncher:
             with torch.cuda.device(device):
                 self._launch_through_triton(grid, runtime_args, config)
             return
-        tensors, ints = runtime_args[: self.tensors], runtime_args[self.tensors : self.tensors + self.ints]
+        tensors, ints = runtime_args[: self.tensors], runtime_args[self.tensors : self.tensors + self.keyed_ints]
         key = (
             config.key,
             device,
@@ -109,7 +112,12 @@ class DirectLauncher:
         if entry is None:
             kernel = self._launch_through_triton(grid, runtime_args, config)
             interface = all(hasattr(kernel, name) for name in ("run", "function", "packed_metadata"))
-            if not (interface and _layout_matches(runtime_args, self.tensors, self.ints)):
+            unkeyed = runtime_args[self.tensors + self.keyed_ints : self.tensors + self.ints]
+            if not (
+                interface
+                and _layout_matches(runtime_args, self.tensors, self.ints)
+                and all(2**31 <= v < 2**63 for v in unkeyed)
+            ):
                 self.usable = False  # always launch through Triton from now on
                 return
             kernel.run  # noqa: B018  (loads the binary: sets kernel.function)

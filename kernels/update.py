@@ -47,6 +47,22 @@ CHECK_TILES = 8  # iterations per check program (fewer programs: fewer ticket at
 # int32 words of the per-parameter scratch buffer: non-finite flag, ticket, status,
 # step_size and 1/sqrt(bias_correction2) as fp32 bit patterns
 SCRATCH_WORDS = 8
+# Bucketed launches (kernels/bucket.py): one launch updates up to BUCKET_TENSORS parameters of one
+# configuration. Each parameter's pointers are the first member's plus a delta from a per-member
+# table row; the gradients' deltas change every step and arrive as integer arguments, biased
+# into int64 range so Triton always types them alike (no recompile, no host-device copy).
+BUCKET_TENSORS = 16
+GRAD_DELTA_BIAS = 1 << 62
+# columns of a bucket's table row (int64): pointer deltas in elements of the first member's
+# tensor, then the member's sizes and hash keys
+(
+    COL_PARAM, COL_CORR, COL_M, COL_M_SCALE, COL_V, COL_V_SCALE, COL_STEP, COL_SCRATCH,
+    COL_N, COL_N_PAIRS, COL_KEY_SHARED, COL_KEY_PARAM, COL_CHECK_PROGRAMS,
+) = (tl.constexpr(i) for i in range(13))  # fmt: skip
+TABLE_COLS = 16
+_TABLE_COLS = tl.constexpr(TABLE_COLS)
+NO_GRAD_DELTAS = (GRAD_DELTA_BIAS,) * BUCKET_TENSORS  # a single-parameter launch
+_GRAD_DELTA_BIAS = tl.constexpr(GRAD_DELTA_BIAS)
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,6 +94,48 @@ def _as_f32(x):
 
 
 @triton.jit
+def _rebase(ptr, row, col: tl.constexpr):
+    """A bucket member's pointer: the first member's plus the delta in column ``col`` of its row.
+
+    Members are 16-byte aligned (bucket.py checks it); the hint keeps that alignment, which the
+    vector loads and stores need. (A hint must be set where its value is computed: on a function
+    argument it is lost.)"""
+    delta = tl.multiple_of(tl.load(row + col), 128 // ptr.dtype.element_ty.primitive_bitwidth)
+    return ptr + delta
+
+
+@triton.jit
+def _bucket_member(map_ptr, table_ptr):
+    """(member, its program index, its table row) of this program of a bucketed launch."""
+    pid = tl.program_id(0)
+    member = tl.load(map_ptr + 2 * pid)
+    return member, tl.load(map_ptr + 2 * pid + 1), table_ptr + member * _TABLE_COLS
+
+
+@triton.jit
+def _grad_pointer(
+    grad_ptr, member, gd0, gd1, gd2, gd3, gd4, gd5, gd6, gd7, gd8, gd9, gd10, gd11, gd12, gd13, gd14, gd15
+):  # fmt: skip
+    """Member ``member``'s gradient: ``grad_ptr`` plus its delta (the arguments carry GRAD_DELTA_BIAS)."""
+    d = tl.where(member == 0, gd0, gd1)
+    d = tl.where(member == 2, gd2, d)
+    d = tl.where(member == 3, gd3, d)
+    d = tl.where(member == 4, gd4, d)
+    d = tl.where(member == 5, gd5, d)
+    d = tl.where(member == 6, gd6, d)
+    d = tl.where(member == 7, gd7, d)
+    d = tl.where(member == 8, gd8, d)
+    d = tl.where(member == 9, gd9, d)
+    d = tl.where(member == 10, gd10, d)
+    d = tl.where(member == 11, gd11, d)
+    d = tl.where(member == 12, gd12, d)
+    d = tl.where(member == 13, gd13, d)
+    d = tl.where(member == 14, gd14, d)
+    d = tl.where(member == 15, gd15, d)
+    return grad_ptr + tl.multiple_of(d - _GRAD_DELTA_BIAS, 128 // grad_ptr.dtype.element_ty.primitive_bitwidth)
+
+
+@triton.jit
 def _bias_corrections(step, lr, log2_beta1_hi, log2_beta1_lo, log2_beta2_hi, log2_beta2_lo):
     """AdamW's step size and 1/sqrt(bias_correction2) for ``step``, in fp64 as the reference."""
     step64 = step.to(tl.float64)
@@ -91,14 +149,33 @@ def _bias_corrections(step, lr, log2_beta1_hi, log2_beta1_lo, log2_beta2_hi, log
     return step_size, inv_bias_correction2_sqrt
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[f"gd{i}" for i in range(BUCKET_TENSORS)])
 def _check_kernel(
     grad_ptr,  # this step's gradient
     accum_ptr,  # gradient accumulated by the optimizer (HAS_ACCUM)
     scratch_ptr,  # int32[SCRATCH_WORDS]: flag, ticket, status, step_size, 1/sqrt(bc2)
     step_ptr,  # fp32 0-d step count
     skipped_ptr,  # int64 0-d skipped-update counter
+    table_ptr,  # BUCKET: int64 rows of the members' deltas and sizes
+    map_ptr,  # BUCKET: int32 (member, program index within the member) per program
     n_elements,
+    # BUCKET: the members' gradient deltas (+ GRAD_DELTA_BIAS)
+    gd0,
+    gd1,
+    gd2,
+    gd3,
+    gd4,
+    gd5,
+    gd6,
+    gd7,
+    gd8,
+    gd9,
+    gd10,
+    gd11,
+    gd12,
+    gd13,
+    gd14,
+    gd15,
     lr,
     log2_beta1_hi,  # AdamW bias corrections: log2(beta) = hi + lo
     log2_beta1_lo,
@@ -108,8 +185,21 @@ def _check_kernel(
     BIAS_CORRECTIONS: tl.constexpr,
     TILE: tl.constexpr,
     TILES: tl.constexpr,
+    BUCKET: tl.constexpr,  # one launch over several parameters (kernels/bucket.py)
 ):
-    start = tl.program_id(0).to(tl.int64) * (TILE * TILES)
+    if BUCKET:
+        member, program, row = _bucket_member(map_ptr, table_ptr)
+        grad_ptr = _grad_pointer(
+            grad_ptr, member, gd0, gd1, gd2, gd3, gd4, gd5, gd6, gd7, gd8, gd9, gd10, gd11, gd12, gd13, gd14, gd15
+        )
+        scratch_ptr = _rebase(scratch_ptr, row, COL_SCRATCH)
+        step_ptr = _rebase(step_ptr, row, COL_STEP)
+        n_elements = tl.multiple_of(tl.load(row + COL_N).to(tl.int32), 16)
+        programs = tl.load(row + COL_CHECK_PROGRAMS).to(tl.int32)
+    else:
+        program = tl.program_id(0)
+        programs = tl.num_programs(0)
+    start = program.to(tl.int64) * (TILE * TILES)
     bad = 0
     for i in range(TILES):
         offs = start + i * TILE + tl.arange(0, TILE).to(tl.int64)
@@ -120,7 +210,7 @@ def _check_kernel(
         bad = tl.maximum(bad, tl.max((tl.abs(g) < float("inf")) == 0, axis=0).to(tl.int32))
     tl.atomic_max(scratch_ptr, bad, mask=bad > 0)
     ticket = tl.atomic_add(scratch_ptr + 1, 1)
-    if ticket == tl.num_programs(0) - 1:  # the last program: every flag is in
+    if ticket == programs - 1:  # the parameter's last program: every flag is in
         final = tl.atomic_xchg(scratch_ptr, 0)
         tl.store(scratch_ptr + 2, final)
         step = tl.load(step_ptr) + (1 - final).to(tl.float32)
@@ -131,11 +221,11 @@ def _check_kernel(
             )
             tl.store(scratch_ptr + 3, step_size.to(tl.int32, bitcast=True))
             tl.store(scratch_ptr + 4, inv_bc2_sqrt.to(tl.int32, bitcast=True))
-        tl.store(skipped_ptr, tl.load(skipped_ptr) + final.to(tl.int64))
+        tl.atomic_add(skipped_ptr, final.to(tl.int64), mask=final != 0)  # atomic: a bucket's members race
         tl.store(scratch_ptr + 1, 0)
 
 
-@triton.jit(do_not_specialize=["key_shared", "key_param"])
+@triton.jit(do_not_specialize=["key_shared", "key_param"] + [f"gd{i}" for i in range(BUCKET_TENSORS)])
 def _update_kernel(
     param_ptr,  # parameter, updated in place
     corr_ptr,  # master-weight correction (int8 / int16, MASTER == 2)
@@ -147,10 +237,29 @@ def _update_kernel(
     v_scale_ptr,
     step_ptr,  # step count, already advanced by the check kernel
     scratch_ptr,  # the check kernel's words: [2] non-zero: the gradient was not finite
+    table_ptr,  # BUCKET: int64 rows of the members' deltas, sizes and keys
+    map_ptr,  # BUCKET: int32 (member, program index within the member) per program
     n_elements,
     n_pairs,  # (n_elements + 1) // 2: bytes of 4-bit codes
     key_shared,  # host parts of the hash keys (uint32): the word shared by the roundings,
     key_param,  # and the parameter's own word (PARAM_OWN_DRAW)
+    # BUCKET: the members' gradient deltas (+ GRAD_DELTA_BIAS)
+    gd0,
+    gd1,
+    gd2,
+    gd3,
+    gd4,
+    gd5,
+    gd6,
+    gd7,
+    gd8,
+    gd9,
+    gd10,
+    gd11,
+    gd12,
+    gd13,
+    gd14,
+    gd15,
     lr,
     beta1,  # AdamW / Lion beta1; SGD momentum
     beta2,
@@ -187,7 +296,27 @@ def _update_kernel(
     NB: tl.constexpr,  # quantisation blocks per program
     QBLOCK: tl.constexpr,  # elements per quantisation block (the tile's row)
     INDEX_64: tl.constexpr,  # element offsets need 64 bits
+    BUCKET: tl.constexpr,  # one launch over several parameters (kernels/bucket.py)
 ):
+    if BUCKET:  # this program's member: its pointers, size and keys
+        member, program, row = _bucket_member(map_ptr, table_ptr)
+        param_ptr = _rebase(param_ptr, row, COL_PARAM)
+        corr_ptr = _rebase(corr_ptr, row, COL_CORR)
+        grad_ptr = _grad_pointer(
+            grad_ptr, member, gd0, gd1, gd2, gd3, gd4, gd5, gd6, gd7, gd8, gd9, gd10, gd11, gd12, gd13, gd14, gd15
+        )
+        m_ptr = _rebase(m_ptr, row, COL_M)
+        m_scale_ptr = _rebase(m_scale_ptr, row, COL_M_SCALE)
+        v_ptr = _rebase(v_ptr, row, COL_V)
+        v_scale_ptr = _rebase(v_scale_ptr, row, COL_V_SCALE)
+        step_ptr = _rebase(step_ptr, row, COL_STEP)
+        scratch_ptr = _rebase(scratch_ptr, row, COL_SCRATCH)
+        n_elements = tl.multiple_of(tl.load(row + COL_N).to(tl.int32), 16)
+        n_pairs = tl.multiple_of(tl.load(row + COL_N_PAIRS).to(tl.int32), 8)
+        key_shared = tl.load(row + COL_KEY_SHARED)
+        key_param = tl.load(row + COL_KEY_PARAM)
+    else:
+        program = tl.program_id(0)
     # A non-finite gradient (the check kernel's status) only masks the stores: branching on it
     # would hold every program for one memory round trip before its loads could start.
     status = tl.load(scratch_ptr + 2)
@@ -199,9 +328,9 @@ def _update_kernel(
         _as_f32(one_minus_beta2),
     )
     if INDEX_64:
-        start = tl.program_id(0).to(tl.int64) * (NB * QBLOCK)
+        start = program.to(tl.int64) * (NB * QBLOCK)
     else:  # 32-bit address arithmetic is cheaper; used below 2**31 elements
-        start = tl.program_id(0) * (NB * QBLOCK)
+        start = program * (NB * QBLOCK)
     offs = tile_offsets(start, NB, QBLOCK)
     mask = offs < n_elements
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -307,9 +436,10 @@ def _update_kernel(
     )
 
 
-# runtime arguments: tensors, then ints, then floats (see PreparedUpdate)
-CHECK_ARGS = dict(tensors=5, ints=1)
-UPDATE_ARGS = dict(tensors=10, ints=4)
+# runtime arguments: tensors, then ints (the gradient deltas last: always int64, not in the
+# launch key), then floats (see PreparedUpdate)
+CHECK_ARGS = dict(tensors=7, ints=1 + BUCKET_TENSORS, unkeyed_ints=BUCKET_TENSORS)
+UPDATE_ARGS = dict(tensors=12, ints=4 + BUCKET_TENSORS, unkeyed_ints=BUCKET_TENSORS)
 _launch_check = DirectLauncher(_check_kernel, **CHECK_ARGS)
 _launch_update = DirectLauncher(_update_kernel, **UPDATE_ARGS)
 
@@ -410,10 +540,15 @@ class PreparedUpdate:
             v_scales if v_scales is not None else dummy,
             step,
             scratch,
+            dummy,  # no bucket table
+            dummy,  # no bucket program map
             n,
             (n + 1) // 2,
             *keys,
         )
+        self.check_tensors = (scratch, step, skipped, dummy, dummy)
+        self.keys = keys
+        self.bucketable: bool | None = None  # whether it can join a bucket (kernels/bucket.py decides once)
 
     def launch(self, grad: torch.Tensor, accum: torch.Tensor | None, hyper: dict) -> None:
         algo, get = self.algo, hyper.get
@@ -424,12 +559,12 @@ class PreparedUpdate:
         has_accum = accum is not None
         _launch_check(
             self.check_programs,
-            (grad, accum if has_accum else grad, self.scratch, self.step, self.skipped, self.n, *check_args),
-            _check_config(has_accum, algo == 0),
+            (grad, accum if has_accum else grad, *self.check_tensors, self.n, *NO_GRAD_DELTAS, *check_args),
+            _check_config(has_accum, algo == 0, False),
         )
         if self.n == 0:
             return
-        runtime_args = (*self.head, grad, accum if has_accum else self.dummy, *self.tail, *args)
+        runtime_args = (*self.head, grad, accum if has_accum else self.dummy, *self.tail, *NO_GRAD_DELTAS, *args)
         _launch_update(self.programs, runtime_args, self.configs[has_accum])
 
 
@@ -455,9 +590,17 @@ def _scalar_args(algo, lr, beta1, beta2, eps, weight_decay, momentum, dampening)
 
 
 @functools.lru_cache(maxsize=8)
-def _check_config(has_accum: bool, bias_corrections: bool) -> LaunchConfig:
-    constexprs = dict(HAS_ACCUM=has_accum, BIAS_CORRECTIONS=bias_corrections, TILE=CHECK_TILE, TILES=CHECK_TILES)
+def _check_config(has_accum: bool, bias_corrections: bool, bucket: bool) -> LaunchConfig:
+    constexprs = dict(
+        HAS_ACCUM=has_accum, BIAS_CORRECTIONS=bias_corrections, TILE=CHECK_TILE, TILES=CHECK_TILES, BUCKET=bucket
+    )
     return LaunchConfig(constexprs, {})
+
+
+@functools.lru_cache(maxsize=256)
+def bucket_config(config: LaunchConfig) -> LaunchConfig:
+    """The bucketed variant of a single-parameter update configuration."""
+    return LaunchConfig({**config.constexprs, "BUCKET": True}, config.options)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -485,6 +628,7 @@ def _update_config(
         NB=block // qblock,
         QBLOCK=qblock,
         INDEX_64=index_64,
+        BUCKET=False,
     )
     options = dict(
         num_warps=num_warps,

@@ -1,0 +1,121 @@
+"""One launch pair (finite check, update) for several parameters of one configuration.
+
+A parameter's update costs two kernel launches of host time (~50-100 us on the H200 host),
+which gradient release pays inside backward. A bucket launches both kernels once for up to
+``BUCKET_TENSORS`` parameters: every program looks up its member and the member's program
+index in a map, and the member's pointers as the first member's plus a delta from a table row
+(``update.py``'s ``BUCKET`` branch). The table and the map depend only on the members, so they
+are built once and reused while the members' prepared launches are; only the gradients are new
+each step, and their deltas travel as launch arguments (no host-to-device copy, no sync).
+
+Each member gets exactly the single-parameter launch's programs, element offsets, hash keys and
+scratch words, so its result is bit-identical to its own launch (tests/test_buckets.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusedopt.kernels import update  # its launchers by attribute: benchmarks swap them
+from fusedopt.kernels.update import (
+    _GRAD_DELTA_BIAS,
+    BUCKET_TENSORS,
+    GRAD_DELTA_BIAS,
+    NO_GRAD_DELTAS,
+    TABLE_COLS,
+    PreparedUpdate,
+    _check_config,
+    _scalar_args,
+    bucket_config,
+)
+
+ALIGN = 16  # bytes: the alignment the kernel's vector accesses assume for every member tensor
+
+assert int(_GRAD_DELTA_BIAS) == GRAD_DELTA_BIAS
+
+
+def _pointer_tensors(u: PreparedUpdate) -> tuple:
+    """A member's tensors in table column order: param, correction, m, m scales, v, v scales, step, scratch."""
+    return (*u.head, *u.tail[:6])
+
+
+def bucketable(u: PreparedUpdate) -> bool:
+    """Whether a prepared update can join a bucket: a size the kernel's 16-element vector hint
+    covers, 32-bit offsets and 16-byte aligned tensors (the gradient is checked per step)."""
+    if u.n == 0 or u.n % 16 or u.configs[0].constexprs["INDEX_64"]:
+        return False
+    return all(t.data_ptr() % ALIGN == 0 for t in _pointer_tensors(u))
+
+
+def gradient_bucketable(grad: torch.Tensor, dtype: torch.dtype) -> bool:
+    return grad.dtype == dtype and grad.is_contiguous() and grad.data_ptr() % ALIGN == 0
+
+
+class PreparedBucket:
+    """The launch arguments of one bucket of prepared updates (same configuration, same group)."""
+
+    def __init__(self, members: list[PreparedUpdate]):
+        if not 1 <= len(members) <= BUCKET_TENSORS:
+            raise ValueError(f"a bucket holds 1 to {BUCKET_TENSORS} parameters, got {len(members)}")
+        first = members[0]
+        if any(u.algo != first.algo or u.configs[0].key != first.configs[0].key for u in members):
+            raise ValueError("a bucket's members must share the algorithm and the launch configuration")
+        if not all(bucketable(u) for u in members):
+            raise ValueError("a bucket member is empty, too large, of a size not a multiple of 16, or misaligned")
+        self.members = members  # kept: the table points into their tensors
+        self.algo = first.algo
+        base = _pointer_tensors(first)
+        rows = []
+        for u in members:
+            deltas = []
+            for t, b in zip(_pointer_tensors(u), base, strict=True):
+                offset = t.data_ptr() - b.data_ptr()
+                if offset % b.element_size():
+                    raise ValueError("bucket members' tensors of one role must share a dtype")
+                deltas.append(offset // b.element_size())
+            rows.append(deltas + [u.n, (u.n + 1) // 2, *u.keys, u.check_programs] + [0] * (TABLE_COLS - 13))
+        device = first.head[0].device
+        self.table = torch.tensor(rows, dtype=torch.int64).to(device)
+        self.update_map = _program_map([u.programs for u in members]).to(device)
+        self.check_map = _program_map([u.check_programs for u in members]).to(device)
+        self.programs, self.check_programs = self.update_map.shape[0], self.check_map.shape[0]
+        self.head, self.tail = first.head, first.tail[:6]
+        self.step, self.scratch, self.skipped = first.step, first.scratch, first.skipped
+        self.ints = first.tail[8:12]  # the first member's sizes and keys (unused: the table has them)
+        self.update_config = bucket_config(first.configs[False])
+        self.dtype = first.head[0].dtype
+
+    def launch(self, grads: list[torch.Tensor], hyper: dict) -> None:
+        """Update every member from its gradient (``grads[i]`` for member i; same dtype, contiguous,
+        16-byte aligned: ``gradient_bucketable``)."""
+        if len(grads) != len(self.members):
+            raise ValueError(f"a bucket of {len(self.members)} parameters got {len(grads)} gradients")
+        base = grads[0]
+        address, size = base.data_ptr(), base.element_size()
+        deltas = list(NO_GRAD_DELTAS)
+        for i, g in enumerate(grads):
+            deltas[i] = (g.data_ptr() - address) // size + GRAD_DELTA_BIAS
+        get = hyper.get
+        args, check_args = _scalar_args(
+            self.algo, hyper["lr"], get("beta1", 0.0), get("beta2", 0.0), get("eps", 0.0), hyper["weight_decay"],
+            get("momentum", 0.0), get("dampening", 0.0),
+        )  # fmt: skip
+        update._launch_check(
+            self.check_programs,
+            (base, base, self.scratch, self.step, self.skipped, self.table, self.check_map, 0, *deltas, *check_args),
+            _check_config(False, self.algo == 0, True),
+        )
+        runtime_args = (
+            *self.head, base, self.head[0], *self.tail, self.table, self.update_map, *self.ints, *deltas, *args
+        )  # fmt: skip
+        update._launch_update(self.programs, runtime_args, self.update_config)
+
+
+def _program_map(programs: list[int]) -> torch.Tensor:
+    """int32 rows (member, program index within the member) for members of ``programs`` programs each."""
+    counts = torch.tensor(programs, dtype=torch.int64)
+    ends = torch.cumsum(counts, 0)
+    pid = torch.arange(int(ends[-1]), dtype=torch.int64)
+    member = torch.searchsorted(ends, pid, right=True)
+    index = pid - (ends - counts)[member]
+    return torch.stack([member, index], 1).to(torch.int32).contiguous()

@@ -1,0 +1,165 @@
+"""Bucketed kernel updates (fusedopt/buckets.py, kernels/bucket.py): several parameters' updates
+in one launch pair give bit-for-bit the results of one launch pair per parameter.
+
+Runs the kernel through the public API: Triton's interpreter on the CPU, the compiled kernel on a
+GPU. ``FUSEDOPT_BUCKET_MB=0`` (one launch pair per parameter) is the baseline every bucketed run
+is held against, on the same device.
+"""
+
+import pytest
+import torch
+
+import fusedopt
+from fusedopt.kernels import bucket
+
+# sizes a bucket takes (multiples of 16 elements) and ones it does not (odd: launched alone)
+SHAPES = [(32, 48), (16, 24), (48, 17), (64, 40), (5, 7)]
+
+
+def _params(device, dtype, shapes=SHAPES, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(device, dtype)) for s in shapes]
+
+
+def _grads(shapes, steps, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=gen) for s in shapes] for _ in range(steps)]
+
+
+def _train(monkeypatch, device, bucket_mb, opt_cls, kwargs, dtype, fused, shapes=SHAPES, steps=3, built=None):
+    monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
+    monkeypatch.setenv("FUSEDOPT_BUCKET_MB", str(bucket_mb))
+    params = _params(device, dtype, shapes)
+    opt = opt_cls(params, lr=1e-2, fused=fused, **{"min_compress_numel": 0, **kwargs})
+    for grads in _grads(shapes, steps):
+        if fused:
+            sum((p * g.to(device, dtype)).sum() for p, g in zip(params, grads)).backward()
+            assert all(p.grad is None for p in params)  # released: updated by the end of backward
+        else:
+            for p, g in zip(params, grads):
+                p.grad = g.to(device, dtype)
+        opt.step()
+        opt.zero_grad()
+    if built is not None and opt._buckets is not None:
+        built.extend(len(b.members) for b in opt._buckets._built.values())
+    return [p.detach().cpu() for p in params], [{k: v.cpu() for k, v in opt.state[p].items()} for p in params], opt
+
+
+def _assert_identical(a, b):
+    for pa, pb in zip(a[0], b[0]):
+        assert torch.equal(pa, pb)
+    for sa, sb in zip(a[1], b[1]):
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            assert torch.equal(sa[key], sb[key]), key
+
+
+CONFIGS = [
+    (fusedopt.AdamW, dict(state_bits=8, master_weight_bits=24), torch.bfloat16),
+    (fusedopt.AdamW, dict(state_bits=4, master_weight_bits=32), torch.bfloat16),
+    (fusedopt.AdamW, dict(state_bits=32), torch.float32),
+    (fusedopt.SGD, dict(momentum=0.9, nesterov=True, state_bits=16), torch.float16),
+    (fusedopt.Lion, dict(state_bits=8, master_weight_bits=None), torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("opt_cls,kwargs,dtype", CONFIGS)
+def test_buckets_are_bit_identical_to_one_launch_per_parameter(monkeypatch, device, opt_cls, kwargs, dtype, fused):
+    built = []
+    alone = _train(monkeypatch, device, 0, opt_cls, kwargs, dtype, fused)
+    together = _train(monkeypatch, device, 64, opt_cls, kwargs, dtype, fused, built=built)
+    assert alone[2]._buckets is None
+    assert built and max(built) >= 3  # the three sizes that are multiples of 16 went in one bucket
+    _assert_identical(alone, together)
+
+
+def test_more_parameters_than_one_bucket_holds(monkeypatch, device):
+    shapes = [(16, 16 + 16 * (i % 3)) for i in range(bucket.BUCKET_TENSORS + 3)]
+    built = []
+    kwargs = dict(state_bits=8)
+    alone = _train(monkeypatch, device, 0, fusedopt.AdamW, kwargs, torch.bfloat16, True, shapes, steps=2)
+    together = _train(monkeypatch, device, 64, fusedopt.AdamW, kwargs, torch.bfloat16, True, shapes, 2, built)
+    assert sorted(built) == [3, bucket.BUCKET_TENSORS]
+    _assert_identical(alone, together)
+
+
+# the kernel computes on the non-finite gradient and only masks its stores: numpy (the
+# interpreter) warns about the NaN it makes on the way
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_a_non_finite_gradient_in_a_bucket_skips_only_its_parameter(monkeypatch, device):
+    monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
+    monkeypatch.setenv("FUSEDOPT_BUCKET_MB", "64")
+    shapes = [(32, 48), (16, 24), (64, 40)]
+    params = _params(device, torch.bfloat16, shapes)
+    opt = fusedopt.AdamW(params, lr=1e-2, state_bits=8, min_compress_numel=0)
+    first, second = _grads(shapes, 2)
+    for p, g in zip(params, first):
+        p.grad = g.to(device, torch.bfloat16)
+    opt.step()  # builds the prepared launches: the next step goes in one bucket
+    before = [p.detach().clone() for p in params], [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    second[1][3, 5] = float("nan")
+    second[2][63, 39] = float("inf")  # the last element of the bucket's last member
+    for p, g in zip(params, second):
+        p.grad = g.to(device, torch.bfloat16)
+    opt.step()
+    assert [len(b.members) for b in opt._buckets._built.values()] == [3]
+    assert not torch.equal(params[0], before[0][0])
+    assert float(opt.state[params[0]]["step"]) == 2
+    for i in (1, 2):
+        assert torch.equal(params[i], before[0][i])
+        for k, v in before[1][i].items():
+            assert torch.equal(opt.state[params[i]][k], v), (i, k)
+    assert int(opt.num_skipped_updates) == 2
+
+
+def test_release_holds_less_than_the_budget(monkeypatch, device):
+    monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
+    budget_mb = 0.004  # 4.2 kB: a bucket closes after two or three of these gradients
+    monkeypatch.setenv("FUSEDOPT_BUCKET_MB", str(budget_mb))
+    shapes = [(32, 32)] * 6  # 2 kB bf16 gradients
+    params = _params(device, torch.bfloat16, shapes)
+    opt = fusedopt.AdamW(params, lr=1e-2, state_bits=8, min_compress_numel=0, fused=True)
+    held = []
+
+    def record(_):
+        held.append(sum(q.nbytes for q in opt._buckets._pending.values()))
+
+    for p in params:  # registered after the optimizer's hook: runs after it
+        p.register_post_accumulate_grad_hook(record)
+    for grads in _grads(shapes, 2):
+        sum((p * g.to(device, torch.bfloat16)).sum() for p, g in zip(params, grads)).backward()
+        opt.step()
+    assert max(held) > 0  # gradients were held for a bucket
+    assert max(held) < budget_mb * 2**20
+    assert sorted({len(b.members) for b in opt._buckets._built.values()}) == [3]
+
+
+def test_misaligned_gradient_is_launched_alone(monkeypatch, device):
+    """A gradient that is a view one element into its storage cannot join a bucket (its vector
+    accesses would be misaligned): it is launched alone, with the same result."""
+    results = []
+    for mb in (0, 64):
+        monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
+        monkeypatch.setenv("FUSEDOPT_BUCKET_MB", str(mb))
+        shapes = [(32, 48), (16, 24), (64, 40)]
+        params = _params(device, torch.bfloat16, shapes)
+        opt = fusedopt.AdamW(params, lr=1e-2, state_bits=8, min_compress_numel=0)
+        for grads in _grads(shapes, 3):
+            for p, g in zip(params, grads):
+                storage = torch.empty(g.numel() + 1, device=device, dtype=torch.bfloat16)
+                p.grad = storage[1:].view(g.shape).copy_(g)
+                assert p.grad.data_ptr() % bucket.ALIGN != 0
+            opt.step()
+        if mb:
+            assert not opt._buckets._built  # nothing went in a bucket
+        states = [{k: v.cpu() for k, v in opt.state[p].items()} for p in params]
+        results.append(([p.detach().cpu() for p in params], states))
+    _assert_identical(*results)
+
+
+@pytest.mark.parametrize("value", ["-1", "lots", "nan"])
+def test_invalid_bucket_budget_is_an_error(monkeypatch, value):
+    monkeypatch.setenv("FUSEDOPT_BUCKET_MB", value)
+    with pytest.raises(ValueError, match="FUSEDOPT_BUCKET_MB"):
+        fusedopt.AdamW([torch.nn.Parameter(torch.randn(4, 4))])
