@@ -3,8 +3,9 @@
 Host time, not GPU time, limits an optimizer step over many parameters (two kernel launches,
 ~50-100 us on the H200 host, per parameter) and, worse, gradient release, which pays it inside
 backward. ``UpdateBuckets`` holds updates that go through a parameter's prepared kernel launch
-until ``FUSEDOPT_BUCKET_MB`` MiB of gradient (or ``BUCKET_TENSORS`` parameters) of one
-configuration and group are waiting, then launches them as one bucket (``kernels/bucket.py``).
+until ``BUCKET_TENSORS`` parameters of one configuration and group are waiting (with gradient
+release, or until ``FUSEDOPT_BUCKET_MB`` MiB of their gradients are: buckets keep the gradients
+alive), then launches them as one bucket (``kernels/bucket.py``).
 Whoever queues updates flushes the rest: ``step()`` before it returns, gradient release at the
 end of backward. Every result is bit-identical to per-parameter launches; only the moment at
 which an update runs moves, by at most one bucket. With release, the held gradients (at most
@@ -60,9 +61,10 @@ class UpdateBuckets:
         self._built: dict[tuple, object] = {}  # ids of the members -> PreparedBucket
         self._waiting: set[int] = set()  # ids of the pending members
 
-    def add(self, prepared, grad: torch.Tensor, hyper: dict, group_index: int) -> bool:
+    def add(self, prepared, grad: torch.Tensor, hyper: dict, group_index: int, held: bool) -> bool:
         """Queue ``prepared``'s update from ``grad``; False when it cannot join a bucket (the
-        caller launches it alone). May launch a full bucket."""
+        caller launches it alone). May launch a full bucket. ``held``: the bucket keeps ``grad``
+        alive (gradient release), so the byte budget applies; otherwise only the parameter count."""
         kernels = _kernels()
         if prepared.bucketable is None:
             prepared.bucketable = kernels.bucketable(prepared)
@@ -76,7 +78,7 @@ class UpdateBuckets:
         self._waiting.add(id(prepared))
         pending.grads.append(grad)
         pending.nbytes += prepared.n * grad.element_size()
-        if len(pending.members) == kernels.BUCKET_TENSORS or pending.nbytes >= self.budget:
+        if len(pending.members) == kernels.BUCKET_TENSORS or (held and pending.nbytes >= self.budget):
             del self._pending[key]
             self._launch(pending)
         return True

@@ -71,7 +71,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._position: dict[torch.Tensor, tuple[int, int]] = {}  # param -> (group index, param index)
         self._release: GradientRelease | None = None
         self._kernel_scratch: dict[torch.Tensor, torch.Tensor] = {}
-        self._prepared: dict[torch.Tensor, tuple] = {}  # param -> (PreparedUpdate, structure, state items)
+        self._prepared: dict[torch.Tensor, tuple] = {}  # param -> (PreparedUpdate, structure, state keys, ids)
+        self._window: dict[int, tuple] = {}  # group index -> (hyper, group structure) for this step's updates
         self._corrections = SharedCorrections()
         budget = bucket_budget()
         self._buckets = UpdateBuckets(budget) if budget > 0 else None  # see buckets.py
@@ -103,6 +104,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
         group_index = len(self.param_groups) - 1
+        self._new_window()
         for p in group["params"]:
             self._position[p] = (group_index, len(self._position))
         if self._release is not None:
@@ -198,18 +200,30 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # --- the update ------------------------------------------------------------------------
 
-    def queue_update(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None) -> None:
+    def queue_update(
+        self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None, held: bool = False
+    ) -> None:
         """``update_param``, or a place in a bucket of updates launched together (``buckets.py``):
-        the update has run once ``flush_updates()`` returns. ``grad`` must stay unchanged until then."""
+        the update has run once ``flush_updates()`` returns. ``grad`` must stay unchanged until then.
+        ``held``: nothing but the bucket keeps ``grad`` alive (gradient release): the
+        ``FUSEDOPT_BUCKET_MB`` budget applies."""
         if self._buckets is None or accum is not None or grad.is_sparse:
             self.update_param(p, grad, accum)
             return
         group_index, _ = self._position[p]
-        group = self.param_groups[group_index]
-        hyper = self._hyper(group)
-        launch = self._prepared_launch(p, grad, accum, group, hyper)
-        if launch is None or not self._buckets.add(launch, grad, hyper, group_index):
+        settings = self._window.get(group_index)
+        if settings is None:  # once per group and step: the group cannot change during one
+            group = self.param_groups[group_index]
+            hyper = self._hyper(group)
+            settings = self._window[group_index] = hyper, self._group_structure(group, hyper)
+        hyper, group_structure = settings
+        launch = self._prepared_launch(p, grad, accum, group_structure)
+        if launch is None or not self._buckets.add(launch, grad, hyper, group_index, held):
             self.update_param(p, grad, accum)
+
+    def _new_window(self) -> None:
+        """Group settings may change from here on (a step ended, groups or state were replaced)."""
+        self._window.clear()
 
     def has_queued_updates(self) -> bool:
         return self._buckets is not None and self._buckets.has_pending()
@@ -229,7 +243,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             self.flush_updates()  # p's queued update runs first
         group, index = self.position(p)
         hyper = self._hyper(group)
-        launch = self._prepared_launch(p, grad, accum, group, hyper)
+        launch = self._prepared_launch(p, grad, accum, self._group_structure(group, hyper))
         if launch is not None:
             launch.launch(grad, accum, hyper)
             return
@@ -256,35 +270,37 @@ class FusedOptimizer(torch.optim.Optimizer):
         launch = run_update(self.algorithm, type(self).math, job, self._scratch)
         if launch is not None:
             replaced = self._prepared.get(p)
-            self._prepared[p] = launch, self._structure(p, group, hyper), tuple(state.items())
+            structure = p.dtype, p.shape, p.device, self._group_structure(group, hyper)
+            self._prepared[p] = launch, structure, tuple(state), tuple(map(id, state.values()))
         else:
             replaced = self._prepared.pop(p, None)
         if replaced is not None and self._buckets is not None:
             self._buckets.forget()  # built buckets hold the replaced launch
 
-    def _prepared_launch(self, p, grad, accum, group: dict, hyper: dict):
-        """``p``'s prepared kernel launch from an earlier step, while nothing it depends on changed
-        (the host work per update is then the scalars and two launches; it runs in backward
-        hooks); None when the update must go through the backend."""
+    def _prepared_launch(self, p, grad, accum, group_structure: tuple):
+        """``p``'s prepared kernel launch from an earlier step, while nothing it depends on changed:
+        the same state tensors (same keys, same objects), the parameter's dtype, shape and device,
+        and its group's ``group_structure``. The host work per update is then the scalars and two
+        launches (it runs in backward hooks). None when the update must go through the backend."""
         prepared = self._prepared.get(p)
         if prepared is None or not gradient_fits_prepared(p, grad, accum):
             return None
-        launch, structure, tensors = prepared
+        launch, structure, keys, ids = prepared
         state = self.state.get(p)
         if (
             state is not None
-            and len(state) == len(tensors)
-            and all(state.get(k) is t for k, t in tensors)
-            and structure == self._structure(p, group, hyper)
+            and tuple(map(id, state.values())) == ids
+            and tuple(state) == keys
+            and structure == (p.dtype, p.shape, p.device, group_structure)
         ):
             return launch
         return None
 
-    def _structure(self, p: torch.Tensor, group: dict, hyper: dict) -> tuple:
-        """What a prepared launch of ``p`` was built for, besides its tensors: formats, flags, seed."""
+    def _group_structure(self, group: dict, hyper: dict) -> tuple:
+        """What a prepared launch was built for from its group and the optimizer: formats, flags, seed."""
         flags = tuple(v for v in hyper.values() if isinstance(v, bool))
         formats = (group["state_bits"], group["min_compress_numel"], group["master_weight_bits"], self._slots(group))
-        return p.dtype, p.shape, p.device, formats, flags, self.seed
+        return formats, flags, self.seed
 
     def _scratch(self, p: torch.Tensor) -> torch.Tensor:
         """The kernel's per-parameter scratch words (flags and per-step scalars), kept between updates."""
@@ -306,6 +322,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         releasing = self._release is not None and self._release.attached
         self.flush_updates()  # left by a backward that did not finish
+        self._new_window()
         for group in self.param_groups:
             for p in group["params"]:
                 accum = self._release.take_buffer(p) if self._release is not None else None
@@ -318,6 +335,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if releasing:
                     p.grad = None
         self.flush_updates()
+        self._new_window()
         if self._release is not None:
             self._release.new_window()
         return loss
@@ -325,6 +343,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch; also drops gradients the optimizer holds for accumulation."""
         super().zero_grad(set_to_none=set_to_none)
+        self._new_window()
         if self._release is not None:
             self._release.drop_buffers()
 
@@ -356,6 +375,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.flush_updates()
         checkpoint.load_state_dict(self, state_dict)
         self._prepared.clear()  # they hold the replaced state tensors
+        self._new_window()
         if self._buckets is not None:
             self._buckets.forget()
 

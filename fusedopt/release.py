@@ -14,6 +14,7 @@ the optimizer removes the hooks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import weakref
@@ -67,7 +68,7 @@ class GradientRelease:
     def __init__(self, optimizer):
         self._optimizer = weakref.ref(optimizer)
         self._handles: dict[int, tuple[weakref.ref, object]] = {}  # id(param) -> (param ref, hook handle)
-        self._counts: dict[torch.Tensor, int] = {}
+        self._counts: dict[int, int] = {}  # id(param) -> backward passes since step()
         self._buffers: dict[torch.Tensor, torch.Tensor] = {}
         self.attached = True
         self._checked_processes = False  # checked again at the first hook: the group may come later
@@ -111,36 +112,40 @@ class GradientRelease:
             check_single_process()  # before any update: raising here leaves everything as it was
             self._checked_processes = True
         optimizer = self._optimizer()
-        if optimizer is None or p.grad is None:
+        grad = p.grad
+        if optimizer is None or grad is None:
             return
         k = optimizer.accumulation_steps
-        n = self._counts.get(p, 0) + 1
+        key = id(p)  # the parameter is alive while its hook runs; id hashing is cheaper than a tensor's
+        n = self._counts.get(key, 0) + 1
         if n > k:
             raise RuntimeError(
                 f"fusedopt: a parameter of shape {tuple(p.shape)} received a gradient after its update was already "
                 f"applied in this backward pass (backward #{n} since the last step() with accumulation_steps={k}); "
                 f"call optimizer.step() once every {k} backward pass(es)"
             )
-        self._counts[p] = n
-        with torch.no_grad():
-            if p.grad.is_sparse:
-                raise RuntimeError(f"fusedopt.{type(optimizer).__name__} does not support sparse gradients")
+        self._counts[key] = n
+        if grad.is_sparse:
+            raise RuntimeError(f"fusedopt.{type(optimizer).__name__} does not support sparse gradients")
+        # backward runs hooks with grad mode off unless create_graph=True: enter no_grad only then
+        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
             if n < k:
                 if p.dtype in LOW_PRECISION:
                     _, index = optimizer.position(p)
                     step = optimizer.ensure_state(p)["step"]
                     self._buffers[p] = accumulate_low_precision(
-                        self._buffers.get(p), p.grad, seed=optimizer.seed, index=index, micro_batch=n, step=step
+                        self._buffers.get(p), grad, seed=optimizer.seed, index=index, micro_batch=n, step=step
                     )
                     p.grad = None
                 return
-            optimizer.queue_update(p, p.grad, self._buffers.pop(p, None))
+            optimizer.queue_update(p, grad, self._buffers.pop(p, None) if self._buffers else None, held=True)
             p.grad = None
-            self._flush_at_end_of_backward(optimizer)
+            if not self._flush_queued:
+                self._flush_at_end_of_backward(optimizer)
 
     def _flush_at_end_of_backward(self, optimizer) -> None:
         """Have the engine launch the queued (bucketed) updates when this backward pass ends."""
-        if self._flush_queued or not optimizer.has_queued_updates():
+        if not optimizer.has_queued_updates():
             return
         try:
             torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_flush, self._optimizer, self))

@@ -26,12 +26,15 @@ def _grads(shapes, steps, seed=1):
     return [[torch.randn(s, generator=gen) for s in shapes] for _ in range(steps)]
 
 
-def _train(monkeypatch, device, bucket_mb, opt_cls, kwargs, dtype, fused, shapes=SHAPES, steps=3, built=None):
+def _train(
+    monkeypatch, device, bucket_mb, opt_cls, kwargs, dtype, fused, shapes=SHAPES, steps=3, built=None, changes=None
+):
     monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
     monkeypatch.setenv("FUSEDOPT_BUCKET_MB", str(bucket_mb))
     params = _params(device, dtype, shapes)
     opt = opt_cls(params, lr=1e-2, fused=fused, **{"min_compress_numel": 0, **kwargs})
-    for grads in _grads(shapes, steps):
+    for i, grads in enumerate(_grads(shapes, steps)):
+        opt.param_groups[0].update((changes or {}).get(i, {}))  # e.g. a scheduler's, between steps
         if fused:
             sum((p * g.to(device, dtype)).sum() for p, g in zip(params, grads)).backward()
             assert all(p.grad is None for p in params)  # released: updated by the end of backward
@@ -71,6 +74,20 @@ def test_buckets_are_bit_identical_to_one_launch_per_parameter(monkeypatch, devi
     together = _train(monkeypatch, device, 64, opt_cls, kwargs, dtype, fused, built=built)
     assert alone[2]._buckets is None
     assert built and max(built) >= 3  # the three sizes that are multiples of 16 went in one bucket
+    _assert_identical(alone, together)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_group_changes_between_steps_reach_bucketed_updates(monkeypatch, device, fused):
+    """Buckets take each group's hyperparameters once per step: a change between steps (lr
+    schedule, weight decay, maximize) must reach the next step's updates."""
+    changes = {1: dict(lr=3e-3), 2: dict(lr=5e-3, weight_decay=0.3), 3: dict(maximize=True)}
+    kwargs, built = dict(state_bits=8), []
+    alone = _train(monkeypatch, device, 0, fusedopt.AdamW, kwargs, torch.bfloat16, fused, steps=5, changes=changes)
+    together = _train(
+        monkeypatch, device, 64, fusedopt.AdamW, kwargs, torch.bfloat16, fused, steps=5, built=built, changes=changes
+    )
+    assert built and max(built) >= 3
     _assert_identical(alone, together)
 
 
