@@ -18,15 +18,12 @@ The time a stage costs is the base time minus the variant's. Variants:
   nomaster   parameter written with stochastic rounding instead of head + correction
   floor      all of the above: loads, fp32 math and stores only
 
-Candidate (results right, for timing against the base in one run):
-
-  masterlean the bf16 master join on the head's fp32 pattern (branch kernel-master-lean; SASS
-             1200 -> 1176 per 8 elements; the interpreter suite passes with it)
-
 Variants named twice (e.g. base,nohash,base) are timed twice: the spread is the run's noise.
 The fifth sitting's candidates are in the kernels now (benchmarks/RESULTS.md): the 1-D scale
 store, the sign or-ed into the decoded bits, square levels without fix-up, and 8-bit minifloat
-levels (which removed the square root: the nosqrt and sqrtround variants went with it).
+levels (which removed the square root: the nosqrt and sqrtround variants went with it). So is
+the masterlean candidate (the bf16 master join on the head's fp32 pattern, branch
+kernel-master-lean; SASS 1200 -> 1176): its variant went with it.
 """
 
 from __future__ import annotations
@@ -65,19 +62,6 @@ EDITS = {
     "noround": [("moments.py", "fraction_draw = (rbits >> (9 + M)).to(tl.int32)", "fraction_draw = 1 << (22 - M)")],
     "fastmath": [("update.py", "tl.sqrt_rn(v)", "tl.sqrt(v)"), ("update.py", "tl.div_rn(m, denom)", "(m / denom)")],
     "nomaster": [("update.py", "QBLOCK),\n        MASTER,", "QBLOCK),\n        1,")],
-    # candidate, bit-identical (branch kernel-master-lean): the bf16 master join on the head's fp32 pattern
-    "masterlean": [
-        (
-            "master.py",
-            '    """(head, correction) -> fp32 master: ``join_master`` in registers."""\n',
-            '    """(head, correction) -> fp32 master: ``join_master`` in registers."""\n'
-            "    if PARAM_BF16:\n"
-            "        bits = head.to(tl.int16, bitcast=True).to(tl.int32) << 16\n"
-            "        magnitude = tl.maximum((bits & 0x7FFFFFFF) + (correction << (16 - K)), 0)\n"
-            "        master = (magnitude | (bits & -0x80000000)).to(tl.float32, bitcast=True)\n"
-            "        return tl.where((bits & 0x7F800000) != 0x7F800000, master, bits.to(tl.float32, bitcast=True))\n",
-        )
-    ],
 }  # fmt: skip
 EDITS["floor"] = [e for name in ("nohash", "noencode", "nodecode", "fastmath", "nomaster") for e in EDITS[name]]
 

@@ -35,6 +35,11 @@ def load_master(param_ptr, corr_ptr, offs, mask, MASTER: tl.constexpr, PARAM_BF1
 @triton.jit
 def _join(head, correction, PARAM_BF16: tl.constexpr, K: tl.constexpr):
     """(head, correction) -> fp32 master: ``join_master`` in registers."""
+    if PARAM_BF16:  # the head's fp32 pattern, plus the correction below its 16 bits (sign-magnitude)
+        bits = head.to(tl.int16, bitcast=True).to(tl.int32) << 16
+        magnitude = tl.maximum((bits & 0x7FFFFFFF) + (correction << (16 - K)), 0)
+        master = (magnitude | (bits & -0x80000000)).to(tl.float32, bitcast=True)
+        return tl.where((bits & 0x7F800000) != 0x7F800000, master, bits.to(tl.float32, bitcast=True))
     head_bits = head.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     sign = (head_bits & 0x8000) << 16
     code = tl.maximum(((head_bits & 0x7FFF) << K) + correction, 0)
@@ -56,7 +61,6 @@ def _join(head, correction, PARAM_BF16: tl.constexpr, K: tl.constexpr):
 def _split(x, rbits, PARAM_BF16: tl.constexpr, K: tl.constexpr, STOCHASTIC: tl.constexpr):
     """fp32 master -> (head bits as int16, correction as int32): ``split_master`` in registers."""
     pattern = x.to(tl.int32, bitcast=True)
-    negative = pattern < 0
     a = pattern & 0x7FFFFFFF  # inf and NaN give junk here: store_master writes them apart
     if PARAM_BF16:
         HEAD_MAX: tl.constexpr = 0x7F7F
@@ -83,7 +87,7 @@ def _split(x, rbits, PARAM_BF16: tl.constexpr, K: tl.constexpr, STOCHASTIC: tl.c
     code = tl.minimum(code, (HEAD_MAX << K) + HALF - 1)  # saturate instead of rounding to inf
     h = (code + HALF) >> K
     correction = code - (h << K)
-    head_bits = tl.where(negative, h | 0x8000, h)
+    head_bits = h | ((pattern >> 16) & 0x8000)  # the sign bit moved to bit 15
     return head_bits.to(tl.int16), correction
 
 
