@@ -124,7 +124,12 @@ def load_moment(
             unit = _pow2(e - K)[:, None]
             shifted = ((codes & QMAX) << (23 - M)) + ((127 + M) << 23)
             x = tl.fma(shifted.to(tl.float32, bitcast=True), unit, -(2.0**M) * unit)  # exact: L(c) * unit
-        if SIGNED:
+        if SIGNED and FMT == 8:
+            # the sign from the code as int8: its sign extension feeds the or, and the compiler
+            # masks the magnitude before the shift (one fewer instruction per element)
+            sign = codes.to(tl.int8).to(tl.int32) & -0x80000000
+            x = (x.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+        elif SIGNED:
             # the sign or-ed into the (non-negative) value's bits: one instruction instead of a select
             x = (x.to(tl.int32, bitcast=True) | (((codes >> (FMT - 1)) & 1) << 31)).to(tl.float32, bitcast=True)
     return x
