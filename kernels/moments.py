@@ -189,7 +189,9 @@ def store_moment(
         if SIGNED:  # the value's own sign bit (a negative value rounded to zero is stored as -0)
             q = q | ((x.to(tl.int32, bitcast=True) >> 31) & (1 << (FMT - 1)))
         else:
-            q = tl.where((q == 0) & (x > 0), 1, q)
+            # q = 1 where q = 0 < x, as max(q, min(bits(x), 1)): bits(x) > 0 iff x > 0 as an int32
+            # (a negative NaN's bits are negative; a positive NaN or inf has q = QMAX already)
+            q = tl.maximum(q, tl.minimum(x.to(tl.int32, bitcast=True), 1))
         if FMT == 8:
             tl.store(ptr + offs, q.to(tl.uint8), mask=mask & commit)
         else:
