@@ -19,6 +19,7 @@ _F32_MAG_MAX = tl.constexpr(0x7F7FFFFF)
 _F16_REBIAS = tl.constexpr(0x38000000)
 _F16_MIN_NORMAL = tl.constexpr(0x38800000)
 _F16_CLAMP = tl.constexpr(0x47800000)
+_BF16_SPLIT_CLAMP = tl.constexpr(float.fromhex("0x1.fefep+127"))  # bit pattern 0x7F7F7F00
 
 
 @triton.jit
@@ -60,6 +61,20 @@ def _join(head, correction, PARAM_BF16: tl.constexpr, K: tl.constexpr):
 @triton.jit
 def _split(x, rbits, PARAM_BF16: tl.constexpr, K: tl.constexpr, STOCHASTIC: tl.constexpr):
     """fp32 master -> (head bits as int16, correction as int32): ``split_master`` in registers."""
+    if PARAM_BF16 and K == 8:
+        # On the signed pattern, the sign carried along: |x| clamped to the pattern 0x7F7F7F00
+        # first saturates exactly as min(code, 0x7F7F7F) after the draw's add would; then neither
+        # that add (|x| + 255 < 2**31) nor the half's (code + 0x80 < 2**23) reaches the sign,
+        # which the shifts move to bit 15 of the head, and the correction (code minus the head's
+        # bits, shifted back) is the same. NaN and inf give junk: store_master writes them apart.
+        clamped = tl.maximum(tl.minimum(x, _BF16_SPLIT_CLAMP), -_BF16_SPLIT_CLAMP)
+        if STOCHASTIC:
+            r = (rbits >> 24).to(tl.int32)
+        else:
+            r = 0x80
+        code = ((clamped.to(tl.int32, bitcast=True) + r).to(tl.uint32) >> 8).to(tl.int32)  # sign at bit 23
+        head_bits = (code + 0x80) >> 8  # sign at bit 15
+        return head_bits.to(tl.int16), code - (head_bits << 8)
     pattern = x.to(tl.int32, bitcast=True)
     a = pattern & 0x7FFFFFFF  # inf and NaN give junk here: store_master writes them apart
     if PARAM_BF16:
