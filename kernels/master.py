@@ -38,9 +38,10 @@ def _join(head, correction, PARAM_BF16: tl.constexpr, K: tl.constexpr):
     """(head, correction) -> fp32 master: ``join_master`` in registers."""
     if PARAM_BF16:  # the head's fp32 pattern, plus the correction below its 16 bits (sign-magnitude)
         bits = head.to(tl.int16, bitcast=True).to(tl.int32) << 16
-        magnitude = tl.maximum((bits & 0x7FFFFFFF) + (correction << (16 - K)), 0)
-        master = (magnitude | (bits & -0x80000000)).to(tl.float32, bitcast=True)
-        return tl.where((bits & 0x7F800000) != 0x7F800000, master, bits.to(tl.float32, bitcast=True))
+        head_magnitude = bits & 0x7FFFFFFF
+        magnitude = tl.maximum(head_magnitude + (correction << (16 - K)), 0)
+        magnitude = tl.where(head_magnitude < 0x7F800000, magnitude, head_magnitude)  # inf, NaN: the head
+        return (magnitude | (bits & -0x80000000)).to(tl.float32, bitcast=True)
     head_bits = head.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     sign = (head_bits & 0x8000) << 16
     code = tl.maximum(((head_bits & 0x7FFF) << K) + correction, 0)
