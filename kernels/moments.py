@@ -183,10 +183,22 @@ def store_moment(
             M: tl.constexpr = -POWER
             y = tl.fma(mag, _pow2(K - e)[:, None], 2.0**M)
             fraction_draw = (rbits >> (9 + M)).to(tl.int32)  # floor(u * 2**(23 - M))
-            q = tl.minimum((y.to(tl.int32, bitcast=True) - ((127 + M) << 23) + fraction_draw) >> (23 - M), QMAX)
+            if SIGNED and FMT == 8:
+                # The same with the code in the top byte, where the value's sign bit joins it in the
+                # add: y's bits clamped to the top level's first saturate as the min below would
+                # (NaN too), so the code stays below 2**31 before the sign is added.
+                y_bits = tl.minimum(y.to(tl.int32, bitcast=True), ((127 + M) << 23) + (QMAX << (23 - M)))
+                BASE: tl.constexpr = ((((127 + M) << 23) << (M + 1)) + 2**31) % 2**32 - 2**31  # 2**M's, wrapped
+                sign = x.to(tl.int32, bitcast=True) & -0x80000000
+                top = (y_bits << (M + 1)) + (rbits >> 8).to(tl.int32) + (sign - BASE)
+                q = (top.to(tl.uint32, bitcast=True) >> 24).to(tl.int32)
+            else:
+                q = tl.minimum((y.to(tl.int32, bitcast=True) - ((127 + M) << 23) + fraction_draw) >> (23 - M), QMAX)
         else:
             q = _quantize_power(mag * _pow2(K - e)[:, None], rbits, POWER, TOP)
-        if SIGNED:  # the value's own sign bit (a negative value rounded to zero is stored as -0)
+        if SIGNED and FMT == 8 and POWER < 0:
+            pass  # the sign is in q already
+        elif SIGNED:  # the value's own sign bit (a negative value rounded to zero is stored as -0)
             q = q | ((x.to(tl.int32, bitcast=True) >> 31) & (1 << (FMT - 1)))
         else:
             # q = 1 where q = 0 < x, as max(q, min(bits(x), 1)): bits(x) > 0 iff x > 0 as an int32
