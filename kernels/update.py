@@ -89,8 +89,11 @@ NO_MOMENT = MomentFormat(0)
 
 @triton.jit
 def _as_f32(x):
-    """A runtime scalar argument as an fp32 tensor (a Python float in the interpreter)."""
-    return x + tl.zeros([], tl.float32)
+    """A runtime scalar argument as an fp32 tensor (a Python float in the interpreter).
+
+    A cast, not ``x + 0.0``: on the GPU the argument is fp32 already and the cast is free, where
+    the add cost an instruction per scalar (and turned a -0.0 argument into +0.0)."""
+    return tl.cast(x, tl.float32)
 
 
 @triton.jit
