@@ -165,7 +165,10 @@ def store_moment(
         pattern = (x.to(tl.int32, bitcast=True) + (rbits >> 16).to(tl.int32)) & -65536
         tl.store(ptr + offs, pattern.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask & commit)
     elif FMT != 0:
-        x = tl.where(mask, x, 0.0)
+        # No tl.where(mask, x, 0.0) for the absmax: beyond n_elements the update's masked loads
+        # (gradient 0, codes 0, parameter 0) make every algorithm's new moment exactly +-0 for
+        # finite hyperparameters (0 * x + 0, lerp of zeros), and NaN otherwise (0 * inf), which
+        # the max skips on the GPU: the reference's zero padding either way.
         mag = tl.abs(x)
         absmax = tl.max(mag, axis=1)
         pattern = absmax.to(tl.int32, bitcast=True)
