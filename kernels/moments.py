@@ -171,8 +171,14 @@ def store_moment(
         # the max skips on the GPU: the reference's zero padding either way.
         mag = tl.abs(x)
         absmax = tl.max(mag, axis=1)
-        pattern = absmax.to(tl.int32, bitcast=True)
-        e = ((pattern >> 23) & 0xFF) - 126 + ((pattern & 0x7FFFFF) > THRESHOLD).to(tl.int32)
+        # E(absmax) - 126 + (mantissa > THRESHOLD): adding 0x7FFFFF - THRESHOLD to the (non-negative)
+        # pattern carries into the exponent exactly when the mantissa is above the threshold (the
+        # unsigned shift keeps a NaN's carry: 256 - 126, clamped to 127 as 255's is)
+        if THRESHOLD < 0x7FFFFF:
+            CARRY: tl.constexpr = 0x7FFFFF - THRESHOLD
+        else:  # a top level that is a power of two: never above
+            CARRY: tl.constexpr = 0
+        e = ((absmax.to(tl.uint32, bitcast=True) + CARRY) >> 23).to(tl.int32) - 126
         e = tl.minimum(tl.maximum(e, MIN_E), 127)
         blocks = start // QBLOCK + tl.arange(0, NB)
         n_blocks = (n_elements + QBLOCK - 1) // QBLOCK
