@@ -45,21 +45,29 @@ from fusedopt.kernels.launcher import DirectLauncher
 KERNELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
 
 EDITS = {
-    "nohash": [("hashing.py", "    return fmix32(x)\n", "    return x\n")],
+    "nohash": [
+        ("hashing.py", "    return fmix32(x)\n", "    return x\n"),
+        ("hashing.py", "    x *= 0x85EBCA6B\n    x ^= x >> 13\n    x *= 0xC2B2AE35\n    x ^= x >> 16\n    return x\n",
+         "    return x\n"),  # tile_bits (the update kernel's hash)
+    ],
     "noencode": [
         (
             "moments.py",
-            "    elif FMT != 0:\n        x = tl.where(mask, x, 0.0)",
+            "    elif FMT != 0:\n        # No tl.where",
             "    elif FMT != 0:\n        tl.store(ptr + offs, x.to(tl.uint8), mask=mask)\n"
-            "    elif FMT == 99:\n        x = tl.where(mask, x, 0.0)",
+            "    elif FMT == 99:\n        # No tl.where",
         )
     ],
     "nodecode": [
         ("moments.py", "tl.fma(shifted.to(tl.float32, bitcast=True), unit, -(2.0**M) * unit)", "codes.to(tl.float32)"),
         ("moments.py", "if SIGNED:\n            # the sign", "if FMT == 99:\n            # the sign"),
+        ("moments.py", "if SIGNED and FMT == 8:\n            # the sign", "if FMT == 99:\n            # the sign"),
     ],
     "noscale": [("moments.py", "tl.store(scale_ptr + blocks, (e + 127).to(tl.uint8), mask=", "tl.where(True, 0, ")],
-    "noround": [("moments.py", "fraction_draw = (rbits >> (9 + M)).to(tl.int32)", "fraction_draw = 1 << (22 - M)")],
+    "noround": [
+        ("moments.py", "fraction_draw = (rbits >> (9 + M)).to(tl.int32)", "fraction_draw = 1 << (22 - M)"),
+        ("moments.py", "(rbits >> 8).to(tl.int32)", "(1 << 23)"),  # the signed 8-bit encode's draw, top-aligned
+    ],
     "fastmath": [("update.py", "tl.sqrt_rn(v)", "tl.sqrt(v)"), ("update.py", "tl.div_rn(m, denom)", "(m / denom)")],
     "nomaster": [("update.py", "QBLOCK),\n        MASTER,", "QBLOCK),\n        1,")],
 }  # fmt: skip
