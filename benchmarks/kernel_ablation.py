@@ -18,15 +18,12 @@ The time a stage costs is the base time minus the variant's. Variants:
   nomaster   parameter written with stochastic rounding instead of head + correction
   floor      all of the above: loads, fp32 math and stores only
 
-Candidate (results right, for timing against the base in one run):
-
-  masterlean the bf16 master join on the head's fp32 pattern (branch kernel-master-lean; SASS
-             1200 -> 1176 per 8 elements; the interpreter suite passes with it)
-
 Variants named twice (e.g. base,nohash,base) are timed twice: the spread is the run's noise.
 The fifth sitting's candidates are in the kernels now (benchmarks/RESULTS.md): the 1-D scale
 store, the sign or-ed into the decoded bits, square levels without fix-up, and 8-bit minifloat
-levels (which removed the square root: the nosqrt and sqrtround variants went with it).
+levels (which removed the square root: the nosqrt and sqrtround variants went with it). So is
+the masterlean candidate (the bf16 master join on the head's fp32 pattern, branch
+kernel-master-lean; SASS 1200 -> 1176): its variant went with it.
 """
 
 from __future__ import annotations
@@ -48,36 +45,31 @@ from fusedopt.kernels.launcher import DirectLauncher
 KERNELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
 
 EDITS = {
-    "nohash": [("hashing.py", "    return fmix32(x)\n", "    return x\n")],
+    "nohash": [
+        ("hashing.py", "    return fmix32(x)\n", "    return x\n"),
+        ("hashing.py", "    x *= 0x85EBCA6B\n    x ^= x >> 13\n    x *= 0xC2B2AE35\n    x ^= x >> 16\n    return x\n",
+         "    return x\n"),  # tile_bits (the update kernel's hash)
+    ],
     "noencode": [
         (
             "moments.py",
-            "    elif FMT != 0:\n        x = tl.where(mask, x, 0.0)",
+            "    elif FMT != 0:\n        # No tl.where",
             "    elif FMT != 0:\n        tl.store(ptr + offs, x.to(tl.uint8), mask=mask)\n"
-            "    elif FMT == 99:\n        x = tl.where(mask, x, 0.0)",
+            "    elif FMT == 99:\n        # No tl.where",
         )
     ],
     "nodecode": [
         ("moments.py", "tl.fma(shifted.to(tl.float32, bitcast=True), unit, -(2.0**M) * unit)", "codes.to(tl.float32)"),
         ("moments.py", "if SIGNED:\n            # the sign", "if FMT == 99:\n            # the sign"),
+        ("moments.py", "if SIGNED and FMT == 8:\n            # the sign", "if FMT == 99:\n            # the sign"),
     ],
     "noscale": [("moments.py", "tl.store(scale_ptr + blocks, (e + 127).to(tl.uint8), mask=", "tl.where(True, 0, ")],
-    "noround": [("moments.py", "fraction_draw = (rbits >> (9 + M)).to(tl.int32)", "fraction_draw = 1 << (22 - M)")],
+    "noround": [
+        ("moments.py", "fraction_draw = (rbits >> (9 + M)).to(tl.int32)", "fraction_draw = 1 << (22 - M)"),
+        ("moments.py", "(rbits >> 8).to(tl.int32)", "(1 << 23)"),  # the signed 8-bit encode's draw, top-aligned
+    ],
     "fastmath": [("update.py", "tl.sqrt_rn(v)", "tl.sqrt(v)"), ("update.py", "tl.div_rn(m, denom)", "(m / denom)")],
     "nomaster": [("update.py", "QBLOCK),\n        MASTER,", "QBLOCK),\n        1,")],
-    # candidate, bit-identical (branch kernel-master-lean): the bf16 master join on the head's fp32 pattern
-    "masterlean": [
-        (
-            "master.py",
-            '    """(head, correction) -> fp32 master: ``join_master`` in registers."""\n',
-            '    """(head, correction) -> fp32 master: ``join_master`` in registers."""\n'
-            "    if PARAM_BF16:\n"
-            "        bits = head.to(tl.int16, bitcast=True).to(tl.int32) << 16\n"
-            "        magnitude = tl.maximum((bits & 0x7FFFFFFF) + (correction << (16 - K)), 0)\n"
-            "        master = (magnitude | (bits & -0x80000000)).to(tl.float32, bitcast=True)\n"
-            "        return tl.where((bits & 0x7F800000) != 0x7F800000, master, bits.to(tl.float32, bitcast=True))\n",
-        )
-    ],
 }  # fmt: skip
 EDITS["floor"] = [e for name in ("nohash", "noencode", "nodecode", "fastmath", "nomaster") for e in EDITS[name]]
 

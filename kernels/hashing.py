@@ -40,6 +40,27 @@ def element_bits(h, offsets):
 
 
 @triton.jit
+def tile_bits(h, start, NB: tl.constexpr, QBLOCK: tl.constexpr):
+    """``element_bits`` of the [NB, QBLOCK] tile at ``start`` (``moments.tile_offsets``), the same bits.
+
+    fmix32's first step, x ^ (x >> 16) with x = h ^ offset, is (h ^ (h >> 16)) ^ (row >> 16) ^ offset
+    for the tile's offsets row + c: a row starts at a multiple of QBLOCK <= 2**16 and c < QBLOCK,
+    so offset >> 16 == row >> 16. Once per row, not per element.
+    """
+    rows = start + tl.arange(0, NB)[:, None] * QBLOCK
+    offsets = rows + tl.arange(0, QBLOCK)[None, :]
+    if offsets.dtype == tl.int64:
+        return element_bits(h, offsets)
+    row_key = (h ^ (h >> 16)) ^ (rows.to(tl.uint32) >> 16)
+    x = row_key ^ offsets.to(tl.uint32)
+    x *= 0x85EBCA6B
+    x ^= x >> 13
+    x *= 0xC2B2AE35
+    x ^= x >> 16
+    return x
+
+
+@triton.jit
 def _uniform_bits_kernel(
     out_ptr,  # int64 output, one uint32 value per element
     step_ptr,  # 0-d step tensor

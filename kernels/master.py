@@ -19,6 +19,7 @@ _F32_MAG_MAX = tl.constexpr(0x7F7FFFFF)
 _F16_REBIAS = tl.constexpr(0x38000000)
 _F16_MIN_NORMAL = tl.constexpr(0x38800000)
 _F16_CLAMP = tl.constexpr(0x47800000)
+_BF16_SPLIT_CLAMP = tl.constexpr(float.fromhex("0x1.fefep+127"))  # bit pattern 0x7F7F7F00
 
 
 @triton.jit
@@ -35,6 +36,12 @@ def load_master(param_ptr, corr_ptr, offs, mask, MASTER: tl.constexpr, PARAM_BF1
 @triton.jit
 def _join(head, correction, PARAM_BF16: tl.constexpr, K: tl.constexpr):
     """(head, correction) -> fp32 master: ``join_master`` in registers."""
+    if PARAM_BF16:  # the head's fp32 pattern, plus the correction below its 16 bits (sign-magnitude)
+        bits = head.to(tl.int16, bitcast=True).to(tl.int32) << 16
+        head_magnitude = bits & 0x7FFFFFFF
+        magnitude = tl.maximum(head_magnitude + (correction << (16 - K)), 0)
+        magnitude = tl.where(head_magnitude < 0x7F800000, magnitude, head_magnitude)  # inf, NaN: the head
+        return (magnitude | (bits & -0x80000000)).to(tl.float32, bitcast=True)
     head_bits = head.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     sign = (head_bits & 0x8000) << 16
     code = tl.maximum(((head_bits & 0x7FFF) << K) + correction, 0)
@@ -55,8 +62,21 @@ def _join(head, correction, PARAM_BF16: tl.constexpr, K: tl.constexpr):
 @triton.jit
 def _split(x, rbits, PARAM_BF16: tl.constexpr, K: tl.constexpr, STOCHASTIC: tl.constexpr):
     """fp32 master -> (head bits as int16, correction as int32): ``split_master`` in registers."""
+    if PARAM_BF16 and K == 8:
+        # On the signed pattern, the sign carried along: |x| clamped to the pattern 0x7F7F7F00
+        # first saturates exactly as min(code, 0x7F7F7F) after the draw's add would; then neither
+        # that add (|x| + 255 < 2**31) nor the half's (code + 0x80 < 2**23) reaches the sign,
+        # which the shifts move to bit 15 of the head, and the correction (code minus the head's
+        # bits, shifted back) is the same. NaN and inf give junk: store_master writes them apart.
+        clamped = tl.maximum(tl.minimum(x, _BF16_SPLIT_CLAMP), -_BF16_SPLIT_CLAMP)
+        if STOCHASTIC:
+            r = (rbits >> 24).to(tl.int32)
+        else:
+            r = 0x80
+        code = ((clamped.to(tl.int32, bitcast=True) + r).to(tl.uint32) >> 8).to(tl.int32)  # sign at bit 23
+        head_bits = (code + 0x80) >> 8  # sign at bit 15
+        return head_bits.to(tl.int16), code - (head_bits << 8)
     pattern = x.to(tl.int32, bitcast=True)
-    negative = pattern < 0
     a = pattern & 0x7FFFFFFF  # inf and NaN give junk here: store_master writes them apart
     if PARAM_BF16:
         HEAD_MAX: tl.constexpr = 0x7F7F
@@ -83,7 +103,7 @@ def _split(x, rbits, PARAM_BF16: tl.constexpr, K: tl.constexpr, STOCHASTIC: tl.c
     code = tl.minimum(code, (HEAD_MAX << K) + HALF - 1)  # saturate instead of rounding to inf
     h = (code + HALF) >> K
     correction = code - (h << K)
-    head_bits = tl.where(negative, h | 0x8000, h)
+    head_bits = h | ((pattern >> 16) & 0x8000)  # the sign bit moved to bit 15
     return head_bits.to(tl.int16), correction
 
 

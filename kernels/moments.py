@@ -124,7 +124,12 @@ def load_moment(
             unit = _pow2(e - K)[:, None]
             shifted = ((codes & QMAX) << (23 - M)) + ((127 + M) << 23)
             x = tl.fma(shifted.to(tl.float32, bitcast=True), unit, -(2.0**M) * unit)  # exact: L(c) * unit
-        if SIGNED:
+        if SIGNED and FMT == 8:
+            # the sign from the code as int8: its sign extension feeds the or, and the compiler
+            # masks the magnitude before the shift (one fewer instruction per element)
+            sign = codes.to(tl.int8).to(tl.int32) & -0x80000000
+            x = (x.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+        elif SIGNED:
             # the sign or-ed into the (non-negative) value's bits: one instruction instead of a select
             x = (x.to(tl.int32, bitcast=True) | (((codes >> (FMT - 1)) & 1) << 31)).to(tl.float32, bitcast=True)
     return x
@@ -160,11 +165,20 @@ def store_moment(
         pattern = (x.to(tl.int32, bitcast=True) + (rbits >> 16).to(tl.int32)) & -65536
         tl.store(ptr + offs, pattern.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask & commit)
     elif FMT != 0:
-        x = tl.where(mask, x, 0.0)
+        # No tl.where(mask, x, 0.0) for the absmax: beyond n_elements the update's masked loads
+        # (gradient 0, codes 0, parameter 0) make every algorithm's new moment exactly +-0 for
+        # finite hyperparameters (0 * x + 0, lerp of zeros), and NaN otherwise (0 * inf), which
+        # the max skips on the GPU: the reference's zero padding either way.
         mag = tl.abs(x)
         absmax = tl.max(mag, axis=1)
-        pattern = absmax.to(tl.int32, bitcast=True)
-        e = ((pattern >> 23) & 0xFF) - 126 + ((pattern & 0x7FFFFF) > THRESHOLD).to(tl.int32)
+        # E(absmax) - 126 + (mantissa > THRESHOLD): adding 0x7FFFFF - THRESHOLD to the (non-negative)
+        # pattern carries into the exponent exactly when the mantissa is above the threshold (the
+        # unsigned shift keeps a NaN's carry: 256 - 126, clamped to 127 as 255's is)
+        if THRESHOLD < 0x7FFFFF:
+            CARRY: tl.constexpr = 0x7FFFFF - THRESHOLD
+        else:  # a top level that is a power of two: never above
+            CARRY: tl.constexpr = 0
+        e = ((absmax.to(tl.uint32, bitcast=True) + CARRY) >> 23).to(tl.int32) - 126
         e = tl.minimum(tl.maximum(e, MIN_E), 127)
         blocks = start // QBLOCK + tl.arange(0, NB)
         n_blocks = (n_elements + QBLOCK - 1) // QBLOCK
@@ -178,13 +192,27 @@ def store_moment(
             M: tl.constexpr = -POWER
             y = tl.fma(mag, _pow2(K - e)[:, None], 2.0**M)
             fraction_draw = (rbits >> (9 + M)).to(tl.int32)  # floor(u * 2**(23 - M))
-            q = tl.minimum((y.to(tl.int32, bitcast=True) - ((127 + M) << 23) + fraction_draw) >> (23 - M), QMAX)
+            if SIGNED and FMT == 8:
+                # The same with the code in the top byte, where the value's sign bit joins it in the
+                # add: y's bits clamped to the top level's first saturate as the min below would
+                # (NaN too), so the code stays below 2**31 before the sign is added.
+                y_bits = tl.minimum(y.to(tl.int32, bitcast=True), ((127 + M) << 23) + (QMAX << (23 - M)))
+                BASE: tl.constexpr = ((((127 + M) << 23) << (M + 1)) + 2**31) % 2**32 - 2**31  # 2**M's, wrapped
+                sign = x.to(tl.int32, bitcast=True) & -0x80000000
+                top = (y_bits << (M + 1)) + (rbits >> 8).to(tl.int32) + (sign - BASE)
+                q = (top.to(tl.uint32, bitcast=True) >> 24).to(tl.int32)
+            else:
+                q = tl.minimum((y.to(tl.int32, bitcast=True) - ((127 + M) << 23) + fraction_draw) >> (23 - M), QMAX)
         else:
             q = _quantize_power(mag * _pow2(K - e)[:, None], rbits, POWER, TOP)
-        if SIGNED:  # the value's own sign bit (a negative value rounded to zero is stored as -0)
+        if SIGNED and FMT == 8 and POWER < 0:
+            pass  # the sign is in q already
+        elif SIGNED:  # the value's own sign bit (a negative value rounded to zero is stored as -0)
             q = q | ((x.to(tl.int32, bitcast=True) >> 31) & (1 << (FMT - 1)))
         else:
-            q = tl.where((q == 0) & (x > 0), 1, q)
+            # q = 1 where q = 0 < x, as max(q, min(bits(x), 1)): bits(x) > 0 iff x > 0 as an int32
+            # (a negative NaN's bits are negative; a positive NaN or inf has q = QMAX already)
+            q = tl.maximum(q, tl.minimum(x.to(tl.int32, bitcast=True), 1))
         if FMT == 8:
             tl.store(ptr + offs, q.to(tl.uint8), mask=mask & commit)
         else:

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedopt.kernels.hashing import element_bits, step_hash
+from fusedopt.kernels.hashing import step_hash, tile_bits
 from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig
 from fusedopt.kernels.master import load_master, store_master
 from fusedopt.kernels.moments import commit_mask, load_moment, store_moment, tile_offsets
@@ -89,8 +89,11 @@ NO_MOMENT = MomentFormat(0)
 
 @triton.jit
 def _as_f32(x):
-    """A runtime scalar argument as an fp32 tensor (a Python float in the interpreter)."""
-    return x + tl.zeros([], tl.float32)
+    """A runtime scalar argument as an fp32 tensor (a Python float in the interpreter).
+
+    A cast, not ``x + 0.0``: on the GPU the argument is fp32 already and the cast is free, where
+    the add cost an instruction per scalar (and turned a -0.0 argument into +0.0)."""
+    return tl.cast(x, tl.float32)
 
 
 @triton.jit
@@ -377,7 +380,7 @@ def _update_kernel(
         m = tl.fma(one_minus_beta2, g, m * beta2)
     # One hash per element feeds every rounding (fields as in fusedopt.rng: moment i takes
     # 12 bits from the top down, a bf16 + int8 parameter the low 8); each reads its top bits.
-    shared = element_bits(step_hash(key_shared, step), offs)
+    shared = tile_bits(step_hash(key_shared, step), start, NB, QBLOCK)
     store_moment(
         m,
         (shared >> 20) << 20,
@@ -419,7 +422,7 @@ def _update_kernel(
         status,
     )
     if PARAM_OWN_DRAW:
-        param_bits = element_bits(step_hash(key_param, step), offs)
+        param_bits = tile_bits(step_hash(key_param, step), start, NB, QBLOCK)
     else:
         param_bits = shared << 24
     store_master(
