@@ -114,7 +114,7 @@ def load_moment(
             packed = tl.load(ptr + pair, mask=pair < n_pairs, other=0).to(tl.int32)
             codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [NB, QBLOCK])
         blocks = start // QBLOCK + tl.arange(0, NB)
-        n_blocks = (n_elements + QBLOCK - 1) // QBLOCK
+        n_blocks = (n_elements - 1) // QBLOCK + 1  # ceil without overflow near 2**31 (n_elements >= 1)
         scales = tl.load(scale_ptr + blocks, mask=blocks < n_blocks, other=127).to(tl.int32)
         e = tl.minimum(tl.maximum(scales - 127, MIN_E), 127)
         if POWER > 0:
@@ -181,7 +181,7 @@ def store_moment(
         e = ((absmax.to(tl.uint32, bitcast=True) + CARRY) >> 23).to(tl.int32) - 126
         e = tl.minimum(tl.maximum(e, MIN_E), 127)
         blocks = start // QBLOCK + tl.arange(0, NB)
-        n_blocks = (n_elements + QBLOCK - 1) // QBLOCK
+        n_blocks = (n_elements - 1) // QBLOCK + 1  # ceil without overflow near 2**31 (n_elements >= 1)
         block_commit = (tl.zeros([NB], tl.int32) + status) == 0
         tl.store(scale_ptr + blocks, (e + 127).to(tl.uint8), mask=(blocks < n_blocks) & block_commit)
         if POWER < 0:
