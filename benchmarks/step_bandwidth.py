@@ -89,11 +89,12 @@ def check_only_ms(reps: int) -> float:
     _, check_args = update._scalar_args(0, 1e-3, 0.9, 0.999, 1e-8, 0.01, 0.0, 0.0)
     programs = -(-n // (update.CHECK_TILE * update.CHECK_TILES))
 
-    config = update._check_config(False, True)
+    config = update._check_config(False, True, False)
 
     def run():
         for g in grads:
-            update._launch_check(programs, (g, g, scratch, step, skipped, n, *check_args), config)
+            args = (g, g, scratch, step, skipped, g, g, n, *update.NO_GRAD_DELTAS, *check_args)  # g, g: no bucket
+            update._launch_check(programs, args, config)
 
     run()
     torch.cuda.synchronize()
