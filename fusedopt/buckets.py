@@ -3,14 +3,12 @@
 Host time, not GPU time, limits an optimizer step over many parameters (two kernel launches,
 ~50-100 us on the H200 host, per parameter) and, worse, gradient release, which pays it inside
 backward. ``UpdateBuckets`` holds updates that go through a parameter's prepared kernel launch
-until ``BUCKET_TENSORS`` parameters of one configuration and group are waiting (with gradient
-release, or until ``FUSEDOPT_BUCKET_MB`` MiB of their gradients are: buckets keep the gradients
-alive), then launches them as one bucket (``kernels/bucket.py``).
-Whoever queues updates flushes the rest: ``step()`` before it returns, gradient release at the
-end of backward. Every result is bit-identical to per-parameter launches; only the moment at
-which an update runs moves, by at most one bucket. With release, the held gradients (at most
-the budget per configuration) are the memory this costs; ``FUSEDOPT_BUCKET_MB=0`` turns
-bucketing off.
+until ``BUCKET_TENSORS`` parameters of one configuration and group are waiting, then launches
+them as one bucket (``kernels/bucket.py``). Whoever queues updates flushes the rest: ``step()``
+before it returns; gradient release (``release.py``), which holds up to ``FUSEDOPT_BUCKET_MB``
+MiB of gradients and queues their updates in one go, when that budget is reached and at the end
+of backward. Every result is bit-identical to per-parameter launches; only the moment at which
+an update runs moves. ``FUSEDOPT_BUCKET_MB=0`` turns bucketing (and holding) off.
 """
 
 from __future__ import annotations
@@ -46,25 +44,23 @@ def _kernels():
 
 
 class _Pending:
-    __slots__ = ("members", "grads", "hyper", "nbytes")
+    __slots__ = ("members", "grads", "hyper")
 
     def __init__(self, hyper: dict):
-        self.members, self.grads, self.hyper, self.nbytes = [], [], hyper, 0
+        self.members, self.grads, self.hyper = [], [], hyper
 
 
 class UpdateBuckets:
     """Pending bucketed updates of one optimizer, and the buckets built so far."""
 
-    def __init__(self, budget_bytes: int):
-        self.budget = budget_bytes
+    def __init__(self):
         self._pending: dict[tuple, _Pending] = {}  # (launch configuration, group index) -> waiting updates
         self._built: dict[tuple, object] = {}  # ids of the members -> PreparedBucket
         self._waiting: set[int] = set()  # ids of the pending members
 
-    def add(self, prepared, grad: torch.Tensor, hyper: dict, group_index: int, held: bool) -> bool:
+    def add(self, prepared, grad: torch.Tensor, hyper: dict, group_index: int) -> bool:
         """Queue ``prepared``'s update from ``grad``; False when it cannot join a bucket (the
-        caller launches it alone). May launch a full bucket. ``held``: the bucket keeps ``grad``
-        alive (gradient release), so the byte budget applies; otherwise only the parameter count."""
+        caller launches it alone). May launch a full bucket."""
         kernels = _kernels()
         if prepared.bucketable is None:
             prepared.bucketable = kernels.bucketable(prepared)
@@ -77,8 +73,7 @@ class UpdateBuckets:
         pending.members.append(prepared)
         self._waiting.add(id(prepared))
         pending.grads.append(grad)
-        pending.nbytes += prepared.n * grad.element_size()
-        if len(pending.members) == kernels.BUCKET_TENSORS or (held and pending.nbytes >= self.budget):
+        if len(pending.members) == kernels.BUCKET_TENSORS:
             del self._pending[key]
             self._launch(pending)
         return True

@@ -74,8 +74,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._prepared: dict[torch.Tensor, tuple] = {}  # param -> (PreparedUpdate, structure, state keys, ids)
         self._window: dict[int, tuple] = {}  # group index -> (hyper, group structure) for this step's updates
         self._corrections = SharedCorrections()
-        budget = bucket_budget()
-        self._buckets = UpdateBuckets(budget) if budget > 0 else None  # see buckets.py
+        self.bucket_budget = bucket_budget()  # bytes of gradients release may hold (0: none)
+        self._buckets = UpdateBuckets() if self.bucket_budget > 0 else None  # see buckets.py
         super().__init__(params, defaults)
         first = self.param_groups[0]["params"][0]
         self.num_skipped_updates = torch.zeros((), dtype=torch.int64, device=first.device)
@@ -200,13 +200,9 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # --- the update ------------------------------------------------------------------------
 
-    def queue_update(
-        self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None, held: bool = False
-    ) -> None:
+    def queue_update(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None) -> None:
         """``update_param``, or a place in a bucket of updates launched together (``buckets.py``):
-        the update has run once ``flush_updates()`` returns. ``grad`` must stay unchanged until then.
-        ``held``: nothing but the bucket keeps ``grad`` alive (gradient release): the
-        ``FUSEDOPT_BUCKET_MB`` budget applies."""
+        the update has run once ``flush_updates()`` returns. ``grad`` must stay unchanged until then."""
         if self._buckets is None or accum is not None or grad.is_sparse:
             self.update_param(p, grad, accum)
             return
@@ -218,19 +214,18 @@ class FusedOptimizer(torch.optim.Optimizer):
             settings = self._window[group_index] = hyper, self._group_structure(group, hyper)
         hyper, group_structure = settings
         launch = self._prepared_launch(p, grad, accum, group_structure)
-        if launch is None or not self._buckets.add(launch, grad, hyper, group_index, held):
+        if launch is None or not self._buckets.add(launch, grad, hyper, group_index):
             self.update_param(p, grad, accum)
 
     def _new_window(self) -> None:
         """Group settings may change from here on (a step ended, groups or state were replaced)."""
         self._window.clear()
 
-    def has_queued_updates(self) -> bool:
-        return self._buckets is not None and self._buckets.has_pending()
-
     def flush_updates(self) -> None:
-        """Run every queued update (``queue_update``)."""
-        if self.has_queued_updates():
+        """Run every queued update (``queue_update``) and every update gradient release holds."""
+        if self._release is not None and self._release.holds_updates():
+            self._release.drain(self)  # queues them, then flushes
+        if self._buckets is not None and self._buckets.has_pending():
             with torch.no_grad():
                 self._buckets.flush()
 

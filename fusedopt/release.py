@@ -73,6 +73,8 @@ class GradientRelease:
         self.attached = True
         self._checked_processes = False  # checked again at the first hook: the group may come later
         self._flush_queued = False  # an end-of-backward flush of queued updates is registered
+        self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, gradient) not yet updated
+        self._held_bytes = 0
         weakref.finalize(optimizer, GradientRelease._remove_handles, self._handles)
 
     def attach(self, params: Iterable[torch.Tensor]) -> None:
@@ -138,20 +140,41 @@ class GradientRelease:
                     )
                     p.grad = None
                 return
-            optimizer.queue_update(p, grad, self._buffers.pop(p, None) if self._buffers else None, held=True)
-            p.grad = None
-            if not self._flush_queued:
-                self._flush_at_end_of_backward(optimizer)
+            accum = self._buffers.pop(p, None) if self._buffers else None
+            if accum is not None or not optimizer.bucket_budget or p not in optimizer._prepared:
+                optimizer.update_param(p, grad, accum)  # the reference, a first step, or no bucketing
+                p.grad = None
+                return
+        # A kernel update: hold the gradient and update later, in buckets; the hook stays a few
+        # microseconds and the updates' host work runs back to back (interleaved with autograd's
+        # it ran ~2-3x slower; benchmarks/RESULTS.md). At most the bucket budget is held.
+        self._held.append((p, grad))
+        self._held_bytes += grad.numel() * grad.element_size()
+        p.grad = None
+        if self._held_bytes >= optimizer.bucket_budget:
+            self.drain(optimizer)
+        elif not self._flush_queued:
+            self._flush_at_end_of_backward(optimizer)
+
+    def drain(self, optimizer) -> None:
+        """Queue the updates of every held gradient (``optimizer.flush_updates`` launches them)."""
+        held, self._held, self._held_bytes = self._held, [], 0
+        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
+            for p, grad in held:
+                optimizer.queue_update(p, grad)
+            if held:
+                optimizer.flush_updates()
+
+    def holds_updates(self) -> bool:
+        return bool(self._held)
 
     def _flush_at_end_of_backward(self, optimizer) -> None:
-        """Have the engine launch the queued (bucketed) updates when this backward pass ends."""
-        if not optimizer.has_queued_updates():
-            return
+        """Have the engine run the held updates when this backward pass ends."""
         try:
             torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_flush, self._optimizer, self))
             self._flush_queued = True
-        except RuntimeError:  # not inside a backward pass (the hook was called directly): launch now
-            optimizer.flush_updates()
+        except RuntimeError:  # not inside a backward pass (the hook was called directly): update now
+            self.drain(optimizer)
 
     def end_of_backward(self, optimizer) -> None:
         self._flush_queued = False

@@ -132,7 +132,7 @@ def test_a_non_finite_gradient_in_a_bucket_skips_only_its_parameter(monkeypatch,
 
 def test_release_holds_less_than_the_budget(monkeypatch, device):
     monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
-    budget_mb = 0.004  # 4.2 kB: a bucket closes after two or three of these gradients
+    budget_mb = 0.004  # 4.2 kB: release updates after every third of these gradients
     monkeypatch.setenv("FUSEDOPT_BUCKET_MB", str(budget_mb))
     shapes = [(32, 32)] * 6  # 2 kB bf16 gradients
     params = _params(device, torch.bfloat16, shapes)
@@ -140,7 +140,7 @@ def test_release_holds_less_than_the_budget(monkeypatch, device):
     held = []
 
     def record(_):
-        held.append(sum(q.nbytes for q in opt._buckets._pending.values()))
+        held.append(opt._release._held_bytes)
 
     for p in params:  # registered after the optimizer's hook: runs after it
         p.register_post_accumulate_grad_hook(record)
@@ -180,3 +180,43 @@ def test_invalid_bucket_budget_is_an_error(monkeypatch, value):
     monkeypatch.setenv("FUSEDOPT_BUCKET_MB", value)
     with pytest.raises(ValueError, match="FUSEDOPT_BUCKET_MB"):
         fusedopt.AdamW([torch.nn.Parameter(torch.randn(4, 4))])
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward failed on purpose")
+
+
+def test_updates_held_by_a_failed_backward_are_applied_by_step(monkeypatch, device):
+    """Release holds kernel updates until the end of backward; a backward that raises never gets
+    there, so ``step()`` applies what was held, as the hooks would have without holding."""
+    results = []
+    for mb in (0, 64):
+        monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
+        monkeypatch.setenv("FUSEDOPT_BUCKET_MB", str(mb))
+        a, b = _params(device, torch.bfloat16, [(32, 48), (16, 24)])
+        opt = fusedopt.AdamW([a, b], lr=1e-2, state_bits=8, min_compress_numel=0, fused=True)
+        ga, gb = (g.to(device, torch.bfloat16) for g in _grads([(32, 48), (16, 24)], 1)[0])
+
+        def loss(fail, a=a, b=b, ga=ga, gb=gb):
+            tail = _FailingBackward.apply(b * gb) if fail else b * gb  # created first: runs last in backward
+            return (a * ga).sum() + tail.sum()
+
+        loss(False).backward()
+        opt.step()  # the prepared launches exist from here: the next updates are held
+        with pytest.raises(RuntimeError, match="on purpose"):
+            loss(True).backward()
+        assert a.grad is None and b.grad is None
+        if mb:
+            assert opt._release.holds_updates()  # a's update waits
+        opt.step()
+        assert float(opt.state[a]["step"]) == 2 and float(opt.state[b]["step"]) == 1
+        results.append(
+            ([a.detach().cpu(), b.detach().cpu()], [{k: v.cpu() for k, v in opt.state[q].items()} for q in (a, b)])
+        )
+    _assert_identical(*results)
