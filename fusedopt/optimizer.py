@@ -217,6 +217,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         if launch is None or not self._buckets.add(launch, grad, hyper, group_index):
             self.update_param(p, grad, accum)
 
+    def has_prepared_launch(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s last update went through the kernel (its next one likely can join a bucket)."""
+        return p in self._prepared
+
     def _new_window(self) -> None:
         """Group settings may change from here on (a step ended, groups or state were replaced)."""
         self._window.clear()

@@ -4,8 +4,10 @@ A post-accumulate-grad hook on every trainable parameter counts the backward pas
 the last ``step()``. Below ``accumulation_steps`` it leaves the gradient to accumulate
 (moving bf16/fp16 gradients into a buffer of the optimizer's, added with stochastic
 rounding, so contributions below one ulp survive); on the k-th it runs the same update
-``step()`` would and sets ``p.grad = None``, so a full set of gradients never exists. A
-further backward before ``step()`` is an error, never a second update.
+``step()`` would and sets ``p.grad = None``, so a full set of gradients never exists. Kernel
+updates are held, gradient and all, until ``FUSEDOPT_BUCKET_MB`` MiB of gradients wait, and then
+run as buckets (``buckets.py``); the end of backward runs the rest. A further backward before
+``step()`` is an error, never a second update.
 
 References are arranged so the optimizer can be garbage-collected: hooks hold a weak
 reference to this object, which holds a weak reference to the optimizer; a finaliser on
@@ -141,13 +143,12 @@ class GradientRelease:
                     p.grad = None
                 return
             accum = self._buffers.pop(p, None) if self._buffers else None
-            if accum is not None or not optimizer.bucket_budget or p not in optimizer._prepared:
+            if accum is not None or not optimizer.bucket_budget or not optimizer.has_prepared_launch(p):
                 optimizer.update_param(p, grad, accum)  # the reference, a first step, or no bucketing
                 p.grad = None
                 return
-        # A kernel update: hold the gradient and update later, in buckets; the hook stays a few
-        # microseconds and the updates' host work runs back to back (interleaved with autograd's
-        # it ran ~2-3x slower; benchmarks/RESULTS.md). At most the bucket budget is held.
+        # A kernel update: hold the gradient and update later, in buckets (fewer launches; the
+        # hook itself stays a few microseconds). At most the bucket budget is held.
         self._held.append((p, grad))
         self._held_bytes += grad.numel() * grad.element_size()
         p.grad = None

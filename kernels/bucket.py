@@ -75,15 +75,14 @@ class PreparedBucket:
                 deltas.append(offset // b.element_size())
             rows.append(deltas + [u.n, (u.n + 1) // 2, *u.keys, u.check_programs] + [0] * (TABLE_COLS - 13))
         device = first.head[0].device
-        self.table = torch.tensor(rows, dtype=torch.int64).to(device)
-        self.update_map = _program_map([u.programs for u in members]).to(device)
-        self.check_map = _program_map([u.check_programs for u in members]).to(device)
+        self.table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
+        self.update_map = _to_device(_program_map([u.programs for u in members]), device)
+        self.check_map = _to_device(_program_map([u.check_programs for u in members]), device)
         self.programs, self.check_programs = self.update_map.shape[0], self.check_map.shape[0]
         self.head, self.tail = first.head, first.tail[:6]
         self.step, self.scratch, self.skipped = first.step, first.scratch, first.skipped
         self.ints = first.tail[8:12]  # the first member's sizes and keys (unused: the table has them)
         self.update_config = bucket_config(first.configs[False])
-        self.dtype = first.head[0].dtype
 
     def launch(self, grads: list[torch.Tensor], hyper: dict) -> None:
         """Update every member from its gradient (``grads[i]`` for member i; same dtype, contiguous,
@@ -109,6 +108,13 @@ class PreparedBucket:
             *self.head, base, self.head[0], *self.tail, self.table, self.update_map, *self.ints, *deltas, *args
         )  # fmt: skip
         update._launch_update(self.programs, runtime_args, self.update_config)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` without waiting for the GPU (a bucket may be built inside backward)."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)  # the pinned buffer lives until the copy ran
 
 
 def _program_map(programs: list[int]) -> torch.Tensor:
