@@ -97,22 +97,28 @@ class UpdateTimer:
         self.in_backward = False
         self.seconds = {True: 0.0, False: 0.0}
         self.calls = {True: 0, False: 0}
-        self.depth = 0
+        self.depth = 0  # timed calls in progress: only the outermost one's time is added
+        self.queueing = 0  # queue_update calls in progress: an update_param inside one is the same update
         cls = fusedopt.optimizer.FusedOptimizer
         for name in ("update_param", "queue_update", "flush_updates"):
-            setattr(cls, name, self._timed(getattr(cls, name), counts=name != "flush_updates"))
+            setattr(cls, name, self._timed(getattr(cls, name), name))
 
-    def _timed(self, original, counts: bool):
+    def _timed(self, original, name: str):
         def timed(optimizer, *args, **kwargs):
+            # every parameter update counts once, at whatever depth (release's end-of-backward
+            # flush queues the held updates inside flush_updates)
+            if name == "queue_update" or (name == "update_param" and not self.queueing):
+                self.calls[self.in_backward] += 1
+            self.queueing += name == "queue_update"
             self.depth += 1
             t0 = time.perf_counter()
             try:
                 return original(optimizer, *args, **kwargs)
             finally:
                 self.depth -= 1
+                self.queueing -= name == "queue_update"
                 if self.depth == 0:
                     self.seconds[self.in_backward] += time.perf_counter() - t0
-                    self.calls[self.in_backward] += counts
 
         return timed
 
