@@ -25,8 +25,8 @@ from fusedopt.kernels.update import (
     TABLE_COLS,
     PreparedUpdate,
     _check_config,
-    _scalar_args,
     bucket_config,
+    scalar_args,
 )
 
 ALIGN = 16  # bytes: the alignment the kernel's vector accesses assume for every member tensor
@@ -36,7 +36,7 @@ assert int(_GRAD_DELTA_BIAS) == GRAD_DELTA_BIAS
 
 def _pointer_tensors(u: PreparedUpdate) -> tuple:
     """A member's tensors in table column order: param, correction, m, m scales, v, v scales, step, scratch."""
-    return (*u.head, *u.tail[:6])
+    return (*u.head, *u.state_tensors)
 
 
 def bucketable(u: PreparedUpdate) -> bool:
@@ -79,9 +79,9 @@ class PreparedBucket:
         self.update_map = _to_device(_program_map([u.programs for u in members]), device)
         self.check_map = _to_device(_program_map([u.check_programs for u in members]), device)
         self.programs, self.check_programs = self.update_map.shape[0], self.check_map.shape[0]
-        self.head, self.tail = first.head, first.tail[:6]
+        self.head, self.state_tensors = first.head, first.state_tensors
         self.step, self.scratch, self.skipped = first.step, first.scratch, first.skipped
-        self.ints = first.tail[8:12]  # the first member's sizes and keys (unused: the table has them)
+        self.ints = first.ints  # the first member's sizes and keys (unused: the table has them)
         self.update_config = bucket_config(first.configs[False])
 
     def launch(self, grads: list[torch.Tensor], hyper: dict) -> None:
@@ -94,18 +94,14 @@ class PreparedBucket:
         deltas = list(NO_GRAD_DELTAS)
         for i, g in enumerate(grads):
             deltas[i] = (g.data_ptr() - address) // size + GRAD_DELTA_BIAS
-        get = hyper.get
-        args, check_args = _scalar_args(
-            self.algo, hyper["lr"], get("beta1", 0.0), get("beta2", 0.0), get("eps", 0.0), hyper["weight_decay"],
-            get("momentum", 0.0), get("dampening", 0.0),
-        )  # fmt: skip
+        args, check_args = scalar_args(self.algo, hyper)
         update._launch_check(
             self.check_programs,
             (base, base, self.scratch, self.step, self.skipped, self.table, self.check_map, 0, *deltas, *check_args),
             _check_config(False, self.algo == 0, True),
         )
         runtime_args = (
-            *self.head, base, self.head[0], *self.tail, self.table, self.update_map, *self.ints, *deltas, *args
+            *self.head, base, self.head[0], *self.state_tensors, self.table, self.update_map, *self.ints, *deltas, *args
         )  # fmt: skip
         update._launch_update(self.programs, runtime_args, self.update_config)
 

@@ -536,39 +536,41 @@ class PreparedUpdate:
             for has_accum in (False, True)
         ]
         self.head = (param, correction if correction is not None else dummy)  # before the gradient
-        self.tail = (  # between the accumulated gradient and the scalars
+        self.state_tensors = (  # after the accumulated gradient (a bucket's table rebases them too)
             m_val if m_val is not None else dummy,
             m_scales if m_scales is not None else dummy,
             v_val if v_val is not None else dummy,
             v_scales if v_scales is not None else dummy,
             step,
             scratch,
-            dummy,  # no bucket table
-            dummy,  # no bucket program map
-            n,
-            (n + 1) // 2,
-            *keys,
         )
-        self.check_tensors = (scratch, step, skipped, dummy, dummy)
         self.keys = keys
+        self.ints = (n, (n + 1) // 2, *keys)  # sizes and hash keys, before the gradient deltas
+        self.tail = (*self.state_tensors, dummy, dummy, *self.ints)  # dummy, dummy: no bucket table, map
+        self.check_tensors = (scratch, step, skipped, dummy, dummy)
         self.bucketable: bool | None = None  # whether it can join a bucket (kernels/bucket.py decides once)
 
     def launch(self, grad: torch.Tensor, accum: torch.Tensor | None, hyper: dict) -> None:
-        algo, get = self.algo, hyper.get
-        args, check_args = _scalar_args(
-            algo, hyper["lr"], get("beta1", 0.0), get("beta2", 0.0), get("eps", 0.0), hyper["weight_decay"],
-            get("momentum", 0.0), get("dampening", 0.0),
-        )  # fmt: skip
+        args, check_args = scalar_args(self.algo, hyper)
         has_accum = accum is not None
         _launch_check(
             self.check_programs,
             (grad, accum if has_accum else grad, *self.check_tensors, self.n, *NO_GRAD_DELTAS, *check_args),
-            _check_config(has_accum, algo == 0, False),
+            _check_config(has_accum, self.algo == 0, False),
         )
         if self.n == 0:
             return
         runtime_args = (*self.head, grad, accum if has_accum else self.dummy, *self.tail, *NO_GRAD_DELTAS, *args)
         _launch_update(self.programs, runtime_args, self.configs[has_accum])
+
+
+def scalar_args(algo: int, hyper: dict) -> tuple[tuple, tuple]:
+    """The runtime scalars of the update and of the check kernel from a group's hyperparameters."""
+    get = hyper.get
+    return _scalar_args(
+        algo, hyper["lr"], get("beta1", 0.0), get("beta2", 0.0), get("eps", 0.0), hyper["weight_decay"],
+        get("momentum", 0.0), get("dampening", 0.0),
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)
