@@ -27,7 +27,7 @@ def fusedopt_python_us(n_params: int, reps: int, bucket_mb: str) -> float:
     """us per parameter of step() with both launches stubbed (after a first, unstubbed-like step),
     with ``FUSEDOPT_BUCKET_MB=bucket_mb`` (0: one launch pair per parameter)."""
     saved = update._launch_check, update._launch_update
-    update._launch_check = update._launch_update = lambda *args: None
+    update._launch_check = update._launch_update = _NoLaunch()
     os.environ["FUSEDOPT_BUCKET_MB"] = bucket_mb
     try:
         params = [torch.nn.Parameter(torch.randn(64, 64, dtype=torch.bfloat16)) for _ in range(n_params)]
@@ -44,6 +44,16 @@ def fusedopt_python_us(n_params: int, reps: int, bucket_mb: str) -> float:
         update._launch_check, update._launch_update = saved
 
 
+class _NoLaunch:
+    """A launcher that launches nothing (and has no direct launch to remember)."""
+
+    def __call__(self, grid, runtime_args, config):
+        pass
+
+    def resolve(self, runtime_args, config):
+        return None
+
+
 class _StandIn:
     """A @triton.jit function and its compiled kernel, as far as DirectLauncher sees them."""
 
@@ -57,7 +67,8 @@ class _StandIn:
 
 
 def launcher_us(reps: int) -> float:
-    """us per launch of the update kernel's argument layout (12 tensors, 4 + 16 ints, 8 floats, 26 constexprs)."""
+    """us per launch of the update kernel's argument layout (12 tensors, 4 + 16 ints, 8 floats, 26
+    constexprs): building the key each time, and a resolved launch (``launch_resolved``)."""
     names = [f"t{i}" for i in range(12)] + [f"i{i}" for i in range(20)] + [f"f{i}" for i in range(8)]
     constexprs = [f"C{i}" for i in range(26)]
     launch = DirectLauncher(_StandIn(names + constexprs, constexprs), **update.UPDATE_ARGS)
@@ -71,7 +82,12 @@ def launcher_us(reps: int) -> float:
     t0 = time.perf_counter()
     for _ in range(reps * 1000):
         launch(1, args, config)
-    return (time.perf_counter() - t0) / (reps * 1000) * 1e6
+    keyed = (time.perf_counter() - t0) / (reps * 1000) * 1e6
+    resolved = launch.resolve(args, config)
+    t0 = time.perf_counter()
+    for _ in range(reps * 1000):
+        launch.launch_resolved(resolved, 1, args)
+    return keyed, (time.perf_counter() - t0) / (reps * 1000) * 1e6
 
 
 def main(argv=None) -> int:
@@ -81,11 +97,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     python_us = fusedopt_python_us(args.params, args.reps, "0")
     bucketed_us = fusedopt_python_us(args.params, args.reps, "32")
-    launch_us = launcher_us(args.reps)
+    keyed_us, launch_us = launcher_us(args.reps)
     print(f"fusedopt Python per update (launches stubbed): {python_us:.1f} us")
     print(f"  the same, bucketed (16 per launch pair):     {bucketed_us:.1f} us")
-    print(f"direct launcher per launch (stand-in kernel):  {launch_us:.1f} us")
-    print(f"per parameter (two launches):                 {python_us + 2 * launch_us:.1f} us")
+    print(f"direct launcher per launch (stand-in kernel):  {keyed_us:.1f} us with the key, {launch_us:.1f} us resolved")
+    print(f"per parameter (two resolved launches):        {python_us + 2 * launch_us:.1f} us")
     print(f"per parameter, bucketed:                      {bucketed_us + 2 * launch_us / 16:.1f} us")
     return 0
 

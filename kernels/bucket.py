@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from fusedopt.kernels import update  # its launchers by attribute: benchmarks swap them
+from fusedopt.kernels.launcher import launch_remembered
 from fusedopt.kernels.update import (
     _GRAD_DELTA_BIAS,
     BUCKET_TENSORS,
@@ -83,6 +84,8 @@ class PreparedBucket:
         self.step, self.scratch, self.skipped = first.step, first.scratch, first.skipped
         self.ints = first.ints  # the first member's sizes and keys (unused: the table has them)
         self.update_config = bucket_config(first.configs[False])
+        self.check_config = _check_config(False, self.algo == 0, True)
+        self.launches: dict = {}  # resolved direct launches (launch_remembered)
 
     def launch(self, grads: list[torch.Tensor], hyper: dict) -> None:
         """Update every member from its gradient (``grads[i]`` for member i; same dtype, contiguous,
@@ -95,15 +98,21 @@ class PreparedBucket:
         for i, g in enumerate(grads):
             deltas[i] = (g.data_ptr() - address) // size + GRAD_DELTA_BIAS
         args, check_args = scalar_args(self.algo, hyper)
-        update._launch_check(
+        # nothing in the launch keys varies (the gradients' dtype and alignment are the members'):
+        # one resolved direct launch each
+        launch_remembered(
+            update._launch_check,
+            self.launches,
+            "check",
             self.check_programs,
             (base, base, self.scratch, self.step, self.skipped, self.table, self.check_map, 0, *deltas, *check_args),
-            _check_config(False, self.algo == 0, True),
+            self.check_config,
         )
         runtime_args = (
             *self.head, base, self.head[0], *self.state_tensors, self.table, self.update_map, *self.ints, *deltas, *args
         )  # fmt: skip
-        update._launch_update(self.programs, runtime_args, self.update_config)
+        update_launcher = update._launch_update
+        launch_remembered(update_launcher, self.launches, "update", self.programs, runtime_args, self.update_config)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -15,6 +15,10 @@ Plain ``kernel[grid](...)`` is used instead under the interpreter, when Triton's
 are set (profilers such as proton want to see every launch), on a device that is not the
 current one, when ``FUSEDOPT_DIRECT_LAUNCH=0``, and on a Triton whose compiled kernels lack
 the interface used here (checked once, at the first launch).
+
+Building the key is itself ~7 us of Python per launch. Callers that launch the same tensors
+again and again (a parameter's prepared update, a bucket) keep the resolved launch instead
+(``launch_remembered``) and build the key only for what can change between their launches.
 """
 
 from __future__ import annotations
@@ -100,14 +104,7 @@ class DirectLauncher:
             with torch.cuda.device(device):
                 self._launch_through_triton(grid, runtime_args, config)
             return
-        tensors, ints = runtime_args[: self.tensors], runtime_args[self.tensors : self.tensors + self.keyed_ints]
-        key = (
-            config.key,
-            device,
-            tuple([t.dtype for t in tensors]),
-            tuple([not t.data_ptr() & 15 for t in tensors]),  # Triton's 16-byte alignment hint
-            tuple([_int_class(i) for i in ints]),
-        )
+        key = self._key(device, runtime_args, config)
         entry = self.compiled.get(key)
         if entry is None:
             kernel = self._launch_through_triton(grid, runtime_args, config)
@@ -128,6 +125,42 @@ class DirectLauncher:
         stream = self._stream(device)
         kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, None, *hooks, *values)
 
+    def resolve(self, runtime_args: tuple, config: LaunchConfig) -> tuple | None:
+        """The direct launch that these arguments select, once compiled, for :meth:`launch_resolved`.
+
+        For a caller whose later launches keep every keyed property of these (each tensor's
+        dtype and 16-byte alignment, each keyed int's class, the configuration, the device):
+        they then skip building the key, ~7 us of Python per launch. None: no direct launch (yet).
+        """
+        device = self._device(runtime_args[0])
+        entry = None if device is None else self.compiled.get(self._key(device, runtime_args, config))
+        return None if entry is None else (self, device, *entry)
+
+    def launch_resolved(self, resolved: tuple, grid: int, runtime_args: tuple) -> bool:
+        """Launch ``resolved`` (from :meth:`resolve`) with these values. False, launching nothing:
+        this launch must go through ``__call__`` (direct launches turned off, launch hooks set,
+        another current device, or an entry of another launcher)."""
+        owner, device, kernel, constexpr_values = resolved
+        hooks = self._hooks()
+        if owner is not self or not self.usable or _active(hooks[0]) or _active(hooks[1]):
+            return False
+        if device != torch.cuda.current_device():
+            return False
+        values = runtime_args + constexpr_values
+        kernel.run(grid, 1, 1, self._stream(device), kernel.function, kernel.packed_metadata, None, *hooks, *values)
+        return True
+
+    def _key(self, device: int, runtime_args: tuple, config: LaunchConfig) -> tuple:
+        """What Triton specialises these arguments on (see the module's docstring)."""
+        tensors, ints = runtime_args[: self.tensors], runtime_args[self.tensors : self.tensors + self.keyed_ints]
+        return (
+            config.key,
+            device,
+            tuple([t.dtype for t in tensors]),
+            tuple([not t.data_ptr() & 15 for t in tensors]),  # Triton's 16-byte alignment hint
+            tuple([_int_class(i) for i in ints]),
+        )
+
     def _device(self, first: torch.Tensor) -> int | None:
         """The CUDA device index of a direct launch (None: launch through Triton)."""
         return first.device.index if self.usable and first.is_cuda else None
@@ -141,6 +174,17 @@ class DirectLauncher:
 
     def _launch_through_triton(self, grid: int, runtime_args: tuple, config: LaunchConfig):
         return self.fn[(grid,)](*runtime_args, **config.constexprs, **config.options)
+
+
+def launch_remembered(launcher, remembered: dict, variant, grid: int, runtime_args: tuple, config: LaunchConfig):
+    """``launcher(grid, runtime_args, config)`` for a caller that keeps its launches' resolved
+    direct launch in ``remembered``, one per ``variant``: the caller's summary of everything in
+    the key that can differ between its launches (the rest must stay fixed)."""
+    resolved = remembered.get(variant)
+    if resolved is not None and launcher.launch_resolved(resolved, grid, runtime_args):
+        return
+    launcher(grid, runtime_args, config)
+    remembered[variant] = launcher.resolve(runtime_args, config)
 
 
 class LaunchConfig:

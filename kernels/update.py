@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from fusedopt.kernels.hashing import step_hash, tile_bits
-from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig
+from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig, launch_remembered
 from fusedopt.kernels.master import load_master, store_master
 from fusedopt.kernels.moments import commit_mask, load_moment, store_moment, tile_offsets
 
@@ -549,11 +549,20 @@ class PreparedUpdate:
         self.tail = (*self.state_tensors, dummy, dummy, *self.ints)  # dummy, dummy: no bucket table, map
         self.check_tensors = (scratch, step, skipped, dummy, dummy)
         self.bucketable: bool | None = None  # whether it can join a bucket (kernels/bucket.py decides once)
+        self.check_launches: dict = {}  # resolved direct launches by gradient variant (launch_remembered)
+        self.update_launches: dict = {}
 
     def launch(self, grad: torch.Tensor, accum: torch.Tensor | None, hyper: dict) -> None:
         args, check_args = scalar_args(self.algo, hyper)
         has_accum = accum is not None
-        _launch_check(
+        # all the launch key can vary in from step to step: the gradients' dtypes and alignment
+        variant = (grad.dtype, not grad.data_ptr() & 15)
+        if has_accum:
+            variant += (accum.dtype, not accum.data_ptr() & 15)
+        launch_remembered(
+            _launch_check,
+            self.check_launches,
+            variant,
             self.check_programs,
             (grad, accum if has_accum else grad, *self.check_tensors, self.n, *NO_GRAD_DELTAS, *check_args),
             _check_config(has_accum, self.algo == 0, False),
@@ -561,7 +570,9 @@ class PreparedUpdate:
         if self.n == 0:
             return
         runtime_args = (*self.head, grad, accum if has_accum else self.dummy, *self.tail, *NO_GRAD_DELTAS, *args)
-        _launch_update(self.programs, runtime_args, self.configs[has_accum])
+        launch_remembered(
+            _launch_update, self.update_launches, variant, self.programs, runtime_args, self.configs[has_accum]
+        )
 
 
 def scalar_args(algo: int, hyper: dict) -> tuple[tuple, tuple]:

@@ -150,3 +150,60 @@ def test_arguments_off_the_declared_layout_are_launched_through_triton(on_device
     launch(1, (x, 16, 1), config)
     assert not launch.usable
     assert kinds(fn.log) == ["triton", "triton"]
+
+
+def test_a_resolved_launch_goes_direct_with_new_values(on_device_zero):
+    fn = FakeJIT()
+    launch = CpuDirectLauncher(fn, tensors=1, ints=1)
+    config = LaunchConfig({"A": 1, "B": 2}, {})
+    x, y = torch.randn(32), torch.randn(48)
+    assert launch.resolve((x, 32, 0.5), config) is None  # not compiled yet
+    launch(3, (x, 32, 0.5), config)
+    resolved = launch.resolve((x, 32, 0.5), config)
+    assert resolved is not None
+    assert launch.launch_resolved(resolved, 4, (y, 48, 0.25))
+    assert fn.log[1] == ("direct", (4, 1, 1, 7, "function", "metadata", None, *launch._hooks(), y, 48, 0.25, 1, 2))
+    # another specialisation has its own entry, not yet compiled
+    assert launch.resolve((x[1:], 32, 0.5), config) is None
+
+
+def test_a_resolved_launch_declines_whenever_a_plain_launch_would_not_go_direct(on_device_zero, monkeypatch):
+    fn = FakeJIT()
+    launch = CpuDirectLauncher(fn, tensors=1, ints=1)
+    config = LaunchConfig({"A": 1, "B": 2}, {})
+    x = torch.randn(16)
+    launch(1, (x, 16, 0.5), config)
+    resolved = launch.resolve((x, 16, 0.5), config)
+    other = CpuDirectLauncher(FakeJIT(), tensors=1, ints=1)
+    assert not other.launch_resolved(resolved, 1, (x, 16, 0.5))  # another launcher's (kernel's) entry
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert not launch.launch_resolved(resolved, 1, (x, 16, 0.5))  # another current device
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "_knobs", SimpleNamespace(launch_enter_hook=print, launch_exit_hook=None))
+    assert not launch.launch_resolved(resolved, 1, (x, 16, 0.5))  # a launch hook wants to see it
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    launch.usable = False  # FUSEDOPT_DIRECT_LAUNCH=0 or a test's switch
+    assert not launch.launch_resolved(resolved, 1, (x, 16, 0.5))
+    assert kinds(fn.log) == ["triton"]  # none of the declined ones launched anything
+
+
+def test_launch_remembered_builds_the_key_once_per_variant(on_device_zero, monkeypatch):
+    fn = FakeJIT()
+    launch = CpuDirectLauncher(fn, tensors=1, ints=1)
+    config = LaunchConfig({"A": 1, "B": 2}, {})
+    keys = []
+    real_key = launch._key
+    monkeypatch.setattr(launch, "_key", lambda *args: keys.append(args) or real_key(*args))
+    remembered = {}
+    x = torch.randn(64)
+    for i in range(4):
+        launcher_module.launch_remembered(launch, remembered, "aligned", 2, (x, 16, float(i)), config)
+    assert kinds(fn.log) == ["triton"] + ["direct"] * 3
+    assert fn.log[-1][1][-3:] == (3.0, 1, 2)
+    assert len(keys) == 2  # the first launch's, and resolving it: none for the direct ones
+    launcher_module.launch_remembered(launch, remembered, "misaligned", 2, (x[1:], 16, 0.0), config)
+    assert kinds(fn.log)[-1] == "triton" and len(remembered) == 2
+    launch.usable = False  # declined: through Triton again, and nothing to remember
+    launcher_module.launch_remembered(launch, remembered, "aligned", 2, (x, 16, 0.0), config)
+    assert kinds(fn.log)[-1] == "triton" and remembered["aligned"] is None
