@@ -1,6 +1,7 @@
 """Which path runs an update: the fused Triton kernel or the PyTorch reference.
 
-``FUSEDOPT_BACKEND`` (read at every update, so tests and users can switch it):
+``FUSEDOPT_BACKEND`` (read at every step, and at every update outside one, so tests and users
+can switch it between steps):
 
 * ``auto`` (default): CUDA tensors the kernel supports run the kernel; everything else
   (CPU tensors, non-contiguous parameters, formats the kernel lacks) runs the reference.
@@ -123,8 +124,14 @@ def run_update(algorithm: str, math: UpdateMath, job: ParamUpdate, scratch):
 
 def gradient_fits_prepared(param: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None) -> bool:
     """Whether a gradient can go to a parameter's prepared kernel launch: the per-step part of
-    ``unsupported_reason`` (the rest is fixed while the prepared launch is valid)."""
-    return backend_choice() != "reference" and _gradient_problem(param, grad, accum) is None
+    ``unsupported_reason`` (the rest is fixed while the prepared launch is valid). The caller
+    checks that the backend is not ``reference`` (``kernel_allowed``)."""
+    return _gradient_problem(param, grad, accum) is None
+
+
+def kernel_allowed() -> bool:
+    """Whether ``FUSEDOPT_BACKEND`` lets a prepared kernel launch run (it is not ``reference``)."""
+    return backend_choice() != "reference"
 
 
 def new_scratch(device: torch.device) -> torch.Tensor:

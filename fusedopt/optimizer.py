@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from . import checkpoint
-from .backend import gradient_fits_prepared, new_scratch, run_update
+from .backend import gradient_fits_prepared, kernel_allowed, new_scratch, run_update
 from .buckets import UpdateBuckets, bucket_budget
 from .codecs import NONNEGATIVE_SLOTS, SUPPORTED_STATE_BITS, MomentCodec, codec_for
 from .master import MASTER_CORRECTION, check_master_weight_bits, correction_layout, master_value
@@ -208,12 +208,12 @@ class FusedOptimizer(torch.optim.Optimizer):
             return
         group_index, _ = self._position[p]
         settings = self._window.get(group_index)
-        if settings is None:  # once per group and step: the group cannot change during one
+        if settings is None:  # once per group and step: neither the group nor the backend changes during one
             group = self.param_groups[group_index]
             hyper = self._hyper(group)
-            settings = self._window[group_index] = hyper, self._group_structure(group, hyper)
-        hyper, group_structure = settings
-        launch = self._prepared_launch(p, grad, accum, group_structure)
+            settings = self._window[group_index] = hyper, self._group_structure(group, hyper), kernel_allowed()
+        hyper, group_structure, allowed = settings
+        launch = self._prepared_launch(p, grad, accum, group_structure) if allowed else None
         if launch is None or not self._buckets.add(launch, grad, hyper, group_index):
             self.update_param(p, grad, accum)
 
@@ -242,7 +242,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             self.flush_updates()  # p's queued update runs first
         group, index = self.position(p)
         hyper = self._hyper(group)
-        launch = self._prepared_launch(p, grad, accum, self._group_structure(group, hyper))
+        launch = (
+            self._prepared_launch(p, grad, accum, self._group_structure(group, hyper)) if kernel_allowed() else None
+        )
         if launch is not None:
             launch.launch(grad, accum, hyper)
             return
@@ -269,7 +271,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         launch = run_update(self.algorithm, type(self).math, job, self._scratch)
         if launch is not None:
             replaced = self._prepared.get(p)
-            structure = p.dtype, p.shape, p.device, self._group_structure(group, hyper)
+            structure = p.dtype, p.shape, p.device, p.data_ptr(), self._group_structure(group, hyper)
             self._prepared[p] = launch, structure, tuple(state), tuple(map(id, state.values()))
         else:
             replaced = self._prepared.pop(p, None)
@@ -278,9 +280,10 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _prepared_launch(self, p, grad, accum, group_structure: tuple):
         """``p``'s prepared kernel launch from an earlier step, while nothing it depends on changed:
-        the same state tensors (same keys, same objects), the parameter's dtype, shape and device,
-        and its group's ``group_structure``. The host work per update is then the scalars and two
-        launches (it runs in backward hooks). None when the update must go through the backend."""
+        the same state tensors (same keys, same objects), the parameter's dtype, shape, device and
+        storage (a bucket's table points into it: ``p.data = ...`` moves it), and its group's
+        ``group_structure``. The host work per update is then the scalars and two launches (it runs
+        in backward hooks). None when the update must go through the backend."""
         prepared = self._prepared.get(p)
         if prepared is None or not gradient_fits_prepared(p, grad, accum):
             return None
@@ -290,7 +293,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             state is not None
             and tuple(map(id, state.values())) == ids
             and tuple(state) == keys
-            and structure == (p.dtype, p.shape, p.device, group_structure)
+            and structure == (p.dtype, p.shape, p.device, p.data_ptr(), group_structure)
         ):
             return launch
         return None

@@ -27,14 +27,18 @@ def _grads(shapes, steps, seed=1):
 
 
 def _train(
-    monkeypatch, device, bucket_mb, opt_cls, kwargs, dtype, fused, shapes=SHAPES, steps=3, built=None, changes=None
-):
+    monkeypatch, device, bucket_mb, opt_cls, kwargs, dtype, fused, shapes=SHAPES, steps=3, built=None, changes=None,
+    moved=(),
+):  # fmt: skip
     monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
     monkeypatch.setenv("FUSEDOPT_BUCKET_MB", str(bucket_mb))
     params = _params(device, dtype, shapes)
     opt = opt_cls(params, lr=1e-2, fused=fused, **{"min_compress_numel": 0, **kwargs})
     for i, grads in enumerate(_grads(shapes, steps)):
         opt.param_groups[0].update((changes or {}).get(i, {}))  # e.g. a scheduler's, between steps
+        if i in moved:  # every other parameter's storage replaced, as Module._apply does (p.data = ...)
+            for p in params[::2]:
+                p.data = p.data.clone()
         if fused:
             sum((p * g.to(device, dtype)).sum() for p, g in zip(params, grads)).backward()
             assert all(p.grad is None for p in params)  # released: updated by the end of backward
@@ -86,6 +90,19 @@ def test_group_changes_between_steps_reach_bucketed_updates(monkeypatch, device,
     alone = _train(monkeypatch, device, 0, fusedopt.AdamW, kwargs, torch.bfloat16, fused, steps=5, changes=changes)
     together = _train(
         monkeypatch, device, 64, fusedopt.AdamW, kwargs, torch.bfloat16, fused, steps=5, built=built, changes=changes
+    )
+    assert built and max(built) >= 3
+    _assert_identical(alone, together)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_parameters_moved_to_new_storage_between_steps(monkeypatch, device, fused):
+    """A bucket's table points into its members' storage: a parameter whose storage was replaced
+    (``p.data = ...``) must get a new one, never an update written to the old storage."""
+    kwargs, built = dict(state_bits=8), []
+    alone = _train(monkeypatch, device, 0, fusedopt.AdamW, kwargs, torch.bfloat16, fused, steps=5, moved=(2,))
+    together = _train(
+        monkeypatch, device, 64, fusedopt.AdamW, kwargs, torch.bfloat16, fused, steps=5, built=built, moved=(2,)
     )
     assert built and max(built) >= 3
     _assert_identical(alone, together)
