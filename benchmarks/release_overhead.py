@@ -83,6 +83,7 @@ CONFIGS = {
     "fusedopt default, fused=True": lambda ps: fusedopt.AdamW(ps, lr=1e-5, fused=True),
     "fusedopt unbucketed, fused=False": _bucket_mb("0", lambda ps: fusedopt.AdamW(ps, lr=1e-5)),
     "fusedopt unbucketed, fused=True": _bucket_mb("0", lambda ps: fusedopt.AdamW(ps, lr=1e-5, fused=True)),
+    "fusedopt 64 MiB buckets, fused=True": _bucket_mb("64", lambda ps: fusedopt.AdamW(ps, lr=1e-5, fused=True)),
     "fusedopt 128 MiB buckets, fused=True": _bucket_mb("128", lambda ps: fusedopt.AdamW(ps, lr=1e-5, fused=True)),
 }
 
@@ -294,6 +295,7 @@ def main(argv=None) -> int:
     by_name = {r["name"]: r for r in results}
     for label, a, b in (
         ("fused=True / fused=False", "fusedopt default, fused=True", "fusedopt default, fused=False"),
+        ("fused=True (64 MiB) / fused=False", "fusedopt 64 MiB buckets, fused=True", "fusedopt default, fused=False"),
         ("fused=True (128 MiB) / fused=False", "fusedopt 128 MiB buckets, fused=True", "fusedopt default, fused=False"),
         ("fused=True / fused=False, unbucketed", "fusedopt unbucketed, fused=True", "fusedopt unbucketed, fused=False"),
         ("bucketed / unbucketed, fused=True", "fusedopt default, fused=True", "fusedopt unbucketed, fused=True"),
