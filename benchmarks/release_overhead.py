@@ -76,6 +76,19 @@ def _bucket_mb(mb: str, make):
     return build
 
 
+def _with_empty_hooks(make):
+    """``make``, plus a post-accumulate-grad hook that does nothing on every parameter: what the
+    engine's calls into Python cost by themselves (a diagnosis, not a product configuration)."""
+
+    def build(params):
+        params = list(params)
+        for p in params:
+            p.register_post_accumulate_grad_hook(lambda p: None)
+        return make(params)
+
+    return build
+
+
 CONFIGS = {
     "torch AdamW (fused=True kernel)": lambda ps: torch.optim.AdamW(ps, lr=1e-5, fused=True),
     "torch AdamW per parameter in backward hooks": TorchInBackward,
@@ -85,6 +98,10 @@ CONFIGS = {
     "fusedopt unbucketed, fused=True": _bucket_mb("0", lambda ps: fusedopt.AdamW(ps, lr=1e-5, fused=True)),
     "fusedopt 64 MiB buckets, fused=True": _bucket_mb("64", lambda ps: fusedopt.AdamW(ps, lr=1e-5, fused=True)),
     "fusedopt 128 MiB buckets, fused=True": _bucket_mb("128", lambda ps: fusedopt.AdamW(ps, lr=1e-5, fused=True)),
+    # diagnoses: the engine's hook calls alone; release holding every gradient until the end of
+    # backward (all updates in the end-of-backward callback, in buckets of 16 as step() makes them)
+    "diagnosis: fused=False + empty hooks": _with_empty_hooks(lambda ps: fusedopt.AdamW(ps, lr=1e-5)),
+    "diagnosis: fused=True holding all": _bucket_mb("1000000", lambda ps: fusedopt.AdamW(ps, lr=1e-5, fused=True)),
 }
 
 
@@ -273,7 +290,7 @@ def main(argv=None) -> int:
         configs.pop("torch AdamW (fused=True kernel)", None)
     timer = UpdateTimer()  # one patch of update_param; each trial resets it before its timed steps
     trials = [Trial(name, make, args.preset, args.batch, args.seq_len, args.device,
-                    timer if name.startswith("fusedopt") else None) for name, make in configs.items()]  # fmt: skip
+                    timer if not name.startswith("torch") else None) for name, make in configs.items()]  # fmt: skip
     # Configurations take turns, in a rotated order each round: the host's speed drifts (other
     # jobs, clocks), and a whole step here is mostly host time.
     for r in range(args.rounds):
@@ -297,6 +314,8 @@ def main(argv=None) -> int:
         ("fused=True / fused=False", "fusedopt default, fused=True", "fusedopt default, fused=False"),
         ("fused=True (64 MiB) / fused=False", "fusedopt 64 MiB buckets, fused=True", "fusedopt default, fused=False"),
         ("fused=True (128 MiB) / fused=False", "fusedopt 128 MiB buckets, fused=True", "fusedopt default, fused=False"),
+        ("empty hooks / none, fused=False", "diagnosis: fused=False + empty hooks", "fusedopt default, fused=False"),
+        ("fused=True holding all / fused=False", "diagnosis: fused=True holding all", "fusedopt default, fused=False"),
         ("fused=True / fused=False, unbucketed", "fusedopt unbucketed, fused=True", "fusedopt unbucketed, fused=False"),
         ("bucketed / unbucketed, fused=True", "fusedopt default, fused=True", "fusedopt unbucketed, fused=True"),
         ("bucketed / unbucketed, fused=False", "fusedopt default, fused=False", "fusedopt unbucketed, fused=False"),
