@@ -64,8 +64,7 @@ def byte_model(optimizer: str, kwargs: dict, dtype: torch.dtype) -> PerParam:
     from fusedopt.profiler_competitors import lookup
 
     p = DTYPE_BYTES[dtype]
-    fused = bool(kwargs.get("fused", False)) and optimizer.startswith("fusedopt")
-    fused = fused or bool(kwargs.get("release", False))  # another library's (or torch's) gradient release
+    fused = _releases(optimizer, kwargs) or bool(kwargs.get("release", False))  # or another library's release
     competitor = lookup(optimizer)
     if competitor is not None:  # its documented state layout (bf16 parameters)
         corrections = 0.0 if dtype == torch.float32 else competitor.correction_bytes
@@ -78,6 +77,23 @@ def byte_model(optimizer: str, kwargs: dict, dtype: torch.dtype) -> PerParam:
         state = moments_of(optimizer, kwargs) * MOMENT_BYTES.get(options["state_bits"], 4.0)
         corrections = 0.0 if dtype == torch.float32 else CORRECTION_BYTES.get(options["master_weight_bits"], 0)
     return PerParam(p, corrections, state, 0.0 if fused else p, "byte model (DESIGN.md section 4)")
+
+
+def _releases(optimizer: str, kwargs: dict) -> bool:
+    """Whether a fusedopt configuration frees each gradient in backward: ``fused=True`` without
+    accumulation (with it, the optimizer's buffers hold every gradient until the k-th backward)."""
+    fused = optimizer.startswith("fusedopt") and bool(kwargs.get("fused", False))
+    return fused and int(kwargs.get("accumulation_steps", 1)) <= 1
+
+
+def held_gradients(config, num_params: int, dtype: torch.dtype) -> int:
+    """Gradient bytes that fusedopt's release may hold at once to launch their updates in
+    buckets: ``FUSEDOPT_BUCKET_MB`` (``fusedopt.buckets``), at most one full set."""
+    if not _releases(config.optimizer, config.kwargs):
+        return 0
+    from fusedopt.buckets import bucket_budget
+
+    return min(bucket_budget(), num_params * DTYPE_BYTES[dtype])
 
 
 def layout_model(optimizer: str, kwargs: dict, dtype: torch.dtype, shapes: list[tuple[int, ...]]) -> PerParam | None:
@@ -107,7 +123,7 @@ def layout_model(optimizer: str, kwargs: dict, dtype: torch.dtype, shapes: list[
                     state += nbytes
     n = sum(math.prod(s) for s in shapes)
     p_bytes = DTYPE_BYTES[dtype]
-    fused = bool(kwargs.get("fused", False))
+    fused = _releases(optimizer, kwargs)
     return PerParam(p_bytes, corrections / n, state / n, 0.0 if fused else p_bytes, "layout (optimizer state on meta)")
 
 
@@ -209,6 +225,8 @@ def plan(
             act_source = "estimate" if act is not None else "not included"
         persistent = int(per.persistent * num_params)
         grads = int(per.grads_at_peak * num_params)
+        if match is None:  # a measurement saw what release held; a model adds its bound
+            grads += held_gradients(config, num_params, dtype)
         peak = persistent + grads + (act or 0)
         fits = peak <= memory_bytes if act is not None else (None if persistent + grads <= memory_bytes else False)
         rows.append(PlanRow(config.label, per, persistent, grads, act, act_source, peak, fits))

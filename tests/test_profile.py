@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import fusedopt
+from fusedopt.buckets import bucket_budget
 from fusedopt.profile import MemoryTracker, OptimizerConfig, main, parse_config, plan
 from fusedopt.profiler_memory import CATEGORIES, cpu_allocator_trace
 from fusedopt.profiler_models import PRESETS, ModelSpec, UserError, parse_shape
@@ -309,10 +310,23 @@ def test_plan_from_byte_model_and_layout(capsys):
     torch_row, fo_row = rows
     assert torch_row.per_param.source.startswith("byte model") and torch_row.per_param.at_peak == 8.0
     assert torch_row.activations is None and torch_row.fits is False
-    assert fo_row.grads == 0 and fo_row.per_param.persistent < torch_row.per_param.persistent
+    assert fo_row.per_param.grads_at_peak == 0 and fo_row.per_param.persistent < torch_row.per_param.persistent
+    assert fo_row.grads == bucket_budget()  # release may hold that much to launch updates in buckets
     assert main(["plan", "--model", "1b", "--gpu-memory", "16", "--config", "torch", "--config", "fusedopt"]) == 0
     text = capsys.readouterr().out
     assert "1,100,048,384 parameters" in text and "fits" in text and "activations: estimate" in text
+
+
+def test_plan_counts_what_release_holds(monkeypatch):
+    configs = ["fusedopt.AdamW:fused=True", "fusedopt.AdamW:fused=True,accumulation_steps=4", "fusedopt.AdamW"]
+    monkeypatch.setenv("FUSEDOPT_BUCKET_MB", "64")
+    held, accumulating, unfused = plan(7_000_000_000, 24.0, configs, dtype="bf16")
+    assert held.grads == 64 * 2**20
+    assert accumulating.grads == unfused.grads == 2 * 7_000_000_000  # accumulation buffers: every gradient
+    monkeypatch.setenv("FUSEDOPT_BUCKET_MB", "0")
+    assert plan(7_000_000_000, 24.0, configs[:1], dtype="bf16")[0].grads == 0
+    monkeypatch.setenv("FUSEDOPT_BUCKET_MB", "64")
+    assert plan(1000, 24.0, configs[:1], dtype="bf16")[0].grads == 2000  # never more than one full set
 
 
 def test_presets_and_shapes():
