@@ -58,7 +58,7 @@ def compile_update(state_bits: int, kernel=None, bucket: bool = False):
     types = dict.fromkeys(_POINTERS, "*u8")
     types.update(param_ptr="*bf16", grad_ptr="*bf16", accum_ptr="*bf16", corr_ptr="*i8", step_ptr="*fp32")
     types.update(scratch_ptr="*i32", m_ptr=value_types.get(m.fmt, "*u8"), v_ptr=value_types.get(v.fmt, "*u8"))
-    types.update(table_ptr="*i64", map_ptr="*i32", **{f"gd{i}": "i64" for i in range(update.BUCKET_TENSORS)})
+    types.update(table_ptr="*i64", **{f"gd{i}": "i64" for i in range(update.BUCKET_TENSORS)})
     cx["BUCKET"] = bucket
     names = kernel.arg_names
     signature, attrs = {}, {}

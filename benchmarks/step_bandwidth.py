@@ -93,7 +93,7 @@ def check_only_ms(reps: int) -> float:
 
     def run():
         for g in grads:
-            args = (g, g, scratch, step, skipped, g, g, n, *update.NO_GRAD_DELTAS, *check_args)  # g, g: no bucket
+            args = (g, g, scratch, step, skipped, g, n, *update.NO_GRAD_DELTAS, *check_args)  # table g: no bucket
             update._launch_check(programs, args, config)
 
     run()

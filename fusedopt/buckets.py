@@ -19,8 +19,12 @@ import os
 import torch
 
 BUCKET_MB = "FUSEDOPT_BUCKET_MB"
-DEFAULT_BUCKET_MB = 32
-_MAX_BUILT = 1024  # bucket compositions kept; more means the composition changes every step
+# 128, not 32: in backward a budget of 32 MiB closed a bucket every ~3 parameters of a 1.1B model
+# (its MLP gradients are 22 MiB), and the launch pairs cost more than release saved; at 128 the
+# peak of that model's step did not move (the peak comes before backward holds anything;
+# benchmarks/RESULTS.md, seventh sitting)
+DEFAULT_BUCKET_MB = 128
+_MAX_BUILT = 1024  # bucket compositions kept (2 KiB of device memory each); more: it changes every step
 
 
 def bucket_budget() -> int:

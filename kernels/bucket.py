@@ -2,11 +2,12 @@
 
 A parameter's update costs two kernel launches of host time (~50-100 us on the H200 host),
 which gradient release pays inside backward. A bucket launches both kernels once for up to
-``BUCKET_TENSORS`` parameters: every program looks up its member and the member's program
-index in a map, and the member's pointers as the first member's plus a delta from a table row
-(``update.py``'s ``BUCKET`` branch). The table and the map depend only on the members, so they
-are built once and reused while the members' prepared launches are; only the gradients are new
-each step, and their deltas travel as launch arguments (no host-to-device copy, no sync).
+``BUCKET_TENSORS`` parameters from a table of one row per member (``update.py``'s ``BUCKET``
+branch): every program finds its member from the rows' first-program columns, and the member's
+pointers as the first member's plus the deltas of its row. The table (2 KiB) depends only on
+the members, so it is built once and reused while the members' prepared launches are; only the
+gradients are new each step, and their deltas travel as launch arguments (no host-to-device
+copy, no sync).
 
 Each member gets exactly the single-parameter launch's programs, element offsets, hash keys and
 scratch words, so its result is bit-identical to its own launch (tests/test_buckets.py).
@@ -21,8 +22,11 @@ from fusedopt.kernels.launcher import launch_remembered
 from fusedopt.kernels.update import (
     _GRAD_DELTA_BIAS,
     BUCKET_TENSORS,
+    COL_CHECK_START,
+    COL_UPDATE_START,
     GRAD_DELTA_BIAS,
     NO_GRAD_DELTAS,
+    NO_START,
     TABLE_COLS,
     PreparedUpdate,
     _check_config,
@@ -66,20 +70,22 @@ class PreparedBucket:
         self.members = members  # kept: the table points into their tensors
         self.algo = first.algo
         base = _pointer_tensors(first)
+        update_starts, self.programs = _starts([u.programs for u in members])
+        check_starts, self.check_programs = _starts([u.check_programs for u in members])
         rows = []
-        for u in members:
+        for u, update_start, check_start in zip(members, update_starts, check_starts):
             deltas = []
             for t, b in zip(_pointer_tensors(u), base, strict=True):
                 offset = t.data_ptr() - b.data_ptr()
                 if offset % b.element_size():
                     raise ValueError("bucket members' tensors of one role must share a dtype")
                 deltas.append(offset // b.element_size())
-            rows.append(deltas + [u.n, (u.n + 1) // 2, *u.keys, u.check_programs] + [0] * (TABLE_COLS - 13))
-        device = first.head[0].device
-        self.table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
-        self.update_map = _to_device(_program_map([u.programs for u in members]), device)
-        self.check_map = _to_device(_program_map([u.check_programs for u in members]), device)
-        self.programs, self.check_programs = self.update_map.shape[0], self.check_map.shape[0]
+            row = deltas + [u.n, (u.n + 1) // 2, *u.keys, u.check_programs, update_start, check_start]
+            rows.append(row + [0] * (TABLE_COLS - len(row)))  # in the order of update.py's COL_* columns
+        unused = [0] * TABLE_COLS  # rows of no member: their first programs are after every program
+        unused[COL_UPDATE_START.value] = unused[COL_CHECK_START.value] = NO_START
+        rows += [unused] * (BUCKET_TENSORS - len(members))
+        self.table = _to_device(torch.tensor(rows, dtype=torch.int64), first.head[0].device)
         self.head, self.state_tensors = first.head, first.state_tensors
         self.step, self.scratch, self.skipped = first.step, first.scratch, first.skipped
         self.ints = first.ints  # the first member's sizes and keys (unused: the table has them)
@@ -105,11 +111,11 @@ class PreparedBucket:
             self.launches,
             "check",
             self.check_programs,
-            (base, base, self.scratch, self.step, self.skipped, self.table, self.check_map, 0, *deltas, *check_args),
+            (base, base, self.scratch, self.step, self.skipped, self.table, 0, *deltas, *check_args),
             self.check_config,
         )
         runtime_args = (
-            *self.head, base, self.head[0], *self.state_tensors, self.table, self.update_map, *self.ints, *deltas, *args
+            *self.head, base, self.head[0], *self.state_tensors, self.table, *self.ints, *deltas, *args
         )  # fmt: skip
         update_launcher = update._launch_update
         launch_remembered(update_launcher, self.launches, "update", self.programs, runtime_args, self.update_config)
@@ -122,11 +128,10 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)  # the pinned buffer lives until the copy ran
 
 
-def _program_map(programs: list[int]) -> torch.Tensor:
-    """int32 rows (member, program index within the member) for members of ``programs`` programs each."""
-    counts = torch.tensor(programs, dtype=torch.int64)
-    ends = torch.cumsum(counts, 0)
-    pid = torch.arange(int(ends[-1]), dtype=torch.int64)
-    member = torch.searchsorted(ends, pid, right=True)
-    index = pid - (ends - counts)[member]
-    return torch.stack([member, index], 1).to(torch.int32).contiguous()
+def _starts(programs: list[int]) -> tuple[list[int], int]:
+    """Each member's first program in a launch of members of ``programs`` programs each, and the total."""
+    starts, total = [], 0
+    for count in programs:
+        starts.append(total)
+        total += count
+    return starts, total

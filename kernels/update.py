@@ -54,12 +54,15 @@ SCRATCH_WORDS = 8
 BUCKET_TENSORS = 16
 GRAD_DELTA_BIAS = 1 << 62
 # columns of a bucket's table row (int64): pointer deltas in elements of the first member's
-# tensor, then the member's sizes and hash keys
+# tensor, the member's sizes and hash keys, and the first update and check program of the
+# launch that is the member's (a table has BUCKET_TENSORS rows: unused ones start at NO_START)
 (
     COL_PARAM, COL_CORR, COL_M, COL_M_SCALE, COL_V, COL_V_SCALE, COL_STEP, COL_SCRATCH,
-    COL_N, COL_N_PAIRS, COL_KEY_SHARED, COL_KEY_PARAM, COL_CHECK_PROGRAMS,
-) = (tl.constexpr(i) for i in range(13))  # fmt: skip
+    COL_N, COL_N_PAIRS, COL_KEY_SHARED, COL_KEY_PARAM, COL_CHECK_PROGRAMS, COL_UPDATE_START, COL_CHECK_START,
+) = (tl.constexpr(i) for i in range(15))  # fmt: skip
 TABLE_COLS = 16
+NO_START = 1 << 62
+_BUCKET_ROWS = tl.constexpr(BUCKET_TENSORS)
 _TABLE_COLS = tl.constexpr(TABLE_COLS)
 NO_GRAD_DELTAS = (GRAD_DELTA_BIAS,) * BUCKET_TENSORS  # a single-parameter launch
 _GRAD_DELTA_BIAS = tl.constexpr(GRAD_DELTA_BIAS)
@@ -108,11 +111,16 @@ def _rebase(ptr, row, col: tl.constexpr):
 
 
 @triton.jit
-def _bucket_member(map_ptr, table_ptr):
-    """(member, its program index, its table row) of this program of a bucketed launch."""
+def _bucket_member(table_ptr, start_col: tl.constexpr):
+    """(member, its program index, its table row) of this program of a bucketed launch: the
+    member is the last whose first program (column ``start_col``) is not after this one. Once
+    per program of 1024 elements; a map per program would cost 8 bytes per 1024 elements of
+    device memory for every bucket composition."""
     pid = tl.program_id(0)
-    member = tl.load(map_ptr + 2 * pid)
-    return member, tl.load(map_ptr + 2 * pid + 1), table_ptr + member * _TABLE_COLS
+    starts = tl.load(table_ptr + tl.arange(0, _BUCKET_ROWS) * _TABLE_COLS + start_col)
+    member = tl.sum((starts <= pid).to(tl.int32), axis=0) - 1
+    row = table_ptr + member * _TABLE_COLS
+    return member, pid - tl.load(row + start_col).to(tl.int32), row
 
 
 @triton.jit
@@ -159,8 +167,7 @@ def _check_kernel(
     scratch_ptr,  # int32[SCRATCH_WORDS]: flag, ticket, status, step_size, 1/sqrt(bc2)
     step_ptr,  # fp32 0-d step count
     skipped_ptr,  # int64 0-d skipped-update counter
-    table_ptr,  # BUCKET: int64 rows of the members' deltas and sizes
-    map_ptr,  # BUCKET: int32 (member, program index within the member) per program
+    table_ptr,  # BUCKET: int64 rows of the members' deltas, sizes and first programs
     n_elements,
     # BUCKET: the members' gradient deltas (+ GRAD_DELTA_BIAS)
     gd0,
@@ -191,7 +198,7 @@ def _check_kernel(
     BUCKET: tl.constexpr,  # one launch over several parameters (kernels/bucket.py)
 ):
     if BUCKET:
-        member, program, row = _bucket_member(map_ptr, table_ptr)
+        member, program, row = _bucket_member(table_ptr, COL_CHECK_START)
         grad_ptr = _grad_pointer(
             grad_ptr, member, gd0, gd1, gd2, gd3, gd4, gd5, gd6, gd7, gd8, gd9, gd10, gd11, gd12, gd13, gd14, gd15
         )
@@ -240,8 +247,7 @@ def _update_kernel(
     v_scale_ptr,
     step_ptr,  # step count, already advanced by the check kernel
     scratch_ptr,  # the check kernel's words: [2] non-zero: the gradient was not finite
-    table_ptr,  # BUCKET: int64 rows of the members' deltas, sizes and keys
-    map_ptr,  # BUCKET: int32 (member, program index within the member) per program
+    table_ptr,  # BUCKET: int64 rows of the members' deltas, sizes, keys and first programs
     n_elements,
     n_pairs,  # (n_elements + 1) // 2: bytes of 4-bit codes
     key_shared,  # host parts of the hash keys (uint32): the word shared by the roundings,
@@ -302,7 +308,7 @@ def _update_kernel(
     BUCKET: tl.constexpr,  # one launch over several parameters (kernels/bucket.py)
 ):
     if BUCKET:  # this program's member: its pointers, size and keys
-        member, program, row = _bucket_member(map_ptr, table_ptr)
+        member, program, row = _bucket_member(table_ptr, COL_UPDATE_START)
         param_ptr = _rebase(param_ptr, row, COL_PARAM)
         corr_ptr = _rebase(corr_ptr, row, COL_CORR)
         grad_ptr = _grad_pointer(
@@ -441,8 +447,8 @@ def _update_kernel(
 
 # runtime arguments: tensors, then ints (the gradient deltas last: always int64, not in the
 # launch key), then floats (see PreparedUpdate)
-CHECK_ARGS = dict(tensors=7, ints=1 + BUCKET_TENSORS, unkeyed_ints=BUCKET_TENSORS)
-UPDATE_ARGS = dict(tensors=12, ints=4 + BUCKET_TENSORS, unkeyed_ints=BUCKET_TENSORS)
+CHECK_ARGS = dict(tensors=6, ints=1 + BUCKET_TENSORS, unkeyed_ints=BUCKET_TENSORS)
+UPDATE_ARGS = dict(tensors=11, ints=4 + BUCKET_TENSORS, unkeyed_ints=BUCKET_TENSORS)
 _launch_check = DirectLauncher(_check_kernel, **CHECK_ARGS)
 _launch_update = DirectLauncher(_update_kernel, **UPDATE_ARGS)
 
@@ -546,8 +552,8 @@ class PreparedUpdate:
         )
         self.keys = keys
         self.ints = (n, (n + 1) // 2, *keys)  # sizes and hash keys, before the gradient deltas
-        self.tail = (*self.state_tensors, dummy, dummy, *self.ints)  # dummy, dummy: no bucket table, map
-        self.check_tensors = (scratch, step, skipped, dummy, dummy)
+        self.tail = (*self.state_tensors, dummy, *self.ints)  # dummy: no bucket table
+        self.check_tensors = (scratch, step, skipped, dummy)
         self.bucketable: bool | None = None  # whether it can join a bucket (kernels/bucket.py decides once)
         self.check_launches: dict = {}  # resolved direct launches by gradient variant (launch_remembered)
         self.update_launches: dict = {}

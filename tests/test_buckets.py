@@ -118,6 +118,18 @@ def test_more_parameters_than_one_bucket_holds(monkeypatch, device):
     _assert_identical(alone, together)
 
 
+def test_members_of_several_check_programs(monkeypatch, device):
+    """Each program finds its member from the table's first-program columns: members of several
+    check programs (16384 elements each) and update programs (1024) between small ones."""
+    shapes = [(16, 16), (2, 8200), (48, 32), (16, 1040), (32, 16)]
+    built = []
+    kwargs = dict(state_bits=8)
+    alone = _train(monkeypatch, device, 0, fusedopt.AdamW, kwargs, torch.bfloat16, False, shapes, steps=2)
+    together = _train(monkeypatch, device, 64, fusedopt.AdamW, kwargs, torch.bfloat16, False, shapes, 2, built)
+    assert built == [len(shapes)]
+    _assert_identical(alone, together)
+
+
 # the kernel computes on the non-finite gradient and only masks its stores: numpy (the
 # interpreter) warns about the NaN it makes on the way
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
