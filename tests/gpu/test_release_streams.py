@@ -1,0 +1,104 @@
+"""Gradient release and CUDA streams (fusedopt/release.py), on the GPU.
+
+Held updates launch on the device's default stream, where autograd made their gradients ready; a
+gradient made ready on a side stream is updated at once, on that stream; a caller whose current
+stream is a side stream waits for the updates launched at the end of backward. Each case is held
+against ``fused=False`` on the same inputs, bit for bit, and reads the parameters on the caller's
+stream right after ``backward()``, without a synchronisation.
+"""
+
+import pytest
+import torch
+
+import fusedopt
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+SIZES = [1 << 16, 1 << 17, 3 << 16, 1 << 21]  # bf16: 128 KiB, 256 KiB, 384 KiB, 4 MiB
+
+
+class LateGradient(torch.autograd.Function):
+    """The identity, whose backward first keeps its stream busy: a gradient made ready late."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.cuda._sleep(20_000_000)  # ~10 ms of GPU cycles on this node's stream
+        return grad.clone()
+
+
+def _loss(params, coefs, side: torch.cuda.Stream | None):
+    """Parameter 0 is used last (its gradient comes first in backward); with ``side`` its forward
+    runs on that stream, behind a node whose backward is slow."""
+    total = sum((p * c).sum() for p, c in zip(params[1:], coefs[1:]))
+    if side is None:
+        return total + (params[0] * coefs[0]).sum()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        last = (LateGradient.apply(params[0]) * coefs[0]).sum()
+    torch.cuda.current_stream().wait_stream(side)
+    return total + last
+
+
+def _train(fused: bool, monkeypatch, side_forward=False, backward_on_side=False, steps=3):
+    # 1 MiB: backward reaches parameter 0 first (held), then 3 (4 MiB: drains both, mid-backward),
+    # then 2 and 1 (held until the end of backward)
+    monkeypatch.setenv("FUSEDOPT_BUCKET_MB", "1")
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen).to("cuda", torch.bfloat16)) for n in SIZES]
+    coefs_per_step = [[torch.randn(n, generator=gen).to("cuda", torch.bfloat16) for n in SIZES] for _ in range(steps)]
+    opt = fusedopt.AdamW(params, lr=1e-2, fused=fused)
+    side = torch.cuda.Stream()
+    seen = []
+    for coefs in coefs_per_step:
+        loss = _loss(params, coefs, side if side_forward else None)
+        if backward_on_side:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                loss.backward()
+                seen.append([p.detach().clone() for p in params])  # on the caller's stream, no sync
+                if not fused:
+                    opt.step()
+                opt.zero_grad()
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            loss.backward()
+            seen.append([p.detach().clone() for p in params])
+            if not fused:
+                opt.step()
+            opt.zero_grad()
+        if fused:
+            opt.step()  # nothing left to update: starts the next accumulation window
+    torch.cuda.synchronize()
+    return [p.detach().cpu() for p in params], [[t.cpu() for t in step] for step in seen]
+
+
+def _assert_same_updates(released, unfused):
+    (final_r, seen_r), (final_u, seen_u) = released, unfused
+    for a, b in zip(final_r, final_u):
+        assert torch.equal(a, b)
+    # what the caller's stream saw right after backward: released, the step's updates; unfused,
+    # the parameters before them (its step() comes later): so compare with the next step's view
+    for step_r, step_u in zip(seen_r[:-1], seen_u[1:]):
+        for a, b in zip(step_r, step_u):
+            assert torch.equal(a, b)
+
+
+def test_held_updates_on_the_default_stream(monkeypatch):
+    _assert_same_updates(_train(True, monkeypatch), _train(False, monkeypatch))
+
+
+def test_a_gradient_made_ready_on_a_side_stream(monkeypatch):
+    _assert_same_updates(_train(True, monkeypatch, side_forward=True), _train(False, monkeypatch, side_forward=True))
+
+
+def test_backward_called_on_a_side_stream(monkeypatch):
+    _assert_same_updates(
+        _train(True, monkeypatch, backward_on_side=True), _train(False, monkeypatch, backward_on_side=True)
+    )
