@@ -46,6 +46,15 @@ def _loss(params, coefs, side: torch.cuda.Stream | None):
     return total + last
 
 
+def _unfused_step(opt):
+    """The baseline's step, synchronised: a gradient made on a side stream and read by ``step()``
+    on another would otherwise be freed (``zero_grad``) and its memory reused on the side stream
+    while the update still reads it (the user's to guard with ``record_stream``, as with torch's
+    optimizers)."""
+    opt.step()
+    torch.cuda.synchronize()
+
+
 def _train(fused: bool, monkeypatch, side_forward=False, backward_on_side=False, steps=3):
     # 1 MiB: backward reaches parameter 0 first (held), then 3 (4 MiB: drains both, mid-backward),
     # then 2 and 1 (held until the end of backward)
@@ -64,14 +73,14 @@ def _train(fused: bool, monkeypatch, side_forward=False, backward_on_side=False,
                 loss.backward()
                 seen.append([p.detach().clone() for p in params])  # on the caller's stream, no sync
                 if not fused:
-                    opt.step()
+                    _unfused_step(opt)
                 opt.zero_grad()
             torch.cuda.current_stream().wait_stream(side)
         else:
             loss.backward()
             seen.append([p.detach().clone() for p in params])
             if not fused:
-                opt.step()
+                _unfused_step(opt)
             opt.zero_grad()
         if fused:
             opt.step()  # nothing left to update: starts the next accumulation window
