@@ -21,6 +21,7 @@ from .master import MASTER_CORRECTION, check_master_weight_bits, correction_layo
 from .reference import ParamUpdate, UpdateMath
 from .release import GradientRelease
 from .state_memory import SharedCorrections, pack
+from .streams import on_default_stream
 
 # Options that apply to the whole optimizer; a parameter group may not set them.
 OPTIMIZER_WIDE_OPTIONS = ("fused", "accumulation_steps", "seed")
@@ -248,7 +249,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         if launch is not None:
             launch.launch(grad, accum, hyper)
             return
-        state, codecs = self.ensure_state(p), self.codecs(p, group)
+        # A first update may run in a hook on a side stream: state (and the correction buffer that
+        # all parameters share) is initialised on the default stream, which that stream then waits for
+        with on_default_stream(p):
+            state = self.ensure_state(p)
+            self._scratch(p)
+        codecs = self.codecs(p, group)
         for slot, codec in codecs.items():
             if slot + codec.suffixes[0] not in state:
                 raise ValueError(

@@ -9,11 +9,11 @@ updates are held, gradient and all, until ``FUSEDOPT_BUCKET_MB`` MiB of gradient
 run as buckets (``buckets.py``); the end of backward runs the rest. A further backward before
 ``step()`` is an error, never a second update.
 
-Streams: only gradients that autograd made ready on their device's default stream are held, and
-held updates always launch on that stream (where the gradient's memory belongs, so freeing it
-after the launch is safe); a caller whose current stream is another one is made to wait for
-them. A hook running on a side stream (its forward ran under ``torch.cuda.stream(s)``) updates at
-once, on that stream, as every hook did before holding existed.
+Streams (``streams.py``): only gradients that autograd made ready on their device's default
+stream are held, and held updates always launch on that stream (where the gradient's memory
+belongs, so freeing it after the launch is safe); a caller whose current stream is another one
+is made to wait for them. A hook running on a side stream (its forward ran under
+``torch.cuda.stream(s)``) updates at once, on that stream, as every hook did before holding existed.
 
 References are arranged so the optimizer can be garbage-collected: hooks hold a weak
 reference to this object, which holds a weak reference to the optimizer; a finaliser on
@@ -33,6 +33,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .reference import accumulate_low_precision
 from .rounding import LOW_PRECISION
+from .streams import is_default_stream_current, on_default_stream
 
 # param -> weakref to the GradientRelease whose hook it carries (one live owner per parameter)
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -56,31 +57,6 @@ def check_single_process() -> None:
             "DistributedDataParallel / FSDP reduce gradients across processes. Use fused=False with data "
             f"parallelism; set {ALLOW_DISTRIBUTED}=1 if no gradient is reduced across processes"
         )
-
-
-_DEFAULT_STREAMS: dict[int, int] = {}  # device index -> raw handle of its default stream
-
-
-def _on_default_stream(device: int) -> bool:
-    """Whether the current stream of CUDA device ``device`` is its default stream (cheap: raw handles)."""
-    default = _DEFAULT_STREAMS.get(device)
-    if default is None:
-        default = _DEFAULT_STREAMS[device] = torch.cuda.default_stream(device).cuda_stream
-    return torch._C._cuda_getCurrentRawStream(device) == default
-
-
-@contextlib.contextmanager
-def _default_stream(grad: torch.Tensor):
-    """Launch on ``grad``'s device's default stream (held gradients were made ready there); if the
-    caller's current stream is another one (``backward()`` or ``step()`` under
-    ``torch.cuda.stream(s)``), it then waits for what was launched."""
-    if not grad.is_cuda or _on_default_stream(grad.get_device()):
-        yield
-        return
-    current, default = torch.cuda.current_stream(grad.device), torch.cuda.default_stream(grad.device)
-    with torch.cuda.stream(default):
-        yield
-    current.wait_stream(default)
 
 
 def _flush(optimizer_ref: weakref.ref, release: GradientRelease) -> None:
@@ -167,7 +143,8 @@ class GradientRelease:
             if n < k:
                 if p.dtype in LOW_PRECISION:
                     _, index = optimizer.position(p)
-                    step = optimizer.ensure_state(p)["step"]
+                    with on_default_stream(p):  # as update_param creates state (streams.py)
+                        step = optimizer.ensure_state(p)["step"]
                     self._buffers[p] = accumulate_low_precision(
                         self._buffers.get(p), grad, seed=optimizer.seed, index=index, micro_batch=n, step=step
                     )
@@ -178,7 +155,7 @@ class GradientRelease:
                 accum is not None
                 or not optimizer.bucket_budget
                 or not optimizer.has_prepared_launch(p)
-                or (grad.is_cuda and not _on_default_stream(grad.get_device()))
+                or (grad.is_cuda and not is_default_stream_current(grad.get_device()))
             ):
                 # the reference, a first step, no bucketing, or a side stream's gradient (updated
                 # now, on that stream)
@@ -202,7 +179,7 @@ class GradientRelease:
             return
         with (
             torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext(),
-            _default_stream(held[0][1]),
+            on_default_stream(held[0][1]),
         ):
             for p, grad in held:
                 optimizer.queue_update(p, grad)

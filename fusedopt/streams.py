@@ -1,0 +1,37 @@
+"""CUDA streams: gradient release's hooks run on the stream of their parameter's forward.
+
+Autograd runs each backward node, a parameter's post-accumulate-grad hook included, on the
+stream its forward ran on. Work that other streams depend on (a parameter's first state, the
+shared correction buffer, held updates) goes to the device's default stream, and a side
+stream that is current waits for it (``on_default_stream``): no host synchronisation, and memory
+allocated there belongs to the stream that initialised it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_DEFAULT_STREAMS: dict[int, int] = {}  # device index -> raw handle of its default stream
+
+
+def is_default_stream_current(device: int) -> bool:
+    """Whether the current stream of CUDA device ``device`` is its default stream (raw handles: cheap)."""
+    default = _DEFAULT_STREAMS.get(device)
+    if default is None:
+        default = _DEFAULT_STREAMS[device] = torch.cuda.default_stream(device).cuda_stream
+    return torch._C._cuda_getCurrentRawStream(device) == default
+
+
+@contextlib.contextmanager
+def on_default_stream(t: torch.Tensor):
+    """Run the block on the default stream of ``t``'s device; a current side stream then waits for
+    what the block launched. Nothing changes for a CPU tensor or when the default stream is current."""
+    if not t.is_cuda or is_default_stream_current(t.get_device()):
+        yield
+        return
+    current, default = torch.cuda.current_stream(t.device), torch.cuda.default_stream(t.device)
+    with torch.cuda.stream(default):
+        yield
+    current.wait_stream(default)
