@@ -9,7 +9,7 @@ optimizer state, gradients, activations and the rest. It combines:
   optimizer update) and tracks each distinct storage until it is freed (a weak reference to
   the storage). Storages that exist when tracking starts (parameters, buffers, optimizer state)
   are registered up front. At every sample the live storages are classified: parameters by
-  identity, gradients as ``p.grad`` (and the accumulation buffers of a fusedopt optimizer),
+  identity, gradients as ``p.grad`` (and the accumulation buffers and held gradients of a fusedopt optimizer),
   optimizer state as the tensors in ``optimizer.state``; of the remainder, storages allocated
   in the forward pass, or inside a module's forward during backward (checkpoint recomputation),
   are activations; everything else (inputs, buffers, autograd and optimizer temporaries) is
@@ -406,6 +406,8 @@ class MemoryTracker(TorchDispatchMode):
         release = getattr(opt, "_release", None) if opt is not None else None
         for buffer in list(getattr(release, "_buffers", {}).values()):
             add("gradients", buffer)
+        for _, grad in list(getattr(release, "_held", ())):  # held until their bucketed update
+            add("gradients", grad)
         return out
 
     def _refresh(self) -> None:

@@ -305,6 +305,36 @@ def test_planner_uses_measured_figures(embedded_run):
 # --- the planner without measurements --------------------------------------------------------------
 
 
+def test_gradients_release_holds_count_as_gradients(monkeypatch, device):
+    """Gradients that release holds for a bucketed update (p.grad is None by then) are gradients."""
+    monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
+    monkeypatch.setenv("FUSEDOPT_BUCKET_MB", "1000")  # hold every gradient until the end of backward
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(3)]).to(device, torch.bfloat16)
+    opt = fusedopt.AdamW(model.parameters(), lr=1e-3, fused=True, min_compress_numel=0)
+    x = torch.randn(1, 64, device=device, dtype=torch.bfloat16)
+    model(x).float().sum().backward()  # the first updates run at once: prepared launches from here
+    opt.step()
+    held = []
+    hold = opt._release.on_gradient
+
+    def on_gradient(p):  # what release holds once each hook has run
+        hold(p)
+        held.append(sum(g.numel() * g.element_size() for _, g in opt._release._held))
+
+    tracker = MemoryTracker(model, opt)
+    tracker.register_inputs(x)
+    with tracker:
+        monkeypatch.setattr(opt._release, "on_gradient", on_gradient)
+        with tracker.phase("backward"):
+            model(x).float().sum().backward()
+        opt.step()
+    assert held == [8192, 16384, 24576]  # all three held until the end of backward
+    # sampled at the next op: after the second hook (the third's is flushed before another op)
+    gradients = CATEGORIES.index("gradients")
+    assert max(s[3 + gradients] for s in tracker.result().timeline) >= held[1]
+
+
 def test_plan_from_byte_model_and_layout(capsys):
     rows = plan(7_000_000_000, 24.0, ["torch.AdamW", "fusedopt.AdamW:fused=True"], dtype="bf16")
     torch_row, fo_row = rows
