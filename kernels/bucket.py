@@ -33,6 +33,7 @@ from fusedopt.kernels.update import (
     bucket_config,
     scalar_args,
 )
+from fusedopt.streams import on_default_stream
 
 ALIGN = 16  # bytes: the alignment the kernel's vector accesses assume for every member tensor
 
@@ -85,7 +86,8 @@ class PreparedBucket:
         unused = [0] * TABLE_COLS  # rows of no member: their first programs are after every program
         unused[COL_UPDATE_START.value] = unused[COL_CHECK_START.value] = NO_START
         rows += [unused] * (BUCKET_TENSORS - len(members))
-        self.table = _to_device(torch.tensor(rows, dtype=torch.int64), first.head[0].device)
+        with on_default_stream(first.head[0]):  # launches on any stream can then wait for the copy
+            self.table = _to_device(torch.tensor(rows, dtype=torch.int64), first.head[0].device)
         self.head, self.state_tensors = first.head, first.state_tensors
         self.step, self.scratch, self.skipped = first.step, first.scratch, first.skipped
         self.ints = first.ints  # the first member's sizes and keys (unused: the table has them)
