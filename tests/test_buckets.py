@@ -95,14 +95,14 @@ def test_group_changes_between_steps_reach_bucketed_updates(monkeypatch, device,
     _assert_identical(alone, together)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_parameters_moved_to_new_storage_between_steps(monkeypatch, device, fused):
+def test_parameters_moved_to_new_storage_between_steps(monkeypatch, device):
     """A bucket's table points into its members' storage: a parameter whose storage was replaced
-    (``p.data = ...``) must get a new one, never an update written to the old storage."""
+    (``p.data = ...``) must get a new one, never an update written to the old storage. (Release
+    and step() check a prepared launch alike, in ``queue_update``.)"""
     kwargs, built = dict(state_bits=8), []
-    alone = _train(monkeypatch, device, 0, fusedopt.AdamW, kwargs, torch.bfloat16, fused, steps=5, moved=(2,))
+    alone = _train(monkeypatch, device, 0, fusedopt.AdamW, kwargs, torch.bfloat16, True, steps=4, moved=(2,))
     together = _train(
-        monkeypatch, device, 64, fusedopt.AdamW, kwargs, torch.bfloat16, fused, steps=5, built=built, moved=(2,)
+        monkeypatch, device, 64, fusedopt.AdamW, kwargs, torch.bfloat16, True, steps=4, built=built, moved=(2,)
     )
     assert built and max(built) >= 3
     _assert_identical(alone, together)
@@ -121,7 +121,7 @@ def test_more_parameters_than_one_bucket_holds(monkeypatch, device):
 def test_members_of_several_check_programs(monkeypatch, device):
     """Each program finds its member from the table's first-program columns: members of several
     check programs (16384 elements each) and update programs (1024) between small ones."""
-    shapes = [(16, 16), (2, 8200), (48, 32), (16, 1040), (32, 16)]
+    shapes = [(16, 16), (2, 8200), (48, 32)]  # 2 check programs and 17 update programs, then 2
     built = []
     kwargs = dict(state_bits=8)
     alone = _train(monkeypatch, device, 0, fusedopt.AdamW, kwargs, torch.bfloat16, False, shapes, steps=2)
