@@ -215,8 +215,13 @@ class FusedOptimizer(torch.optim.Optimizer):
             settings = self._window[group_index] = hyper, self._group_structure(group, hyper), kernel_allowed()
         hyper, group_structure, allowed = settings
         launch = self._prepared_launch(p, grad, accum, group_structure) if allowed else None
-        if launch is None or not self._buckets.add(launch, grad, hyper, group_index):
-            self.update_param(p, grad, accum)
+        if launch is None:
+            self.update_param(p, grad, accum)  # through the backend
+        elif not self._buckets.add(launch, grad, hyper, group_index):
+            # prepared but not bucketable (size, alignment): alone, without update_param's lookups again
+            if self._buckets.is_pending(launch):  # a queued update of p runs first
+                self.flush_updates()
+            launch.launch(grad, accum, hyper)
 
     def has_prepared_launch(self, p: torch.Tensor) -> bool:
         """Whether ``p``'s last update went through the kernel (its next one likely can join a bucket)."""
