@@ -12,6 +12,8 @@
 #        codec    8-bit square vs shifted-minifloat levels: tracking error, then training loss
 #                 (benchmarks/codec_choice.py, ~6 min; the figures of docs/codecs.md)
 #        ablation kernel ablation only (VARIANTS=...)
+#        counters Nsight Compute counters of the update kernel, its VARIANTS and torch's fused AdamW
+#                 (benchmarks/kernel_counters.py; the report, its raw/details CSV and the SASS page)
 # SKIP_INSTALL=1: the package is already installed (benchmarks/run_pair.sh installs once).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -48,6 +50,16 @@ for part in "${@:-perf tests}"; do
     ablation)
       python3 benchmarks/kernel_ablation.py --out "$OUT/ablation.json" ${VARIANTS:+--variants $VARIANTS} 2>&1 \
         | tee "$OUT/ablation.log" ;;
+    counters)
+      rep="$OUT/counters"
+      command -v ncu > /dev/null || PATH=$PATH:$(ls -d /opt/nvidia/nsight-compute/*/ 2>/dev/null | tail -1)
+      ncu --clock-control none --profile-from-start off --set full -f -o "$rep" \
+        python3 benchmarks/kernel_counters.py ${VARIANTS:+--variants $VARIANTS} 2>&1 | tee "$OUT/counters_run.log" | grep -v '^==PROF=='
+      ncu -i "$rep.ncu-rep" --page raw --csv > "$OUT/counters_raw.csv" 2> "$OUT/counters_export.err"
+      ncu -i "$rep.ncu-rep" --page details --csv > "$OUT/counters_details.csv" 2>> "$OUT/counters_export.err"
+      ncu -i "$rep.ncu-rep" --page source --print-source sass --csv --kernel-name regex:_update_kernel \
+        --launch-count 1 > "$OUT/counters_update_sass.csv" 2>> "$OUT/counters_export.err"
+      python3 benchmarks/kernel_counters.py --summarize "$rep.ncu-rep" 2>&1 | tee "$OUT/counters_summary.txt" ;;
     launch)
       python3 benchmarks/launch_overhead.py --out "$OUT/launch_overhead.json" 2>&1 | tee "$OUT/launch_overhead.log" ;;
     examples)
