@@ -17,6 +17,8 @@ The time a stage costs is the base time minus the variant's. Variants:
              the H200, beyond one update's fp32 round-off: not taken)
   nomaster   parameter written with stochastic rounding instead of head + correction
   floor      all of the above: loads, fp32 math and stores only
+  nobarrier  without the block barrier that makes every load issue before the arithmetic
+             (a candidate, not a stand-in: its results are right)
 
 Variants named twice (e.g. base,nohash,base) are timed twice: the spread is the run's noise.
 The fifth sitting's candidates are in the kernels now (benchmarks/RESULTS.md): the 1-D scale
@@ -70,6 +72,7 @@ EDITS = {
     ],
     "fastmath": [("update.py", "tl.sqrt_rn(v)", "tl.sqrt(v)"), ("update.py", "tl.div_rn(m, denom)", "(m / denom)")],
     "nomaster": [("update.py", "QBLOCK),\n        MASTER,", "QBLOCK),\n        1,")],
+    "nobarrier": [("update.py", "    tl.debug_barrier()\n", "")],
 }  # fmt: skip
 EDITS["floor"] = [e for name in ("nohash", "noencode", "nodecode", "fastmath", "nomaster") for e in EDITS[name]]
 

@@ -82,62 +82,75 @@ def run_kernels(variants: list[str], elements: int) -> None:
     print(f"elements per launch: {shape[0] * shape[1]}")
 
 
-# metric name in ncu's raw page -> column of the summary
-METRICS = {
-    "gpu__time_duration.sum": "time",
-    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram %",
-    "dram__bytes.sum": "dram bytes",
-    "sm__inst_executed.sum": "warp instr",
-    "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue %",
-    "sm__warps_active.avg.pct_of_peak_sustained_active": "occupancy %",
-    "launch__registers_per_thread": "regs",
+# metrics of ncu's raw page (Nsight Compute 2025.3 on the H200; names differ between versions)
+TIME = "gpu__time_duration.sum"
+DRAM = ("dram__bytes_read.sum", "dram__bytes_write.sum")
+INSTRUCTIONS = "smsp__inst_executed.sum"  # warp instructions
+PERCENTS = {
+    "issue": "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    "alu": "sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active",
+    "fma": "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active",
+    "xu": "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",
+    "occupancy": "sm__warps_active.avg.pct_of_peak_sustained_active",
 }
-STALL_PREFIX = "smsp__average_warp_latency_issue_stalled_"
-STALL_PREFIX_ALT = "smsp__pcsamp_warps_issue_stalled_"
+STALL_PREFIX = "smsp__pcsamp_warps_issue_stalled_"
+_SCALE = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}
 
 
-def _number(text: str) -> float | None:
+def _number(text: str) -> float:
     try:
         return float(text.replace(",", ""))
     except ValueError:
-        return None
+        return float("nan")
+
+
+def summarize_csv(text: str, elements: int) -> list[str]:
+    """One line per profiled kernel of ncu's ``--page raw --csv`` output, plus its stall samples."""
+    rows = list(csv.reader(io.StringIO(text)))
+    header, units, data = rows[0], rows[1], rows[2:]
+    col = {name: i for i, name in enumerate(header)}
+
+    def value(row, metric):
+        return _number(row[col[metric]]) * _SCALE.get(units[col[metric]], 1.0)
+
+    lines = [f"{len(data)} kernels; elements per launch: {elements}; per element: DRAM bytes, thread instructions"]
+    for row in data:
+        t_us = value(row, TIME)
+        dram = sum(value(row, m) for m in DRAM)
+        instructions = _number(row[col[INSTRUCTIONS]]) * 32 / elements
+        shares = "  ".join(f"{k} {_number(row[col[m]]):.0f}%" for k, m in PERCENTS.items() if m in col)
+        lines.append(
+            f"{row[col['Kernel Name']][:28]:28s} {t_us:8.1f} us  {dram / t_us / 1e6:5.2f} TB/s  "
+            f"{dram / elements:5.2f} B/elem  {instructions:6.1f} instr/elem  {shares}"
+        )
+        stalls = [
+            (_number(row[i]), name[len(STALL_PREFIX) :])
+            for name, i in col.items()
+            if name.startswith(STALL_PREFIX) and not name.endswith("_not_issued")
+        ]
+        stalls = [(v, name) for v, name in stalls if v == v and v > 0]
+        total = sum(v for v, _ in stalls) or 1.0
+        top = sorted(stalls, reverse=True)[:6]
+        lines.append("    stall samples: " + ", ".join(f"{name} {100 * v / total:.0f}%" for v, name in top))
+    return lines
 
 
 def summarize(report: str, elements: int) -> None:
     ncu = shutil.which("ncu") or "ncu"
-    raw = subprocess.run([ncu, "-i", report, "--page", "raw", "--csv"], capture_output=True, text=True, check=True)
-    rows = list(csv.reader(io.StringIO(raw.stdout)))
-    header, units, data = rows[0], rows[1], rows[2:]
-    col = {name: i for i, name in enumerate(header)}
-    print(f"{len(data)} kernels in {report}; elements per launch: {elements}")
-    for row in data:
-        name = row[col["Kernel Name"]][:40]
-        values = {label: _number(row[col[m]]) if m in col else None for m, label in METRICS.items()}
-        unit = units[col["gpu__time_duration.sum"]]
-        t = values["time"]
-        t_us = t / 1000 if unit == "nsecond" else (t * 1000 if unit == "msecond" else t)
-        per_elem = values["warp instr"] * 32 / elements if values["warp instr"] else float("nan")
-        print(
-            f"{name:40s} {t_us:9.1f} us  dram {values['dram %']}%  issue {values['issue %']}%  "
-            f"occupancy {values['occupancy %']}%  regs {values['regs']}  thread-instr/elem {per_elem:.1f}"
-        )
-        stalls = []
-        for metric, i in col.items():
-            for prefix in (STALL_PREFIX_ALT,):
-                if metric.startswith(prefix) and metric.endswith(".sum") and "not_issued" not in metric:
-                    v = _number(row[i])
-                    if v:
-                        stalls.append((v, metric[len(prefix) :]))
-        total = sum(v for v, _ in stalls) or 1.0
-        top = sorted(stalls, reverse=True)[:6]
-        print("    stall samples: " + ", ".join(f"{n} {100 * v / total:.0f}%" for v, n in top))
+    if report.endswith(".csv"):  # an exported raw page
+        with open(report) as f:
+            text = f.read()
+    else:
+        text = subprocess.run([ncu, "-i", report, "--page", "raw", "--csv"], capture_output=True, text=True, check=True)
+        text = text.stdout
+    print("\n".join(summarize_csv(text, elements)))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default="base,floor", help="kernel_ablation.py variants, comma-separated")
     parser.add_argument("--elements", type=int, default=ROWS * COLS, help="a multiple of 16384")
-    parser.add_argument("--summarize", metavar="REPORT", help="print the summary of an ncu report instead")
+    parser.add_argument("--summarize", metavar="REPORT", help="summarize an ncu report or its raw-page CSV")
     args = parser.parse_args(argv)
     if args.summarize:
         summarize(args.summarize, args.elements)
