@@ -55,10 +55,12 @@ def run_kernels(variants: list[str], elements: int) -> None:
         torch.cuda.cudart().cudaProfilerStop()
         order.append(name)
 
-    original = real_update._launch_update, real_update._launch_check
+    original = real_update._launch_update, real_update._launch_check, real_update.MAX_REGISTERS
     try:
         for name in variants:
-            variant = build_variant(root, name)
+            source, _, cap = name.partition("@")  # base@64: the base kernel with at most 64 registers
+            real_update.MAX_REGISTERS = int(cap) if cap else None
+            variant = build_variant(root, source)
             real_update._launch_update = DirectLauncher(variant._update_kernel, **real_update.UPDATE_ARGS)
             real_update._launch_check = DirectLauncher(variant._check_kernel, **real_update.CHECK_ARGS)
             p = torch.nn.Parameter(torch.randn(shape, device="cuda", dtype=torch.bfloat16))
@@ -67,7 +69,7 @@ def run_kernels(variants: list[str], elements: int) -> None:
             profiled(f"fusedopt {name}: check, update", opt.step)
             del opt, p
     finally:
-        real_update._launch_update, real_update._launch_check = original
+        real_update._launch_update, real_update._launch_check, real_update.MAX_REGISTERS = original
         shutil.rmtree(root, ignore_errors=True)
     p = torch.nn.Parameter(torch.randn(shape, device="cuda", dtype=torch.bfloat16))
     p.grad = torch.randn_like(p)
@@ -148,7 +150,7 @@ def summarize(report: str, elements: int) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default="base,floor", help="kernel_ablation.py variants, comma-separated")
+    parser.add_argument("--variants", default="base,floor", help="ablation variants; NAME@N: N registers")
     parser.add_argument("--elements", type=int, default=ROWS * COLS, help="a multiple of 16384")
     parser.add_argument("--summarize", metavar="REPORT", help="summarize an ncu report or its raw-page CSV")
     args = parser.parse_args(argv)
