@@ -4,6 +4,7 @@
 #                                            $OUT/results.tgz, unless run by run_pair.sh)
 # parts: perf     kernel ablation + step bandwidth (benchmarks/kernel_ablation.py, step_bandwidth.py)
 #        bandwidth      step bandwidth only
+#        ab       the default against torch's fused AdamW (and tile variants), interleaved (step_ab.py)
 #        tests    GPU parity and end-to-end tests (tests/gpu) + the interpreter suite on CUDA tensors
 #        profile  the profiler's CUDA tests
 #        release  release overhead on a ~1B model (benchmarks/release_overhead.py)
@@ -32,6 +33,8 @@ for part in "${@:-perf tests}"; do
       python3 benchmarks/step_bandwidth.py --sweep --out "$OUT/step_bandwidth.json" 2>&1 | tee "$OUT/step_bandwidth.log" ;;
     bandwidth)
       python3 benchmarks/step_bandwidth.py --out "$OUT/step_bandwidth.json" 2>&1 | tee "$OUT/step_bandwidth.log" ;;
+    ab)
+      python3 benchmarks/step_ab.py --variants ${AB_ARGS:-} --out "$OUT/step_ab.json" 2>&1 | tee "$OUT/step_ab.log" ;;
     tests)
       timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu tests/test_kernels.py} 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -25 ;;

@@ -182,6 +182,7 @@ def main(argv=None) -> int:
         except Exception as error:  # an option this Triton does not take: report, go on
             print(f"{name}: failed: {type(error).__name__}: {error}", flush=True)
             continue
+        r["design_bytes_per_element"] = fusedopt_bytes(8, 24, check_read=False)
         sweep.append(r)
         print(f"{r['name']:34s} {r['ms']:8.3f} ms  {r['GBps']:7.0f} GB/s", flush=True)
     update.BLOCK, update.NUM_WARPS, update.MAX_REGISTERS = defaults

@@ -1,0 +1,111 @@
+"""Interleaved step timing: the default fusedopt step against torch's fused AdamW (and variants).
+
+Usage (CUDA machine, repo root):
+  python benchmarks/step_ab.py [--rounds 30] [--reps 5] [--variants] [--out ab.json]
+
+``step_bandwidth.py`` times one configuration after another, and on the H200 the same
+configuration moved by 2-3% between positions in one run (2026-11-30, eighth sitting: the
+default took 5.615 ms in one run and 5.795 ms in the next, torch 5.777 and 5.761), which is as
+large as the margin being measured. Here every configuration is built once (same shapes as
+``step_bandwidth.py``: 8 tensors of 8192 x 16384 bf16), and each round times every
+configuration (median of ``--reps`` steps), in an order that reverses every round so drift
+hits all alike. Reported: per configuration the median step time over rounds, and per round
+the ratio to torch's fused AdamW, with its median, min and max.
+
+``--variants`` adds the default configuration with other tile shapes or register caps (built
+with the module constants set, then restored: a prepared update keeps its launch config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+import fusedopt
+
+SHAPE = (8192, 16384)
+N_TENSORS = 8
+VARIANTS = {"tile 2048 / 4 warps": (2048, 4, None), "tile 512 / 2 warps": (512, 2, None), "64 registers": (1024, 4, 64)}
+
+
+def _params():
+    params = [torch.nn.Parameter(torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16)) for _ in range(N_TENSORS)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    return params
+
+
+def _build(make, launch=None):
+    """An optimizer over fresh parameters, warmed up (compiled, state allocated, launches prepared)."""
+    from fusedopt.kernels import update
+
+    saved = update.BLOCK, update.NUM_WARPS, update.MAX_REGISTERS
+    if launch is not None:
+        update.BLOCK, update.NUM_WARPS, update.MAX_REGISTERS = launch
+    try:
+        opt = make(_params())
+        for _ in range(2):
+            opt.step()
+        torch.cuda.synchronize()
+    finally:
+        update.BLOCK, update.NUM_WARPS, update.MAX_REGISTERS = saved
+    return opt
+
+
+def _median_ms(opt, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        opt.step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--variants", action="store_true", help="also the default with other tiles / register caps")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    configs = {
+        "torch AdamW fused (bf16 state)": _build(lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True)),
+        "fusedopt default (8-bit / 24)": _build(lambda ps: fusedopt.AdamW(ps, lr=1e-4)),
+    }
+    if args.variants:
+        for name, launch in VARIANTS.items():
+            configs[f"fusedopt default, {name}"] = _build(lambda ps: fusedopt.AdamW(ps, lr=1e-4), launch)
+    names = list(configs)
+    times = {name: [] for name in names}
+    for r in range(args.rounds):
+        for name in names if r % 2 == 0 else reversed(names):
+            times[name].append(_median_ms(configs[name], args.reps))
+    baseline = times[names[0]]
+    print(f"{args.rounds} rounds, median of {args.reps} steps per configuration and round")
+    print("| configuration | median ms | ratio to torch fused: median | min | max |\n|---|---|---|---|---|")
+    summary = {}
+    for name in names:
+        ratios = [t / b for t, b in zip(times[name], baseline)]
+        summary[name] = dict(ms=times[name], ratios=ratios)
+        cells = [f"{statistics.median(times[name]):.3f}", f"{statistics.median(ratios):.4f}"]
+        cells += [f"{min(ratios):.4f}", f"{max(ratios):.4f}"]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    if args.out:
+        env = dict(torch=torch.__version__, device=torch.cuda.get_device_name(), fusedopt=fusedopt.__version__)
+        with open(args.out, "w") as f:
+            json.dump(dict(env=env, rounds=args.rounds, reps=args.reps, results=summary), f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
