@@ -29,7 +29,11 @@ import fusedopt
 
 SHAPE = (8192, 16384)
 N_TENSORS = 8
-VARIANTS = {"tile 2048 / 4 warps": (2048, 4, None), "tile 512 / 2 warps": (512, 2, None), "64 registers": (1024, 4, 64)}
+VARIANTS = {  # (elements per program, warps, register cap); the default is 2048, 4, None
+    "tile 1024 / 4 warps (default until 2026-11-30)": (1024, 4, None),
+    "tile 1024 / 2 warps": (1024, 2, None),
+    "tile 4096 / 8 warps": (4096, 8, None),
+}
 
 
 def _params():
