@@ -29,9 +29,9 @@ import fusedopt
 
 SHAPE = (8192, 16384)
 N_TENSORS = 8
-VARIANTS = {  # (elements per program, warps, register cap); the default is 1024, 2, None
+VARIANTS = {  # (elements per program, warps, register cap); the default is 2048, 4, None
     "tile 1024 / 4 warps (default until 2026-11-30)": (1024, 4, None),
-    "tile 2048 / 4 warps": (2048, 4, None),
+    "tile 1024 / 2 warps": (1024, 2, None),
 }
 
 

@@ -171,8 +171,8 @@ def main(argv=None) -> int:
 
     defaults = update.BLOCK, update.NUM_WARPS, update.MAX_REGISTERS
     sweep = []
-    # (elements per program, warps, register cap); the default is 1024, 2, None (16 elements per thread)
-    variants = ((1024, 4, None), (2048, 4, None), (512, 1, None), (2048, 8, None))
+    # (elements per program, warps, register cap); the default is 2048, 4, None (16 elements per thread)
+    variants = ((1024, 4, None), (1024, 2, None), (512, 1, None), (2048, 8, None))
     variants = variants if args.sweep else ()
     for block, warps, maxnreg in variants:
         update.BLOCK, update.NUM_WARPS, update.MAX_REGISTERS = block, warps, maxnreg
