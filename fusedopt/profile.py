@@ -24,7 +24,6 @@ step in-process), :func:`profile_step` (one tracked step of your own model and o
 
 from __future__ import annotations
 
-import argparse
 import ast
 import contextlib
 import dataclasses
@@ -49,14 +48,13 @@ from fusedopt.profiler_memory import (
     state_storages,
 )
 from fusedopt.profiler_models import (
-    PRESETS,
     ModelSpec,
     UserError,
     dtype_name,
     parse_dtype,
     random_batch,
 )
-from fusedopt.profiler_plan import GIB, activation_estimate, byte_model, format_plan
+from fusedopt.profiler_plan import GIB, activation_estimate, byte_model
 from fusedopt.profiler_plan import plan as _plan
 
 __all__ = [
@@ -710,201 +708,14 @@ def plan(
     )
 
 
-# --- command line --------------------------------------------------------------------------------
-
-
-def _parse_count(text: str) -> int:
-    """``7e9``, ``1.1B``, ``350M``, ``1,100,048,384`` -> int."""
-    t = text.strip().replace(",", "").replace("_", "")
-    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(t[-1:].lower(), 1)
-    if scale != 1:
-        t = t[:-1]
-    try:
-        value = float(t) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} (e.g. 7e9, 1.1B, 350M)") from None
-    if not math.isfinite(value) or value < 1:
-        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r}")
-    return int(value)
-
-
-def _parse_gib(text: str) -> float:
-    t = text.strip().lower()
-    for suffix in ("gib", "gb", "g"):
-        if t.endswith(suffix):
-            t = t[: -len(suffix)]
-            break
-    try:
-        value = float(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a memory size in GiB: {text!r} (e.g. 24, 80GiB)") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"not a memory size in GiB: {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--model", metavar="PRESET", help=f"model size preset: {', '.join(PRESETS)}")
-    g.add_argument(
-        "--shape",
-        metavar="K=V,...",
-        help="explicit shape of the embedded LM, e.g. layers=4,d_model=256,heads=4,kv_heads=4,ffn=1024,vocab=8192 "
-        "(on top of --model when both are given)",
-    )
-    g.add_argument("--hf-config", metavar="PATH", help="a transformers config.json (or its directory); no download")
-    g.add_argument("--no-checkpointing", action="store_true", help="keep all activations (no recomputation)")
-
-
-def _run_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="fusedopt-profile",
-        description="Measure the memory of real training steps per optimizer configuration "
-        "(peak, persistent, breakdown, phase), print a table, write a plot and JSON. "
-        "`fusedopt-profile plan --help` for the planner.",
-    )
-    _add_model_args(p)
-    g = p.add_argument_group("workload")
-    g.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
-    g.add_argument("--dtype", help="parameter dtype: fp32, bf16, fp16 (default: bf16 on CUDA, fp32 on CPU)")
-    g.add_argument("--batch", type=_positive_int, default=1, help="micro-batch size (default 1)")
-    g.add_argument("--seq-len", type=_positive_int, help="tokens per sequence (default 1024 on CUDA, 256 on CPU)")
-    g.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per optimizer step")
-    g.add_argument("--steps", type=_positive_int, help="training steps per configuration (default 8 CUDA, 4 CPU)")
-    g.add_argument(
-        "--config",
-        action="append",
-        metavar="OPT[:k=v,...]",
-        help="an optimizer configuration, repeatable: torch.AdamW, fusedopt.AdamW, fusedopt.SGD, fusedopt.Lion, "
-        "torch.SGD with keyword arguments, e.g. 'fusedopt:fused=True,state_bits=16' "
-        f"(default: {' '.join(DEFAULT_CONFIGS)})",
-    )
-    g.add_argument("--in-process", action="store_true", help="run configurations in this process (no isolation)")
-    g.add_argument("--threads", type=_positive_int, help="CPU threads for torch in each run (default: torch's)")
-    o = p.add_argument_group("output")
-    o.add_argument("--output-dir", default="out/fusedopt-profile", help="where results.json and memory.png go")
-    o.add_argument("--json", help="results JSON path (default OUTPUT_DIR/results.json)")
-    o.add_argument("--plot", help="memory-over-time PNG path (default OUTPUT_DIR/memory.png)")
-    o.add_argument("--no-plot", action="store_true", help="do not write the plot")
-    o.add_argument("--no-allocator-pass", action="store_true", help="CPU: skip the torch.profiler allocator pass")
-    o.add_argument("--quiet", action="store_true", help="no progress lines")
-    return p
-
-
-def _plan_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="fusedopt-profile plan",
-        description="Which optimizer configurations fit in a GPU's memory: from measured per-parameter costs "
-        "and activations (--results), else from the optimizer's state layout or DESIGN.md's byte model.",
-    )
-    p.add_argument("--params", type=_parse_count, help="parameter count, e.g. 7e9, 1.1B (or give a model)")
-    p.add_argument("--gpu-memory", type=_parse_gib, required=True, metavar="GIB", help="memory size in GiB")
-    _add_model_args(p)
-    p.add_argument("--dtype", default="bf16", help="parameter dtype (default bf16)")
-    p.add_argument("--batch", type=_positive_int, default=1)
-    p.add_argument("--seq-len", type=_positive_int, default=1024)
-    p.add_argument("--config", action="append", metavar="OPT[:k=v,...]", help="as for the profiler (repeatable)")
-    p.add_argument("--results", help="results.json of a profiler run: use its measured figures")
-    p.add_argument("--activations", type=_parse_gib, metavar="GIB", help="activation memory to assume, in GiB")
-    return p
-
-
-def _main_plan(argv) -> int:
-    args = _plan_parser().parse_args(argv)
-    spec = None
-    if args.model or args.shape or args.hf_config:
-        spec = ModelSpec.from_args(args.model, args.shape, args.hf_config, not args.no_checkpointing)
-    if spec is None and args.params is None:
-        raise UserError("give --params N or a model (--model, --shape, --hf-config)")
-    measurements = None
-    if args.results:
-        try:
-            with open(args.results) as f:
-                measurements = json.load(f)["results"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise UserError(f"cannot read profiler results {args.results!r}: {exc}") from None
-    configs = [parse_config(c) for c in (args.config or DEFAULT_CONFIGS)]
-    rows = plan(
-        args.params,
-        args.gpu_memory,
-        configs,
-        model=spec,
-        dtype=args.dtype,
-        batch=args.batch,
-        seq_len=args.seq_len,
-        measurements=measurements,
-        activations_gib=args.activations,
-    )
-    n = args.params or spec.num_params()
-    header = f"fusedopt plan: {spec.describe() if spec else 'a model'}, {dtype_name(parse_dtype(args.dtype))}, "
-    header += f"batch {args.batch} x {args.seq_len}"
-    print(format_plan(rows, num_params=n, memory_bytes=int(args.gpu_memory * GIB), header=header))
-    return 0
-
-
-def _main_run(argv) -> int:
-    args = _run_parser().parse_args(argv)
-    spec = ModelSpec.from_args(args.model, args.shape, args.hf_config, not args.no_checkpointing)
-    if args.model is None and args.shape is None and args.hf_config is None:
-        spec = ModelSpec.default(not args.no_checkpointing, device=args.device)
-    configs = [parse_config(c) for c in (args.config or DEFAULT_CONFIGS)]
-    report = run_profile(
-        spec,
-        configs,
-        device=args.device,
-        dtype=args.dtype,
-        batch=args.batch,
-        seq_len=args.seq_len,
-        steps=args.steps,
-        grad_accum=args.grad_accum,
-        isolate=not args.in_process,
-        allocator_pass=not args.no_allocator_pass,
-        progress=not args.quiet,
-        threads=args.threads,
-    )
-    json_path = args.json or os.path.join(args.output_dir, "results.json")
-    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-    with open(json_path, "w") as f:  # before printing: a closed pipe must not lose the results
-        json.dump(report.to_dict(), f, indent=1)
-    print(report.table())
-    print(f"results: {json_path}")
-    if not args.no_plot:
-        plot_path = args.plot or os.path.join(args.output_dir, "memory.png")
-        os.makedirs(os.path.dirname(os.path.abspath(plot_path)), exist_ok=True)
-        why_not = report.plot(plot_path)
-        print(f"plot: {plot_path}" if why_not is None else f"plot: not written ({why_not})")
-    ok = [r for r in report.results if r.get("ok")]
-    if not ok and report.results and all(r.get("error_kind") == "does_not_fit" for r in report.results):
-        print("error: the model does not fit this device with any configuration", file=sys.stderr)
-        return 2
-    return 1 if report.failed else 0
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fusedopt-profile`` / ``python -m fusedopt.profile``; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--worker"]:
+    if argv[:1] == ["--worker"]:  # one configuration, in the fresh process run_profile started
         return _worker_main(argv[1], argv[2])
-    try:
-        if argv[:1] == ["plan"]:
-            return _main_plan(argv[1:])
-        return _main_run(argv)
-    except UserError as exc:
-        print(f"fusedopt-profile: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("fusedopt-profile: interrupted", file=sys.stderr)
-        return 130
+    from fusedopt.profiler_cli import run_command  # the parsers, only when the command line is used
+
+    return run_command(argv)
 
 
 if __name__ == "__main__":
