@@ -31,6 +31,7 @@ kernel-master-lean; SASS 1200 -> 1176): its variant went with it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -102,6 +103,18 @@ def build_variant(root: str, name: str):
     return importlib.import_module(f"{package}.update")
 
 
+@contextlib.contextmanager
+def variant_kernels(variant):
+    """Launch ``variant``'s check and update kernels (a module from :func:`build_variant`) inside the block."""
+    original = real_update._launch_update, real_update._launch_check
+    real_update._launch_update = DirectLauncher(variant._update_kernel, **real_update.UPDATE_ARGS)
+    real_update._launch_check = DirectLauncher(variant._check_kernel, **real_update.CHECK_ARGS)
+    try:
+        yield
+    finally:
+        real_update._launch_update, real_update._launch_check = original
+
+
 def main(argv=None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from step_bandwidth import bench_config, copy_bandwidth, fusedopt_bytes
@@ -118,19 +131,15 @@ def main(argv=None) -> int:
     copy_gbps = copy_bandwidth()
     root = tempfile.mkdtemp(prefix="fusedopt_ablation_")
     sys.path.insert(0, root)
-    original = real_update._launch_update, real_update._launch_check
     results = []
     try:
         for name in args.variants.split(","):
-            variant = build_variant(root, name)
-            real_update._launch_update = DirectLauncher(variant._update_kernel, **real_update.UPDATE_ARGS)
-            real_update._launch_check = DirectLauncher(variant._check_kernel, **real_update.CHECK_ARGS)
-            r = bench_config(name, lambda ps: fusedopt.AdamW(ps, lr=1e-4), fusedopt_bytes(8, 24), args.reps)
+            with variant_kernels(build_variant(root, name)):
+                r = bench_config(name, lambda ps: fusedopt.AdamW(ps, lr=1e-4), fusedopt_bytes(8, 24), args.reps)
             r["fraction_of_copy"] = r["GBps"] / copy_gbps
             results.append(r)
             print(f"{name:10s} {r['ms']:8.3f} ms  {r['GBps']:7.0f} GB/s  {100 * r['fraction_of_copy']:4.0f}% of copy")
     finally:
-        real_update._launch_update, real_update._launch_check = original
         shutil.rmtree(root, ignore_errors=True)
     base = next((r["ms"] for r in results if r["name"] == "base"), None)
     if base is not None:

@@ -34,11 +34,11 @@ def run_kernels(variants: list[str], elements: int) -> None:
     import torch
 
     import fusedopt
-    from fusedopt.kernels import update as real_update
-    from fusedopt.kernels.launcher import DirectLauncher
+    from fusedopt.kernels import update
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from kernel_ablation import build_variant
+    from kernel_ablation import build_variant, variant_kernels
+    from step_bandwidth import launch_constants
 
     root = tempfile.mkdtemp(prefix="fusedopt_counters_")
     sys.path.insert(0, root)
@@ -55,21 +55,17 @@ def run_kernels(variants: list[str], elements: int) -> None:
         torch.cuda.cudart().cudaProfilerStop()
         order.append(name)
 
-    original = real_update._launch_update, real_update._launch_check, real_update.MAX_REGISTERS
     try:
         for name in variants:
             source, _, cap = name.partition("@")  # base@64: the base kernel with at most 64 registers
-            real_update.MAX_REGISTERS = int(cap) if cap else None
-            variant = build_variant(root, source)
-            real_update._launch_update = DirectLauncher(variant._update_kernel, **real_update.UPDATE_ARGS)
-            real_update._launch_check = DirectLauncher(variant._check_kernel, **real_update.CHECK_ARGS)
-            p = torch.nn.Parameter(torch.randn(shape, device="cuda", dtype=torch.bfloat16))
-            p.grad = torch.randn_like(p)
-            opt = fusedopt.AdamW([p], lr=1e-4)
-            profiled(f"fusedopt {name}: check, update", opt.step)
-            del opt, p
+            limits = launch_constants(update.BLOCK, update.NUM_WARPS, int(cap) if cap else None)
+            with variant_kernels(build_variant(root, source)), limits:
+                p = torch.nn.Parameter(torch.randn(shape, device="cuda", dtype=torch.bfloat16))
+                p.grad = torch.randn_like(p)
+                opt = fusedopt.AdamW([p], lr=1e-4)
+                profiled(f"fusedopt {name}: check, update", opt.step)
+                del opt, p
     finally:
-        real_update._launch_update, real_update._launch_check, real_update.MAX_REGISTERS = original
         shutil.rmtree(root, ignore_errors=True)
     p = torch.nn.Parameter(torch.randn(shape, device="cuda", dtype=torch.bfloat16))
     p.grad = torch.randn_like(p)
@@ -135,11 +131,11 @@ def summarize_csv(text: str, elements: int) -> list[str]:
 
 
 def summarize(report: str, elements: int) -> None:
-    ncu = shutil.which("ncu") or "ncu"
     if report.endswith(".csv"):  # an exported raw page
         with open(report) as f:
             text = f.read()
     else:
+        ncu = shutil.which("ncu") or "ncu"
         text = subprocess.run([ncu, "-i", report, "--page", "raw", "--csv"], capture_output=True, text=True, check=True)
         text = text.stdout
     print("\n".join(summarize_csv(text, elements)))

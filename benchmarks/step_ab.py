@@ -19,7 +19,9 @@ with the module constants set, then restored: a prepared update keeps its launch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 
@@ -27,8 +29,9 @@ import torch
 
 import fusedopt
 
-SHAPE = (8192, 16384)
-N_TENSORS = 8
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_bandwidth import N_TENSORS, SHAPE, _time_ms, launch_constants  # noqa: E402  (benchmarks/ is not a package)
+
 VARIANTS = {  # (elements per program, warps, register cap); the default is 2048, 4, None
     "tile 1024 / 4 warps (default until 2026-11-30)": (1024, 4, None),
     "tile 1024 / 2 warps": (1024, 2, None),
@@ -44,31 +47,12 @@ def _params():
 
 def _build(make, launch=None):
     """An optimizer over fresh parameters, warmed up (compiled, state allocated, launches prepared)."""
-    from fusedopt.kernels import update
-
-    saved = update.BLOCK, update.NUM_WARPS, update.MAX_REGISTERS
-    if launch is not None:
-        update.BLOCK, update.NUM_WARPS, update.MAX_REGISTERS = launch
-    try:
+    with launch_constants(*launch) if launch is not None else contextlib.nullcontext():
         opt = make(_params())
         for _ in range(2):
             opt.step()
         torch.cuda.synchronize()
-    finally:
-        update.BLOCK, update.NUM_WARPS, update.MAX_REGISTERS = saved
     return opt
-
-
-def _median_ms(opt, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        opt.step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -92,7 +76,7 @@ def main(argv=None) -> int:
     times = {name: [] for name in names}
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else reversed(names):
-            times[name].append(_median_ms(configs[name], args.reps))
+            times[name].append(_time_ms(configs[name].step, args.reps))
     baseline = times[names[0]]
     print(f"{args.rounds} rounds, median of {args.reps} steps per configuration and round")
     print("| configuration | median ms | ratio to torch fused: median | min | max |\n|---|---|---|---|---|")

@@ -19,6 +19,7 @@ step that moved every byte at copy speed, check included, would reach 12.25 / 14
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -35,6 +36,20 @@ from competitors import _fusedopt_bytes  # noqa: E402  (benchmarks/ is not a pac
 
 SHAPE = (8192, 16384)
 N_TENSORS = 8
+
+
+@contextlib.contextmanager
+def launch_constants(block: int, warps: int, maxnreg: int | None):
+    """The update kernel's tile, warps and register cap for the optimizers built inside the block (a
+    prepared update keeps the launch config it was built with; the module's values come back after)."""
+    from fusedopt.kernels import update
+
+    saved = update.BLOCK, update.NUM_WARPS, update.MAX_REGISTERS
+    update.BLOCK, update.NUM_WARPS, update.MAX_REGISTERS = block, warps, maxnreg
+    try:
+        yield
+    finally:
+        update.BLOCK, update.NUM_WARPS, update.MAX_REGISTERS = saved
 
 
 def _time_ms(fn, reps: int) -> float:
@@ -167,25 +182,21 @@ def main(argv=None) -> int:
         results.append(bench_config(name, lambda ps, kw=kw: torch.optim.AdamW(ps, lr=1e-4, **kw), 14, args.reps))
         print(f"{name:34s} {results[-1]['ms']:8.3f} ms  {results[-1]['GBps']:7.0f} GB/s", flush=True)
     # tile size and warps of the update kernel, on the default configuration
-    from fusedopt.kernels import update
-
-    defaults = update.BLOCK, update.NUM_WARPS, update.MAX_REGISTERS
     sweep = []
     # (elements per program, warps, register cap); the default is 2048, 4, None (16 elements per thread)
     variants = ((1024, 4, None), (1024, 2, None), (512, 1, None), (2048, 8, None))
     variants = variants if args.sweep else ()
     for block, warps, maxnreg in variants:
-        update.BLOCK, update.NUM_WARPS, update.MAX_REGISTERS = block, warps, maxnreg
         name = f"default, BLOCK={block}, warps={warps}, maxnreg={maxnreg}"
         try:
-            r = bench_config(name, lambda ps: fusedopt.AdamW(ps, lr=1e-4), fusedopt_bytes(8, 24), args.reps)
+            with launch_constants(block, warps, maxnreg):
+                r = bench_config(name, lambda ps: fusedopt.AdamW(ps, lr=1e-4), fusedopt_bytes(8, 24), args.reps)
         except Exception as error:  # an option this Triton does not take: report, go on
             print(f"{name}: failed: {type(error).__name__}: {error}", flush=True)
             continue
         r["design_bytes_per_element"] = fusedopt_bytes(8, 24, check_read=False)
         sweep.append(r)
         print(f"{r['name']:34s} {r['ms']:8.3f} ms  {r['GBps']:7.0f} GB/s", flush=True)
-    update.BLOCK, update.NUM_WARPS, update.MAX_REGISTERS = defaults
     results.extend(sweep)
     check_ms = check_only_ms(args.reps)
     print(f"finite check alone (reads the gradient once): {check_ms:.3f} ms", flush=True)
