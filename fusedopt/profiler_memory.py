@@ -404,7 +404,7 @@ class MemoryTracker(TorchDispatchMode):
             if p.grad is not None:
                 add("gradients", p.grad)
         release = getattr(opt, "_release", None) if opt is not None else None
-        for buffer in list(getattr(release, "_buffers", {}).values()):
+        for buffer in release.buffered_gradients() if release is not None else ():
             add("gradients", buffer)
         for _, grad in list(getattr(release, "_held", ())):  # held until their bucketed update
             add("gradients", grad)

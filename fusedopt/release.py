@@ -14,6 +14,8 @@ stream are held, and held updates always launch on that stream (where the gradie
 belongs, so freeing it after the launch is safe); a caller whose current stream is another one
 is made to wait for them. A hook running on a side stream (its forward ran under
 ``torch.cuda.stream(s)``) updates at once, on that stream, as every hook did before holding existed.
+An accumulation buffer remembers the stream that last wrote it; the next micro-batch, the update
+or ``step()`` waits for that stream if it runs on another one.
 
 References are arranged so the optimizer can be garbage-collected: hooks hold a weak
 reference to this object, which holds a weak reference to the optimizer; a finaliser on
@@ -33,7 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .reference import accumulate_low_precision
 from .rounding import LOW_PRECISION
-from .streams import is_default_stream_current, on_default_stream
+from .streams import current_stream_of, is_default_stream_current, on_default_stream, ready_on_current_stream
 
 # param -> weakref to the GradientRelease whose hook it carries (one live owner per parameter)
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -78,7 +80,8 @@ class GradientRelease:
         self._optimizer = weakref.ref(optimizer)
         self._handles: dict[int, tuple[weakref.ref, object]] = {}  # id(param) -> (param ref, hook handle)
         self._counts: dict[int, int] = {}  # id(param) -> backward passes since step()
-        self._buffers: dict[torch.Tensor, torch.Tensor] = {}
+        # param -> (accumulated gradient, the CUDA stream that last wrote it)
+        self._buffers: dict[torch.Tensor, tuple[torch.Tensor, torch.cuda.Stream | None]] = {}
         self.attached = True
         self._checked_processes = False  # checked again at the first hook: the group may come later
         self._flush_queued = False  # an end-of-backward flush of queued updates is registered
@@ -145,12 +148,13 @@ class GradientRelease:
                     _, index = optimizer.position(p)
                     with on_default_stream(p):  # as update_param creates state (streams.py)
                         step = optimizer.ensure_state(p)["step"]
-                    self._buffers[p] = accumulate_low_precision(
-                        self._buffers.get(p), grad, seed=optimizer.seed, index=index, micro_batch=n, step=step
+                    buffer = accumulate_low_precision(
+                        self.take_buffer(p), grad, seed=optimizer.seed, index=index, micro_batch=n, step=step
                     )
+                    self._buffers[p] = buffer, current_stream_of(buffer)
                     p.grad = None
                 return
-            accum = self._buffers.pop(p, None) if self._buffers else None
+            accum = self.take_buffer(p) if self._buffers else None
             if (
                 accum is not None
                 or not optimizer.bucket_budget
@@ -201,8 +205,14 @@ class GradientRelease:
         optimizer.flush_updates()
 
     def take_buffer(self, p: torch.Tensor) -> torch.Tensor | None:
-        """Hand over (and forget) the accumulated gradient the optimizer holds for ``p``."""
-        return self._buffers.pop(p, None)
+        """Hand over (and forget) the accumulated gradient the optimizer holds for ``p``, ready to use
+        on the current stream."""
+        entry = self._buffers.pop(p, None)
+        return None if entry is None else ready_on_current_stream(*entry)
+
+    def buffered_gradients(self) -> list[torch.Tensor]:
+        """The accumulated gradients held until their update (the memory profiler counts them)."""
+        return [buffer for buffer, _ in self._buffers.values()]
 
     def holds_gradients(self) -> bool:
         return bool(self._buffers)

@@ -35,3 +35,22 @@ def on_default_stream(t: torch.Tensor):
     with torch.cuda.stream(default):
         yield
     current.wait_stream(default)
+
+
+def current_stream_of(t: torch.Tensor) -> torch.cuda.Stream | None:
+    """The current stream of ``t``'s device (None for a CPU tensor)."""
+    return torch.cuda.current_stream(t.device) if t.is_cuda else None
+
+
+def ready_on_current_stream(t: torch.Tensor, writer: torch.cuda.Stream | None) -> torch.Tensor:
+    """``t``, last written on ``writer``, made safe to use on the current stream.
+
+    The current stream waits for the writer (no host synchronisation), and ``t``'s memory is
+    recorded as used on it: freed memory goes back to the stream that allocated it, which could
+    otherwise reuse it while this stream still reads it."""
+    if writer is not None:
+        current = torch.cuda.current_stream(t.device)
+        if current != writer:
+            current.wait_stream(writer)
+            t.record_stream(current)
+    return t

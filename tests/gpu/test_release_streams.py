@@ -111,3 +111,87 @@ def test_backward_called_on_a_side_stream(monkeypatch):
     _assert_same_updates(
         _train(True, monkeypatch, backward_on_side=True), _train(False, monkeypatch, backward_on_side=True)
     )
+
+
+# Accumulation buffers (accumulation_steps > 1) live from one backward pass to the next and may be
+# written and read on different streams. The buffer is micro-batch 1's gradient: its memory belongs
+# to the stream where autograd made it.
+
+N_ACCUM = 1 << 21  # bf16, 4 MiB per gradient: every parameter the same size (one allocator block size)
+
+
+class Identity(torch.autograd.Function):
+    """The identity with a plain backward (a gradient the size of its input, allocated on its stream)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.clone()
+
+
+def _accumulate(scenario: str | None, windows=3):
+    """fused=True, accumulation_steps=2, two bf16 parameters; the final parameters and moments.
+
+    ``scenario``:
+    * None: every stream the default one (the expected bits);
+    * "freed_buffer": micro-batch 1 runs parameter 0's forward on a side stream, so the buffer's
+      memory belongs to that stream; micro-batch 2 runs it on the default stream behind a slow
+      node, so its update from the buffer is queued behind a sleep, and the buffer is dropped.
+      Right after backward the side stream fills new tensors: without ``record_stream`` the
+      allocator hands them the buffer's memory, written before the update reads it;
+    * "caller_streams": each micro-batch's forward and backward run under its own side stream,
+      the two not ordered: micro-batch 1's gradient of parameter 0 is made late, and micro-batch 2
+      adds to it (and updates) on the other stream.
+    """
+    gen = torch.Generator().manual_seed(1)
+    params = [torch.nn.Parameter(torch.randn(N_ACCUM, generator=gen).to("cuda", torch.bfloat16)) for _ in range(2)]
+    coefs = [
+        [[torch.randn(N_ACCUM, generator=gen).to("cuda", torch.bfloat16) for _ in range(2)] for _ in range(2)]
+        for _ in range(windows)
+    ]
+    opt = fusedopt.AdamW(params, lr=1e-2, fused=True, accumulation_steps=2)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    torch.cuda.synchronize()  # every input is ready: the side streams need not wait for anything
+    for window in coefs:
+        for micro_batch, (c0, c1) in enumerate(window):
+            if scenario is None:
+                loss = (params[1] * c1).sum() + (params[0] * c0).sum()
+                loss.backward()
+            elif scenario == "freed_buffer":
+                side = streams[0]
+                if micro_batch == 0:
+                    with torch.cuda.stream(side):
+                        term0 = (Identity.apply(params[0]) * c0).sum()
+                    torch.cuda.current_stream().wait_stream(side)
+                else:
+                    term0 = (LateGradient.apply(params[0]) * c0).sum()
+                loss = (params[1] * c1).sum() + term0
+                loss.backward()
+                with torch.cuda.stream(side):  # the side stream does not wait for the sleeping default one
+                    junk = [torch.full((N_ACCUM,), 7.0, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
+                del junk
+            else:
+                with torch.cuda.stream(streams[micro_batch]):
+                    op = LateGradient.apply if micro_batch == 0 else Identity.apply
+                    loss = (params[1] * c1).sum() + (op(params[0]) * c0).sum()
+                    loss.backward()
+        torch.cuda.synchronize()
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    state = [{k: v.cpu() for k, v in opt.state[p].items() if torch.is_tensor(v)} for p in params]
+    return [p.detach().cpu() for p in params], state
+
+
+@pytest.mark.parametrize("scenario", ["freed_buffer", "caller_streams"])
+def test_accumulation_buffers_across_streams(scenario):
+    (expected, expected_state), (got, got_state) = _accumulate(None), _accumulate(scenario)
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
+    for a, b in zip(expected_state, got_state):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
