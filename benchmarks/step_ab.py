@@ -32,9 +32,9 @@ import fusedopt
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from step_bandwidth import N_TENSORS, SHAPE, _time_ms, launch_constants  # noqa: E402  (benchmarks/ is not a package)
 
-VARIANTS = {  # (elements per program, warps, register cap); the default is 2048, 4, None
+VARIANTS = {  # (elements per program, warps, register cap); the default is 1024, 2, None
     "tile 1024 / 4 warps (default until 2026-11-30)": (1024, 4, None),
-    "tile 1024 / 2 warps": (1024, 2, None),
+    "tile 2048 / 4 warps": (2048, 4, None),
 }
 
 

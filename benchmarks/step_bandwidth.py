@@ -183,8 +183,8 @@ def main(argv=None) -> int:
         print(f"{name:34s} {results[-1]['ms']:8.3f} ms  {results[-1]['GBps']:7.0f} GB/s", flush=True)
     # tile size and warps of the update kernel, on the default configuration
     sweep = []
-    # (elements per program, warps, register cap); the default is 2048, 4, None (16 elements per thread)
-    variants = ((1024, 4, None), (1024, 2, None), (512, 1, None), (2048, 8, None))
+    # (elements per program, warps, register cap); the default is 1024, 2, None (16 elements per thread)
+    variants = ((1024, 4, None), (2048, 4, None), (512, 1, None), (2048, 8, None))
     variants = variants if args.sweep else ()
     for block, warps, maxnreg in variants:
         name = f"default, BLOCK={block}, warps={warps}, maxnreg={maxnreg}"

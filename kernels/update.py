@@ -42,11 +42,11 @@ ALGORITHMS = {"adamw": 0, "sgd": 1, "lion": 2}
 # Elements per update program (a multiple of every quantisation block) and warps: 16 elements per
 # thread. Against 8 (1024 / 4 warps, the default until 2026-11-30) each thread's fixed work (hash
 # row keys, scalars, scale handling) spreads over twice the elements: 116 instead of 134 SASS
-# instructions per element, at 111 registers, and the step ran 2.1-2.3% faster on the H200 in
-# interleaved rounds (benchmarks/step_ab.py). 1024 / 2 warps (the same code per thread) was
-# 0.4-1.1% faster still, but its GPU test run was cut short: not taken yet. 4096 / 8 was slower.
-BLOCK = 2048
-NUM_WARPS = 4
+# instructions per element, at 111 registers. On the H200, in interleaved rounds
+# (benchmarks/step_ab.py), 2048 / 4 warps ran 2.1-2.3% faster than 1024 / 4, and 1024 / 2 warps
+# (the same code per thread, in programs of 64 threads) 0.4-1.1% faster still; 4096 / 8 was slower.
+BLOCK = 1024
+NUM_WARPS = 2
 MAX_REGISTERS = None  # per thread (Triton's maxnreg); None: the compiler's choice
 CHECK_TILE = 2048  # elements per iteration of the finite check
 CHECK_TILES = 8  # iterations per check program (fewer programs: fewer ticket atomics)

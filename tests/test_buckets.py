@@ -121,7 +121,7 @@ def test_more_parameters_than_one_bucket_holds(monkeypatch, device):
 def test_members_of_several_check_programs(monkeypatch, device):
     """Each program finds its member from the table's first-program columns: members of several
     check programs (16384 elements each) and update programs (update.BLOCK) between small ones."""
-    shapes = [(16, 16), (2, 8200), (48, 32)]  # 2 check programs and 9 update programs, then 1
+    shapes = [(16, 16), (2, 8200), (48, 32)]  # 2 check programs and 17 update programs, then 2
     built = []
     kwargs = dict(state_bits=8)
     alone = _train(monkeypatch, device, 0, fusedopt.AdamW, kwargs, torch.bfloat16, False, shapes, steps=2)
