@@ -135,6 +135,10 @@ class Identity(torch.autograd.Function):
 def _accumulate(scenario: str | None, windows=3):
     """fused=True, accumulation_steps=2, two bf16 parameters; the final parameters and moments.
 
+    Each micro-batch's graph is dropped after its backward: autograd keeps a parameter's
+    AccumulateGrad node (and runs its hook on the node's stream) while a graph refers to it, so a
+    live ``loss`` would keep every micro-batch's hook on the first one's stream.
+
     ``scenario``:
     * None: every stream the default one (the expected bits);
     * "freed_buffer": micro-batch 1 runs parameter 0's forward on a side stream, so the buffer's
@@ -160,6 +164,7 @@ def _accumulate(scenario: str | None, windows=3):
             if scenario is None:
                 loss = (params[1] * c1).sum() + (params[0] * c0).sum()
                 loss.backward()
+                del loss
             elif scenario == "freed_buffer":
                 side = streams[0]
                 if micro_batch == 0:
@@ -170,6 +175,7 @@ def _accumulate(scenario: str | None, windows=3):
                     term0 = (LateGradient.apply(params[0]) * c0).sum()
                 loss = (params[1] * c1).sum() + term0
                 loss.backward()
+                del loss, term0
                 with torch.cuda.stream(side):  # the side stream does not wait for the sleeping default one
                     junk = [torch.full((N_ACCUM,), 7.0, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
                 del junk
@@ -178,6 +184,7 @@ def _accumulate(scenario: str | None, windows=3):
                     op = LateGradient.apply if micro_batch == 0 else Identity.apply
                     loss = (params[1] * c1).sum() + (op(params[0]) * c0).sum()
                     loss.backward()
+                    del loss
         torch.cuda.synchronize()
         opt.step()
         opt.zero_grad()
