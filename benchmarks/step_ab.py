@@ -13,7 +13,14 @@ hits all alike. Reported: per configuration the median step time over rounds, an
 the ratio to torch's fused AdamW, with its median, min and max.
 
 ``--variants`` adds the default configuration with other tile shapes or register caps (built
-with the module constants set, then restored: a prepared update keeps its launch config).
+with the module constants set, then restored: a prepared update keeps its launch config), and
+with the 8 tensors in one bucketed launch pair (``kernels/bucket.py`` launches tensors this large
+alone since the ninth sitting; a prepared update decides once, at its first step, whether it
+can join a bucket).
+
+``--kernels`` then profiles 3 steps of each configuration (``torch.profiler``) and prints, per
+kernel, launches and GPU time per step against the event-timed step: what of the step is kernel
+time, and what is between kernels.
 """
 
 from __future__ import annotations
@@ -35,7 +42,21 @@ from step_bandwidth import N_TENSORS, SHAPE, _time_ms, launch_constants  # noqa:
 VARIANTS = {  # (elements per program, warps, register cap); the default is 1024, 2, None
     "tile 1024 / 4 warps (default until 2026-11-30)": (1024, 4, None),
     "tile 2048 / 4 warps": (2048, 4, None),
+    "bucketed (one launch pair for the 8 tensors, the default until the ninth sitting)": "bucketed",
 }
+
+
+def kernel_times(opt, steps: int = 3) -> tuple[list[tuple[str, int, float]], float]:
+    """Per kernel (name, launches per step, GPU us per step) of ``opt.step()`` under torch.profiler,
+    and the event-timed step (ms) of the same steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ms = _time_ms(opt.step, steps)
+    rows = [
+        (e.key, e.count // steps, e.device_time_total / steps) for e in prof.key_averages() if e.device_time_total > 0
+    ]
+    return sorted(rows, key=lambda row: -row[2]), ms
 
 
 def _params():
@@ -45,9 +66,27 @@ def _params():
     return params
 
 
+@contextlib.contextmanager
+def _bucketed():
+    """Parameters of any size join buckets, for the optimizers built inside the block."""
+    from fusedopt.kernels import bucket
+
+    saved = bucket.MAX_MEMBER_NUMEL
+    bucket.MAX_MEMBER_NUMEL = 1 << 62
+    try:
+        yield
+    finally:
+        bucket.MAX_MEMBER_NUMEL = saved
+
+
 def _build(make, launch=None):
-    """An optimizer over fresh parameters, warmed up (compiled, state allocated, launches prepared)."""
-    with launch_constants(*launch) if launch is not None else contextlib.nullcontext():
+    """An optimizer over fresh parameters, warmed up (compiled, state allocated, launches prepared).
+    ``launch``: (tile, warps, register cap), or "bucketed"."""
+    if launch == "bucketed":
+        context = _bucketed()
+    else:
+        context = launch_constants(*launch) if launch is not None else contextlib.nullcontext()
+    with context:
         opt = make(_params())
         for _ in range(2):
             opt.step()
@@ -60,6 +99,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--variants", action="store_true", help="also the default with other tiles / register caps")
+    parser.add_argument("--kernels", action="store_true", help="then each configuration's kernel times per step")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -87,10 +127,19 @@ def main(argv=None) -> int:
         cells = [f"{statistics.median(times[name]):.3f}", f"{statistics.median(ratios):.4f}"]
         cells += [f"{min(ratios):.4f}", f"{max(ratios):.4f}"]
         print(f"| {name} | " + " | ".join(cells) + " |")
+    kernels = {}
+    if args.kernels:
+        for name in names:
+            rows, ms = kernel_times(configs[name])
+            kernels[name] = dict(step_ms=ms, kernels=rows)
+            busy = sum(us for _, _, us in rows) / 1e3
+            print(f"\n{name}: step {ms:.3f} ms (event-timed, under the profiler), kernels {busy:.3f} ms")
+            for key, count, us in rows[:6]:
+                print(f"  {count:3d} x {key[:70]:70s} {us / 1e3:8.3f} ms per step")
     if args.out:
         env = dict(torch=torch.__version__, device=torch.cuda.get_device_name(), fusedopt=fusedopt.__version__)
         with open(args.out, "w") as f:
-            json.dump(dict(env=env, rounds=args.rounds, reps=args.reps, results=summary), f, indent=2)
+            json.dump(dict(env=env, rounds=args.rounds, reps=args.reps, results=summary, kernels=kernels), f, indent=2)
     return 0
 
 

@@ -181,6 +181,19 @@ def test_release_holds_less_than_the_budget(monkeypatch, device):
     assert sorted({len(b.members) for b in opt._buckets._built.values()}) == [3]
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_large_parameters_are_launched_alone(monkeypatch, device, fused):
+    """From bucket.MAX_MEMBER_NUMEL elements a parameter launches alone (a bucket's member lookup
+    costs GPU time on every element; its saving is host time per parameter), with the same result."""
+    monkeypatch.setattr(bucket, "MAX_MEMBER_NUMEL", 64 * 40)
+    kwargs, built = dict(state_bits=8), []
+    shapes = [(32, 48), (16, 24), (64, 40), (16, 16), (64, 39)]  # 1536, 384, 2560 (alone), 256, 2496
+    alone = _train(monkeypatch, device, 0, fusedopt.AdamW, kwargs, torch.bfloat16, fused, shapes, 2)
+    together = _train(monkeypatch, device, 64, fusedopt.AdamW, kwargs, torch.bfloat16, fused, shapes, 2, built)
+    assert built == [4]  # every size but 2560 in one bucket
+    _assert_identical(alone, together)
+
+
 def test_misaligned_gradient_is_launched_alone(monkeypatch, device):
     """A gradient that is a view one element into its storage cannot join a bucket (its vector
     accesses would be misaligned): it is launched alone, with the same result."""
