@@ -48,11 +48,14 @@ def tile_bits(h, start, NB: tl.constexpr, QBLOCK: tl.constexpr):
     so offset >> 16 == row >> 16. Once per row, not per element.
     """
     rows = start + tl.arange(0, NB)[:, None] * QBLOCK
-    offsets = rows + tl.arange(0, QBLOCK)[None, :]
+    cols = tl.arange(0, QBLOCK)[None, :]
+    offsets = rows + cols
     if offsets.dtype == tl.int64:
         return element_bits(h, offsets)
     row_key = (h ^ (h >> 16)) ^ (rows.to(tl.uint32) >> 16)
-    x = row_key ^ offsets.to(tl.uint32)
+    # row + c == row ^ c (a row starts at a multiple of QBLOCK), and c is a thread's 16-aligned
+    # base plus a constant: x is one xor per element with an immediate, not an add and an xor
+    x = (row_key ^ rows.to(tl.uint32) ^ (cols & -16).to(tl.uint32)) ^ (cols & 15).to(tl.uint32)
     x *= 0x85EBCA6B
     x ^= x >> 13
     x *= 0xC2B2AE35

@@ -220,7 +220,9 @@ def _check_kernel(
     # multiply-add per element, and one reduction per program rather than one (with two block
     # barriers) per tile
     poison = tl.zeros([TILE], tl.float32)
-    for i in range(TILES):
+    # unrolled: every tile's loads are issued before the first is used (a rolled loop waited for
+    # each tile's loads in turn, and the check ran at 84% of copy speed on the H200)
+    for i in tl.static_range(TILES):
         offs = start + i * TILE + tl.arange(0, TILE).to(tl.int64)
         mask = offs < n_elements
         g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
