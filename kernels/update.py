@@ -43,8 +43,10 @@ ALGORITHMS = {"adamw": 0, "sgd": 1, "lion": 2}
 # thread. Against 8 (1024 / 4 warps, the default until 2026-11-30) each thread's fixed work (hash
 # row keys, scalars, scale handling) spreads over twice the elements: 116 instead of 134 SASS
 # instructions per element, at 111 registers. On the H200, in interleaved rounds
-# (benchmarks/step_ab.py), 2048 / 4 warps ran 2.1-2.3% faster than 1024 / 4, and 1024 / 2 warps
-# (the same code per thread, in programs of 64 threads) 0.4-1.1% faster still; 4096 / 8 was slower.
+# (benchmarks/step_ab.py): in bucketed launches, whose programs each look up their member first,
+# 2048 / 4 warps ran 2.1-2.3% faster than 1024 / 4, and 1024 / 2 warps (the same code per thread,
+# in programs of 64 threads) 0.4-1.1% faster still; launched alone, 1024 / 2 and 1024 / 4 are
+# within 1.5% either way and 2048 / 4 is 0.5-1% slower. 4096 / 8 was slower.
 BLOCK = 1024
 NUM_WARPS = 2
 MAX_REGISTERS = None  # per thread (Triton's maxnreg); None: the compiler's choice
