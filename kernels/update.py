@@ -46,7 +46,7 @@ ALGORITHMS = {"adamw": 0, "sgd": 1, "lion": 2}
 # (benchmarks/step_ab.py): in bucketed launches, whose programs each look up their member first,
 # 2048 / 4 warps ran 2.1-2.3% faster than 1024 / 4, and 1024 / 2 warps (the same code per thread,
 # in programs of 64 threads) 0.4-1.1% faster still; launched alone, 1024 / 2 and 1024 / 4 are
-# within 1.5% either way and 2048 / 4 is 0.5-1% slower. 4096 / 8 was slower.
+# within 1.5% either way and 2048 / 4 is about 1% slower. 4096 / 8 was slower.
 BLOCK = 1024
 NUM_WARPS = 2
 MAX_REGISTERS = None  # per thread (Triton's maxnreg); None: the compiler's choice
