@@ -47,6 +47,14 @@ def _kernels():
     return bucket
 
 
+def can_join(prepared) -> bool:
+    """Whether a prepared update can join a bucket: its size and tensors' alignment (decided once per
+    prepared update; the gradient is checked at each update)."""
+    if prepared.bucketable is None:
+        prepared.bucketable = _kernels().bucketable(prepared)
+    return prepared.bucketable
+
+
 class _Pending:
     __slots__ = ("members", "grads", "hyper")
 
@@ -66,9 +74,7 @@ class UpdateBuckets:
         """Queue ``prepared``'s update from ``grad``; False when it cannot join a bucket (the
         caller launches it alone). May launch a full bucket."""
         kernels = _kernels()
-        if prepared.bucketable is None:
-            prepared.bucketable = kernels.bucketable(prepared)
-        if not (prepared.bucketable and kernels.gradient_bucketable(grad, prepared.head[0].dtype)):
+        if not (can_join(prepared) and kernels.gradient_bucketable(grad, prepared.head[0].dtype)):
             return False
         key = (prepared.configs[0].key, group_index)
         pending = self._pending.get(key)

@@ -15,7 +15,7 @@ import torch
 
 from . import checkpoint
 from .backend import gradient_fits_prepared, kernel_allowed, new_scratch, run_update
-from .buckets import UpdateBuckets, bucket_budget
+from .buckets import UpdateBuckets, bucket_budget, can_join
 from .codecs import NONNEGATIVE_SLOTS, SUPPORTED_STATE_BITS, MomentCodec, codec_for
 from .master import MASTER_CORRECTION, check_master_weight_bits, correction_layout, master_value
 from .reference import ParamUpdate, UpdateMath
@@ -223,9 +223,12 @@ class FusedOptimizer(torch.optim.Optimizer):
                 self.flush_updates()
             launch.launch(grad, accum, hyper)
 
-    def has_prepared_launch(self, p: torch.Tensor) -> bool:
-        """Whether ``p``'s last update went through the kernel (its next one likely can join a bucket)."""
-        return p in self._prepared
+    def can_hold_update(self, p: torch.Tensor) -> bool:
+        """Whether gradient release should hold ``p``'s update for a bucket: its last update went
+        through the kernel and its prepared launch can join a bucket. One launched alone anyway
+        (size, alignment) gains nothing from waiting, and its held gradient would cost memory."""
+        prepared = self._prepared.get(p)
+        return prepared is not None and self._buckets is not None and can_join(prepared[0])
 
     def _new_window(self) -> None:
         """Group settings may change from here on (a step ended, groups or state were replaced)."""

@@ -158,11 +158,11 @@ class GradientRelease:
             if (
                 accum is not None
                 or not optimizer.bucket_budget
-                or not optimizer.has_prepared_launch(p)
+                or not optimizer.can_hold_update(p)
                 or (grad.is_cuda and not is_default_stream_current(grad.get_device()))
             ):
-                # the reference, a first step, no bucketing, or a side stream's gradient (updated
-                # now, on that stream)
+                # the reference, a first step, no bucketing, a parameter launched alone, or a side
+                # stream's gradient (updated now, on that stream)
                 optimizer.update_param(p, grad, accum)
                 p.grad = None
                 return

@@ -194,6 +194,29 @@ def test_large_parameters_are_launched_alone(monkeypatch, device, fused):
     _assert_identical(alone, together)
 
 
+def test_release_holds_only_updates_that_can_join_a_bucket(monkeypatch, device):
+    """A parameter launched alone gains nothing from waiting: its hook updates it at once, where a
+    bucketable one's gradient is held (seen from a hook of the user's that runs after release's)."""
+    monkeypatch.setattr(bucket, "MAX_MEMBER_NUMEL", 64 * 40)
+    monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
+    monkeypatch.setenv("FUSEDOPT_BUCKET_MB", "64")
+    shapes = [(32, 48), (64, 40)]  # 1536 elements (bucketable), 2560 (launched alone)
+    params = _params(device, torch.bfloat16, shapes)
+    opt = fusedopt.AdamW(params, lr=1e-2, fused=True, state_bits=8, min_compress_numel=0)
+    held = {}
+
+    def seen(i):
+        return lambda p: held.update({i: any(q is p for q, _ in opt._release._held)})
+
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(seen(i))
+    for grads in _grads(shapes, 3):
+        sum((p * g.to(device, torch.bfloat16)).sum() for p, g in zip(params, grads)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert held == {0: True, 1: False}  # the last step's (the first has no prepared launches yet)
+
+
 def test_misaligned_gradient_is_launched_alone(monkeypatch, device):
     """A gradient that is a view one element into its storage cannot join a bucket (its vector
     accesses would be misaligned): it is launched alone, with the same result."""
