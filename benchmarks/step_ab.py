@@ -31,10 +31,12 @@ import json
 import os
 import statistics
 import sys
+from unittest import mock
 
 import torch
 
 import fusedopt
+from fusedopt.kernels import bucket
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from step_bandwidth import N_TENSORS, SHAPE, _time_ms, launch_constants  # noqa: E402  (benchmarks/ is not a package)
@@ -66,24 +68,11 @@ def _params():
     return params
 
 
-@contextlib.contextmanager
-def _bucketed():
-    """Parameters of any size join buckets, for the optimizers built inside the block."""
-    from fusedopt.kernels import bucket
-
-    saved = bucket.MAX_MEMBER_NUMEL
-    bucket.MAX_MEMBER_NUMEL = 1 << 62
-    try:
-        yield
-    finally:
-        bucket.MAX_MEMBER_NUMEL = saved
-
-
 def _build(make, launch=None):
     """An optimizer over fresh parameters, warmed up (compiled, state allocated, launches prepared).
     ``launch``: (tile, warps, register cap), or "bucketed"."""
     if launch == "bucketed":
-        context = _bucketed()
+        context = mock.patch.object(bucket, "MAX_MEMBER_NUMEL", 1 << 62)  # any size joins a bucket
     else:
         context = launch_constants(*launch) if launch is not None else contextlib.nullcontext()
     with context:

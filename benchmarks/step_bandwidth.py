@@ -19,12 +19,12 @@ step that moved every byte at copy speed, check included, would reach 12.25 / 14
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -38,18 +38,12 @@ SHAPE = (8192, 16384)
 N_TENSORS = 8
 
 
-@contextlib.contextmanager
 def launch_constants(block: int, warps: int, maxnreg: int | None):
     """The update kernel's tile, warps and register cap for the optimizers built inside the block (a
     prepared update keeps the launch config it was built with; the module's values come back after)."""
     from fusedopt.kernels import update
 
-    saved = update.BLOCK, update.NUM_WARPS, update.MAX_REGISTERS
-    update.BLOCK, update.NUM_WARPS, update.MAX_REGISTERS = block, warps, maxnreg
-    try:
-        yield
-    finally:
-        update.BLOCK, update.NUM_WARPS, update.MAX_REGISTERS = saved
+    return mock.patch.multiple(update, BLOCK=block, NUM_WARPS=warps, MAX_REGISTERS=maxnreg)
 
 
 def _time_ms(fn, reps: int) -> float:

@@ -20,8 +20,8 @@ pytestmark = [
 SIZES = [1 << 16, 1 << 17, 3 << 16, 1 << 21]  # bf16: 128 KiB, 256 KiB, 384 KiB, 4 MiB
 
 
-class LateGradient(torch.autograd.Function):
-    """The identity, whose backward first keeps its stream busy: a gradient made ready late."""
+class Identity(torch.autograd.Function):
+    """The identity with a plain backward (a gradient the size of its input, allocated on its stream)."""
 
     @staticmethod
     def forward(ctx, x):
@@ -29,8 +29,16 @@ class LateGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        torch.cuda._sleep(20_000_000)  # ~10 ms of GPU cycles on this node's stream
         return grad.clone()
+
+
+class LateGradient(Identity):
+    """The identity, whose backward first keeps its stream busy: a gradient made ready late."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.cuda._sleep(20_000_000)  # ~10 ms of GPU cycles on this node's stream
+        return Identity.backward(ctx, grad)
 
 
 def _loss(params, coefs, side: torch.cuda.Stream | None):
@@ -118,18 +126,6 @@ def test_backward_called_on_a_side_stream(monkeypatch):
 # to the stream where autograd made it.
 
 N_ACCUM = 1 << 21  # bf16, 4 MiB per gradient: every parameter the same size (one allocator block size)
-
-
-class Identity(torch.autograd.Function):
-    """The identity with a plain backward (a gradient the size of its input, allocated on its stream)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.clone()
 
 
 def _accumulate(scenario: str | None, windows=3):
