@@ -54,3 +54,40 @@ def ready_on_current_stream(t: torch.Tensor, writer: torch.cuda.Stream | None) -
             current.wait_stream(writer)
             t.record_stream(current)
     return t
+
+
+# Parameters of at least this many elements get their finite check ahead in step() (CheckStreams).
+# The same size from which kernels/bucket.py launches a parameter alone: its update (~70 us and
+# up on the H200) is long against the host's few microseconds of stream and event calls.
+CHECK_AHEAD_NUMEL = 1 << 24
+
+
+class CheckStreams:
+    """High-priority side streams on which ``step()`` runs large parameters' finite checks ahead.
+
+    A large parameter's update kernel is bound by instruction issue and leaves memory bandwidth
+    unused; its finite check (kernels/update.py) only reads the gradient. In one stream every
+    check waits for the update before it. On a side stream the host's launches run ahead of the
+    GPU, so the next parameters' checks run while an update runs, and each update waits for its
+    own check's event only. The side stream waits for the current stream once per step (before
+    its first check: the gradients are ready there); the current stream waits for every check,
+    so the caller's later work, freeing the gradients included, comes after them.
+    """
+
+    def __init__(self):
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._joined: set[int] = set()  # devices whose side stream waited for this step's current stream
+
+    def new_step(self) -> None:
+        self._joined.clear()
+
+    def stream(self, device: torch.device) -> torch.cuda.Stream:
+        """``device``'s side stream, after the current stream's work queued before this step's first check."""
+        index = device.index
+        side = self._streams.get(index)
+        if side is None:
+            side = self._streams[index] = torch.cuda.Stream(device, priority=-1)  # lower: higher priority
+        if index not in self._joined:
+            side.wait_stream(torch.cuda.current_stream(device))
+            self._joined.add(index)
+        return side
