@@ -52,7 +52,7 @@ def compile_update(state_bits: int, kernel=None, bucket: bool = False):
     m, v = _formats(state_bits)
     own_draw = corr_bits != 8
     config = update._update_config(0, torch.bfloat16, corr_bits, own_draw, False, False, False, m, v, update.BLOCK,
-                                   update.NUM_WARPS, update.MAX_REGISTERS, update.TILES, False)  # fmt: skip
+                                   update.NUM_WARPS, update.MAX_REGISTERS, False)  # fmt: skip
     cx, options = dict(config.constexprs), dict(config.options)
     value_types = {32: "*fp32", 16: "*bf16"}
     types = dict.fromkeys(_POINTERS, "*u8")

@@ -12,7 +12,7 @@ configuration (median of ``--reps`` steps), in an order that reverses every roun
 hits all alike. Reported: per configuration the median step time over rounds, and per round
 the ratio to torch's fused AdamW, with its median, min and max.
 
-``--variants`` adds the default configuration with other tile shapes, register caps or tiles per program (built
+``--variants`` adds the default configuration with other tile shapes or register caps (built
 with the module constants set, then restored: a prepared update keeps its launch config), and
 with the 8 tensors in one bucketed launch pair (``kernels/bucket.py`` launches tensors this large
 alone since the ninth sitting; a prepared update decides once, at its first step, whether it
@@ -42,12 +42,9 @@ from fusedopt.kernels import bucket
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from step_bandwidth import N_TENSORS, SHAPE, _time_ms, launch_constants  # noqa: E402  (benchmarks/ is not a package)
 
-VARIANTS = {  # (elements per tile, warps, register cap, tiles per program); the default: update.py's
-    "tile 1024 / 4 warps (default until 2026-11-30)": (1024, 4, None, 1),
-    "tile 2048 / 4 warps": (2048, 4, None, 1),
-    "2 tiles per program": (1024, 2, None, 2),
-    "4 tiles per program": (1024, 2, None, 4),
-    "8 tiles per program": (1024, 2, None, 8),
+VARIANTS = {  # (elements per program, warps, register cap); the default is 1024, 2, None
+    "tile 1024 / 4 warps (default until 2026-11-30)": (1024, 4, None),
+    "tile 2048 / 4 warps": (2048, 4, None),
     "bucketed (one launch pair for the 8 tensors, the default until the ninth sitting)": "bucketed",
     "checks in the update's stream (the default until the tenth sitting)": "one stream",
 }
@@ -75,7 +72,7 @@ def _params():
 
 def _build(make, launch=None):
     """An optimizer over fresh parameters, warmed up (compiled, state allocated, launches prepared).
-    ``launch``: (tile, warps, register cap, tiles), "bucketed", or "one stream" (no check runs ahead on a
+    ``launch``: (tile, warps, register cap), "bucketed", or "one stream" (no check runs ahead on a
     side stream: ``fusedopt.streams.CheckStreams``)."""
     if launch == "bucketed":
         context = mock.patch.object(bucket, "MAX_MEMBER_NUMEL", 1 << 62)  # any size joins a bucket

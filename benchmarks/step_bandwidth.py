@@ -38,14 +38,12 @@ SHAPE = (8192, 16384)
 N_TENSORS = 8
 
 
-def launch_constants(block: int, warps: int, maxnreg: int | None, tiles: int | None = None):
-    """The update kernel's tile, warps, register cap and tiles per program (None: the module's) for
-    the optimizers built inside the block (a prepared update keeps the launch config it was built
-    with; the module's values come back after)."""
+def launch_constants(block: int, warps: int, maxnreg: int | None):
+    """The update kernel's tile, warps and register cap for the optimizers built inside the block (a
+    prepared update keeps the launch config it was built with; the module's values come back after)."""
     from fusedopt.kernels import update
 
-    tiles = update.TILES if tiles is None else tiles
-    return mock.patch.multiple(update, BLOCK=block, NUM_WARPS=warps, MAX_REGISTERS=maxnreg, TILES=tiles)
+    return mock.patch.multiple(update, BLOCK=block, NUM_WARPS=warps, MAX_REGISTERS=maxnreg)
 
 
 def _time_ms(fn, reps: int) -> float:

@@ -25,28 +25,11 @@ _BF16_SPLIT_CLAMP = tl.constexpr(float.fromhex("0x1.fefep+127"))  # bit pattern 
 @triton.jit
 def load_master(param_ptr, corr_ptr, offs, mask, MASTER: tl.constexpr, PARAM_BF16: tl.constexpr, K: tl.constexpr):
     """The fp32 master of this program's elements."""
-    head, correction = load_master_raw(param_ptr, corr_ptr, offs, mask, MASTER)
-    return join_master(head, correction, MASTER, PARAM_BF16, K)
-
-
-@triton.jit
-def load_master_raw(param_ptr, corr_ptr, offs, mask, MASTER: tl.constexpr):
-    """The parameter as stored and its correction (MASTER == 2; else a dummy), not yet joined."""
     head = tl.load(param_ptr + offs, mask=mask, other=0.0)
-    if MASTER == 2:
-        correction = tl.load(corr_ptr + offs, mask=mask, other=0)
-    else:
-        correction = tl.zeros(offs.shape, dtype=tl.int8)
-    return head, correction
-
-
-@triton.jit
-def join_master(head, correction, MASTER: tl.constexpr, PARAM_BF16: tl.constexpr, K: tl.constexpr):
-    """``load_master_raw``'s pair as the fp32 master."""
     if MASTER != 2:
         master = head.to(tl.float32)
     else:
-        master = _join(head, correction.to(tl.int32), PARAM_BF16, K)
+        master = _join(head, tl.load(corr_ptr + offs, mask=mask, other=0).to(tl.int32), PARAM_BF16, K)
     return master
 
 

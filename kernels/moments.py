@@ -98,64 +98,24 @@ def load_moment(
     NB: tl.constexpr,  # quantisation blocks per program
     QBLOCK: tl.constexpr,
 ):
-    """The tile's moment as fp32: ``decode_moment`` of ``load_moment_raw``."""
-    raw, scales = load_moment_raw(ptr, scale_ptr, start, n_elements, n_pairs, FMT, NB, QBLOCK)
-    return decode_moment(raw, scales, FMT, SIGNED, POWER, QMAX, K, MIN_E, NB, QBLOCK)
-
-
-@triton.jit
-def load_moment_raw(
-    ptr, scale_ptr, start, n_elements, n_pairs, FMT: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr
-):
-    """The tile's stored moment as loaded, and its block scales (int32; FMT 8/4, else a dummy).
-
-    Apart from the decode so that an update program can load its next tile before it computes
-    this one: values as stored (fp32 / bf16), 8-bit codes, or 4-bit codes' bytes [NB, QBLOCK / 2].
-    """
     offs = tile_offsets(start, NB, QBLOCK)
     mask = offs < n_elements
-    blocks = start // QBLOCK + tl.arange(0, NB)
-    if FMT == 32 or FMT == 16:
-        raw = tl.load(ptr + offs, mask=mask, other=0.0)
-    elif FMT == 0:
-        raw = tl.zeros([NB, QBLOCK], dtype=tl.float32)
-    elif FMT == 8:
-        raw = tl.load(ptr + offs, mask=mask, other=0)
-    else:
-        pair = _pair_offsets(start, NB, QBLOCK)
-        raw = tl.load(ptr + pair, mask=pair < n_pairs, other=0)
-    if FMT == 8 or FMT == 4:
-        n_blocks = (n_elements - 1) // QBLOCK + 1  # ceil without overflow near 2**31 (n_elements >= 1)
-        scales = tl.load(scale_ptr + blocks, mask=blocks < n_blocks, other=127).to(tl.int32)
-    else:
-        scales = tl.zeros([NB], dtype=tl.int32)
-    return raw, scales
-
-
-@triton.jit
-def decode_moment(
-    raw,
-    scales,
-    FMT: tl.constexpr,
-    SIGNED: tl.constexpr,
-    POWER: tl.constexpr,
-    QMAX: tl.constexpr,
-    K: tl.constexpr,
-    MIN_E: tl.constexpr,
-    NB: tl.constexpr,
-    QBLOCK: tl.constexpr,
-):
-    """``load_moment_raw``'s tile as fp32 values."""
-    if FMT == 32 or FMT == 0:
-        x = raw
+    if FMT == 32:
+        x = tl.load(ptr + offs, mask=mask, other=0.0)
     elif FMT == 16:
-        x = raw.to(tl.float32)
+        x = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    elif FMT == 0:
+        x = tl.zeros([NB, QBLOCK], dtype=tl.float32)
     else:
         if FMT == 8:
-            codes = raw.to(tl.int32)
-        else:  # two codes a byte, element 2i in the low nibble: interleave the nibbles
-            packed = raw.to(tl.int32)
+            codes = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32)
+        else:  # two codes a byte, element 2i in the low nibble: load the bytes, interleave the nibbles
+            pair = _pair_offsets(start, NB, QBLOCK)
+            packed = tl.load(ptr + pair, mask=pair < n_pairs, other=0).to(tl.int32)
             codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [NB, QBLOCK])
+        blocks = start // QBLOCK + tl.arange(0, NB)
+        n_blocks = (n_elements - 1) // QBLOCK + 1  # ceil without overflow near 2**31 (n_elements >= 1)
+        scales = tl.load(scale_ptr + blocks, mask=blocks < n_blocks, other=127).to(tl.int32)
         e = tl.minimum(tl.maximum(scales - 127, MIN_E), 127)
         if POWER > 0:
             x = _level(_small_int_to_f32(codes & QMAX), POWER) * _pow2(e - K)[:, None]

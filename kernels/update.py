@@ -35,8 +35,8 @@ import triton.language as tl
 
 from fusedopt.kernels.hashing import step_hash, tile_bits
 from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig, launch_remembered
-from fusedopt.kernels.master import join_master, load_master_raw, store_master
-from fusedopt.kernels.moments import commit_mask, decode_moment, load_moment_raw, store_moment, tile_offsets
+from fusedopt.kernels.master import load_master, store_master
+from fusedopt.kernels.moments import commit_mask, load_moment, store_moment, tile_offsets
 
 ALGORITHMS = {"adamw": 0, "sgd": 1, "lion": 2}
 # Elements per update program (a multiple of every quantisation block) and warps: 16 elements per
@@ -50,7 +50,6 @@ ALGORITHMS = {"adamw": 0, "sgd": 1, "lion": 2}
 BLOCK = 1024
 NUM_WARPS = 2
 MAX_REGISTERS = None  # per thread (Triton's maxnreg); None: the compiler's choice
-TILES = 1  # tiles of BLOCK elements per update program (> 1: the next tile loads while one computes)
 CHECK_TILE = 2048  # elements per iteration of the finite check
 CHECK_TILES = 8  # iterations per check program (fewer programs: fewer ticket atomics)
 # int32 words of the per-parameter scratch buffer: non-finite flag, ticket, status,
@@ -320,7 +319,6 @@ def _update_kernel(
     NB: tl.constexpr,  # quantisation blocks per program
     QBLOCK: tl.constexpr,  # elements per quantisation block (the tile's row)
     INDEX_64: tl.constexpr,  # element offsets need 64 bits
-    TILES: tl.constexpr,  # tiles of NB * QBLOCK elements per program, each loaded while the one before computes
     BUCKET: tl.constexpr,  # one launch over several parameters (kernels/bucket.py)
 ):
     if BUCKET:  # this program's member: its pointers, size and keys
@@ -345,9 +343,6 @@ def _update_kernel(
     # A non-finite gradient (the check kernel's status) only masks the stores: branching on it
     # would hold every program for one memory round trip before its loads could start.
     status = tl.load(scratch_ptr + 2)
-    step = tl.load(step_ptr)
-    step_size = tl.load(scratch_ptr + 3).to(tl.float32, bitcast=True)  # AdamW's bias corrections
-    inv_bias_correction2_sqrt = tl.load(scratch_ptr + 4).to(tl.float32, bitcast=True)
     # fp32 scalars everywhere (the interpreter would otherwise compute with Python doubles)
     lr, beta1, beta2, eps, decay = _as_f32(lr), _as_f32(beta1), _as_f32(beta2), _as_f32(eps), _as_f32(decay)
     weight_decay, lerp_weight, one_minus_beta2 = (
@@ -355,97 +350,30 @@ def _update_kernel(
         _as_f32(lerp_weight),
         _as_f32(one_minus_beta2),
     )
-    TILE: tl.constexpr = NB * QBLOCK
     if INDEX_64:
-        base = program.to(tl.int64) * (TILE * TILES)
+        start = program.to(tl.int64) * (NB * QBLOCK)
     else:  # 32-bit address arithmetic is cheaper; used below 2**31 elements
-        base = program * (TILE * TILES)
-    g, acc, head, corr, m_raw, m_scales, v_raw, v_scales = _load_tile(
-        param_ptr, corr_ptr, grad_ptr, accum_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr, base, n_elements, n_pairs,
-        MASTER, HAS_ACCUM, M_FMT, V_FMT, NB, QBLOCK,
-    )  # fmt: skip
-    if TILES == 1:
-        # Issue every load before any arithmetic: the compiler would otherwise sink some next to
-        # their first use, and each program would wait for memory more than once.
-        tl.debug_barrier()
-        _update_tile(
-            g, acc, head, corr, m_raw, m_scales, v_raw, v_scales, base, param_ptr, corr_ptr, m_ptr, m_scale_ptr,
-            v_ptr, v_scale_ptr, n_elements, n_pairs, key_shared, key_param, status, step, step_size,
-            inv_bias_correction2_sqrt, lr, beta1, beta2, eps, decay, weight_decay, lerp_weight, one_minus_beta2,
-            ALGO, MASTER, PARAM_BF16, CORR_BITS, STOCHASTIC_MASTER, PARAM_OWN_DRAW, HAS_ACCUM, MAXIMIZE, NESTEROV,
-            M_FMT, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, M_THR, M_TOP,
-            V_FMT, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, V_THR, V_TOP, NB, QBLOCK,
-        )  # fmt: skip
-    else:
-        # Software pipelining: each tile's loads are issued before the tile before it is computed,
-        # so a program has memory requests in flight while it computes (the last tile's
-        # "next" starts at n_elements: masked off, or one partial row in bounds, never used).
-        for i in range(TILES):
-            start = base + i * TILE
-            after = tl.where(i + 1 < TILES, start + TILE, n_elements)
-            g2, acc2, head2, corr2, m_raw2, m_scales2, v_raw2, v_scales2 = _load_tile(
-                param_ptr, corr_ptr, grad_ptr, accum_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr, after, n_elements,
-                n_pairs, MASTER, HAS_ACCUM, M_FMT, V_FMT, NB, QBLOCK,
-            )  # fmt: skip
-            tl.debug_barrier()
-            _update_tile(
-                g, acc, head, corr, m_raw, m_scales, v_raw, v_scales, start, param_ptr, corr_ptr, m_ptr, m_scale_ptr,
-                v_ptr, v_scale_ptr, n_elements, n_pairs, key_shared, key_param, status, step, step_size,
-                inv_bias_correction2_sqrt, lr, beta1, beta2, eps, decay, weight_decay, lerp_weight, one_minus_beta2,
-                ALGO, MASTER, PARAM_BF16, CORR_BITS, STOCHASTIC_MASTER, PARAM_OWN_DRAW, HAS_ACCUM, MAXIMIZE, NESTEROV,
-                M_FMT, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, M_THR, M_TOP,
-                V_FMT, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, V_THR, V_TOP, NB, QBLOCK,
-            )  # fmt: skip
-            g, acc, head, corr = g2, acc2, head2, corr2
-            m_raw, m_scales, v_raw, v_scales = m_raw2, m_scales2, v_raw2, v_scales2
-
-
-@triton.jit
-def _load_tile(
-    param_ptr, corr_ptr, grad_ptr, accum_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr, start, n_elements, n_pairs,
-    MASTER: tl.constexpr, HAS_ACCUM: tl.constexpr, M_FMT: tl.constexpr, V_FMT: tl.constexpr, NB: tl.constexpr,
-    QBLOCK: tl.constexpr,
-):  # fmt: skip
-    """One tile's loads, as stored: gradient (and accumulated gradient), parameter and correction,
-    both moments' codes and block scales."""
+        start = program * (NB * QBLOCK)
     offs = tile_offsets(start, NB, QBLOCK)
     mask = offs < n_elements
-    g = tl.load(grad_ptr + offs, mask=mask, other=0.0)
+    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_ACCUM:
-        acc = tl.load(accum_ptr + offs, mask=mask, other=0.0)
-    else:
-        acc = tl.zeros([NB, QBLOCK], dtype=tl.float32)
-    head, corr = load_master_raw(param_ptr, corr_ptr, offs, mask, MASTER)
-    m_raw, m_scales = load_moment_raw(m_ptr, m_scale_ptr, start, n_elements, n_pairs, M_FMT, NB, QBLOCK)
-    v_raw, v_scales = load_moment_raw(v_ptr, v_scale_ptr, start, n_elements, n_pairs, V_FMT, NB, QBLOCK)
-    return g, acc, head, corr, m_raw, m_scales, v_raw, v_scales
-
-
-@triton.jit
-def _update_tile(
-    g, acc, head, corr, m_raw, m_scales, v_raw, v_scales, start, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr,
-    v_scale_ptr, n_elements, n_pairs, key_shared, key_param, status, step, step_size, inv_bias_correction2_sqrt,
-    lr, beta1, beta2, eps, decay, weight_decay, lerp_weight, one_minus_beta2,
-    ALGO: tl.constexpr, MASTER: tl.constexpr, PARAM_BF16: tl.constexpr, CORR_BITS: tl.constexpr,
-    STOCHASTIC_MASTER: tl.constexpr, PARAM_OWN_DRAW: tl.constexpr, HAS_ACCUM: tl.constexpr,
-    MAXIMIZE: tl.constexpr, NESTEROV: tl.constexpr,
-    M_FMT: tl.constexpr, M_SIGNED: tl.constexpr, M_POWER: tl.constexpr, M_QMAX: tl.constexpr, M_K: tl.constexpr,
-    M_MIN_E: tl.constexpr, M_THR: tl.constexpr, M_TOP: tl.constexpr,
-    V_FMT: tl.constexpr, V_SIGNED: tl.constexpr, V_POWER: tl.constexpr, V_QMAX: tl.constexpr, V_K: tl.constexpr,
-    V_MIN_E: tl.constexpr, V_THR: tl.constexpr, V_TOP: tl.constexpr,
-    NB: tl.constexpr, QBLOCK: tl.constexpr,
-):  # fmt: skip
-    """One tile's update from its loads (``_load_tile``): decode, the algorithm, encode and stores."""
-    offs = tile_offsets(start, NB, QBLOCK)
-    mask = offs < n_elements
-    g = g.to(tl.float32)
-    if HAS_ACCUM:
-        g += acc.to(tl.float32)
+        g += tl.load(accum_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if MAXIMIZE:
         g = -g
-    p = join_master(head, corr, MASTER, PARAM_BF16, CORR_BITS)
-    m = decode_moment(m_raw, m_scales, M_FMT, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, NB, QBLOCK)
-    v = decode_moment(v_raw, v_scales, V_FMT, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, NB, QBLOCK)
+    step = tl.load(step_ptr)
+    p = load_master(param_ptr, corr_ptr, offs, mask, MASTER, PARAM_BF16, CORR_BITS)
+    m = load_moment(
+        m_ptr, m_scale_ptr, start, n_elements, n_pairs, M_FMT, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, NB, QBLOCK
+    )
+    v = load_moment(
+        v_ptr, v_scale_ptr, start, n_elements, n_pairs, V_FMT, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, NB, QBLOCK
+    )
+    step_size = tl.load(scratch_ptr + 3).to(tl.float32, bitcast=True)  # AdamW's bias corrections
+    inv_bias_correction2_sqrt = tl.load(scratch_ptr + 4).to(tl.float32, bitcast=True)
+    # Issue every load before any arithmetic: the compiler would otherwise sink some next to
+    # their first use, and each program would wait for memory more than once.
+    tl.debug_barrier()
     if ALGO == 0:  # AdamW, as torch.optim.AdamW orders it
         # torch.lerp: fma(w, g - m, m), or g - (g - m) * (1 - w) for w >= 0.5
         if lerp_weight < 0.5:
@@ -474,21 +402,61 @@ def _update_tile(
     # 12 bits from the top down, a bf16 + int8 parameter the low 8); each reads its top bits.
     shared = tile_bits(step_hash(key_shared, step), start, NB, QBLOCK)
     store_moment(
-        m, (shared >> 20) << 20, m_ptr, m_scale_ptr, start, n_elements, n_pairs,
-        M_FMT, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, M_THR, M_TOP, NB, QBLOCK, status,
-    )  # fmt: skip
+        m,
+        (shared >> 20) << 20,
+        m_ptr,
+        m_scale_ptr,
+        start,
+        n_elements,
+        n_pairs,
+        M_FMT,
+        M_SIGNED,
+        M_POWER,
+        M_QMAX,
+        M_K,
+        M_MIN_E,
+        M_THR,
+        M_TOP,
+        NB,
+        QBLOCK,
+        status,
+    )
     store_moment(
-        v, ((shared << 12) >> 20) << 20, v_ptr, v_scale_ptr, start, n_elements, n_pairs,
-        V_FMT, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, V_THR, V_TOP, NB, QBLOCK, status,
-    )  # fmt: skip
+        v,
+        ((shared << 12) >> 20) << 20,
+        v_ptr,
+        v_scale_ptr,
+        start,
+        n_elements,
+        n_pairs,
+        V_FMT,
+        V_SIGNED,
+        V_POWER,
+        V_QMAX,
+        V_K,
+        V_MIN_E,
+        V_THR,
+        V_TOP,
+        NB,
+        QBLOCK,
+        status,
+    )
     if PARAM_OWN_DRAW:
         param_bits = tile_bits(step_hash(key_param, step), start, NB, QBLOCK)
     else:
         param_bits = shared << 24
     store_master(
-        p, param_bits, param_ptr, corr_ptr, offs, mask & commit_mask(status, NB, QBLOCK),
-        MASTER, PARAM_BF16, CORR_BITS, STOCHASTIC_MASTER,
-    )  # fmt: skip
+        p,
+        param_bits,
+        param_ptr,
+        corr_ptr,
+        offs,
+        mask & commit_mask(status, NB, QBLOCK),
+        MASTER,
+        PARAM_BF16,
+        CORR_BITS,
+        STOCHASTIC_MASTER,
+    )
 
 
 # runtime arguments: tensors, then ints (the gradient deltas last: always int64, not in the
@@ -567,7 +535,7 @@ class PreparedUpdate:
         self.scratch, self.step, self.skipped = scratch, step, skipped
         # plain integer division: triton.cdiv is a JIT function, ~7 us per call from Python
         self.check_programs = -(-max(n, 1) // (CHECK_TILE * CHECK_TILES))
-        self.programs = -(-n // (BLOCK * TILES))
+        self.programs = -(-n // BLOCK)
         corr_bits = 0 if correction is None else (16 if correction.dtype == torch.int16 else 8)
         flags = bool(hyper.get("maximize", False)), bool(hyper.get("nesterov", False))
         self.configs = [  # [has_accum]
@@ -583,8 +551,7 @@ class PreparedUpdate:
                 BLOCK,
                 NUM_WARPS,
                 MAX_REGISTERS,
-                TILES,
-                n >= 2**31 - BLOCK * TILES,
+                n >= 2**31 - BLOCK,
             )  # fmt: skip
             for has_accum in (False, True)
         ]
@@ -689,7 +656,7 @@ def bucket_config(config: LaunchConfig) -> LaunchConfig:
 @functools.lru_cache(maxsize=1024)
 def _update_config(
     algo, dtype, corr_bits, param_own_draw, has_accum, maximize, nesterov, m_fmt, v_fmt, block, num_warps, maxnreg,
-    tiles, index_64,
+    index_64,
 ) -> LaunchConfig:  # fmt: skip
     """The compile-time switches of one update configuration (cached: launches happen per parameter)."""
     blocks = {f.block for f in (m_fmt, v_fmt) if f.fmt in (8, 4)}
@@ -711,7 +678,6 @@ def _update_config(
         NB=block // qblock,
         QBLOCK=qblock,
         INDEX_64=index_64,
-        TILES=tiles,
         BUCKET=False,
     )
     options = dict(
