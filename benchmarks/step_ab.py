@@ -1,7 +1,7 @@
 """Interleaved step timing: the default fusedopt step against torch's fused AdamW (and variants).
 
 Usage (CUDA machine, repo root):
-  python benchmarks/step_ab.py [--rounds 30] [--reps 5] [--variants [WORD ...]] [--out ab.json]
+  python benchmarks/step_ab.py [--rounds 30] [--reps 5] [--variants] [--out ab.json]
 
 ``step_bandwidth.py`` times one configuration after another, and on the H200 the same
 configuration moved by 2-3% between positions in one run (2026-11-30, eighth sitting: the
@@ -16,8 +16,7 @@ the ratio to torch's fused AdamW, with its median, min and max.
 with the module constants set, then restored: a prepared update keeps its launch config), and
 with the 8 tensors in one bucketed launch pair (``kernels/bucket.py`` launches tensors this large
 alone since the ninth sitting; a prepared update decides once, at its first step, whether it
-can join a bucket), and with every finite check in the update's stream (``step()`` runs large
-parameters' checks ahead on a side stream since the tenth sitting).
+can join a bucket).
 
 ``--kernels`` then profiles 3 steps of each configuration (``torch.profiler``) and prints, per
 kernel, launches and GPU time per step against the event-timed step: what of the step is kernel
@@ -46,7 +45,6 @@ VARIANTS = {  # (elements per program, warps, register cap); the default is 1024
     "tile 1024 / 4 warps (default until 2026-11-30)": (1024, 4, None),
     "tile 2048 / 4 warps": (2048, 4, None),
     "bucketed (one launch pair for the 8 tensors, the default until the ninth sitting)": "bucketed",
-    "checks in the update's stream (the default until the tenth sitting)": "one stream",
 }
 
 
@@ -72,18 +70,13 @@ def _params():
 
 def _build(make, launch=None):
     """An optimizer over fresh parameters, warmed up (compiled, state allocated, launches prepared).
-    ``launch``: (tile, warps, register cap), "bucketed", or "one stream" (no check runs ahead on a
-    side stream: ``fusedopt.streams.CheckStreams``)."""
+    ``launch``: (tile, warps, register cap), or "bucketed"."""
     if launch == "bucketed":
         context = mock.patch.object(bucket, "MAX_MEMBER_NUMEL", 1 << 62)  # any size joins a bucket
-    elif launch == "one stream":
-        context = contextlib.nullcontext()
     else:
         context = launch_constants(*launch) if launch is not None else contextlib.nullcontext()
     with context:
         opt = make(_params())
-        if launch == "one stream":
-            opt._check_ahead_numel = 1 << 62
         for _ in range(2):
             opt.step()
         torch.cuda.synchronize()
@@ -94,12 +87,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument(
-        "--variants",
-        nargs="*",
-        default=None,
-        help="also the default's variants (all, or those whose name has a word given)",
-    )
+    parser.add_argument("--variants", action="store_true", help="also the default with other tiles / register caps")
     parser.add_argument("--kernels", action="store_true", help="then each configuration's kernel times per step")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -110,10 +98,8 @@ def main(argv=None) -> int:
         "torch AdamW fused (bf16 state)": _build(lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True)),
         "fusedopt default (8-bit / 24)": _build(lambda ps: fusedopt.AdamW(ps, lr=1e-4)),
     }
-    if args.variants is not None:
+    if args.variants:
         for name, launch in VARIANTS.items():
-            if args.variants and not any(word in name for word in args.variants):
-                continue
             configs[f"fusedopt default, {name}"] = _build(lambda ps: fusedopt.AdamW(ps, lr=1e-4), launch)
     names = list(configs)
     times = {name: [] for name in names}

@@ -21,7 +21,7 @@ from .master import MASTER_CORRECTION, check_master_weight_bits, correction_layo
 from .reference import ParamUpdate, UpdateMath
 from .release import GradientRelease
 from .state_memory import SharedCorrections, pack
-from .streams import CHECK_AHEAD_NUMEL, CheckStreams, on_default_stream
+from .streams import on_default_stream
 
 # Options that apply to the whole optimizer; a parameter group may not set them.
 OPTIMIZER_WIDE_OPTIONS = ("fused", "accumulation_steps", "seed")
@@ -77,9 +77,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._corrections = SharedCorrections()
         self.bucket_budget = bucket_budget()  # bytes of gradients release may hold (0: none)
         self._buckets = UpdateBuckets() if self.bucket_budget > 0 else None  # see buckets.py
-        self._check_streams = CheckStreams()
-        self._checking_ahead = False  # in step()'s loop: large parameters' checks run ahead (streams.py)
-        self._check_ahead_numel = CHECK_AHEAD_NUMEL  # benchmarks and tests move it
         super().__init__(params, defaults)
         first = self.param_groups[0]["params"][0]
         self.num_skipped_updates = torch.zeros((), dtype=torch.int64, device=first.device)
@@ -224,7 +221,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             # prepared but not bucketable (size, alignment): alone, without update_param's lookups again
             if self._buckets.is_pending(launch):  # a queued update of p runs first
                 self.flush_updates()
-            launch.launch(grad, accum, hyper, self._check_stream(launch, grad, accum))
+            launch.launch(grad, accum, hyper)
 
     def can_hold_update(self, p: torch.Tensor) -> bool:
         """Whether gradient release should hold ``p``'s update for a bucket: its last update went
@@ -258,7 +255,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._prepared_launch(p, grad, accum, self._group_structure(group, hyper)) if kernel_allowed() else None
         )
         if launch is not None:
-            launch.launch(grad, accum, hyper, self._check_stream(launch, grad, accum))
+            launch.launch(grad, accum, hyper)
             return
         # A first update may run in a hook on a side stream: state (and the correction buffer that
         # all parameters share) is initialised on the default stream, which that stream then waits for
@@ -315,13 +312,6 @@ class FusedOptimizer(torch.optim.Optimizer):
             return launch
         return None
 
-    def _check_stream(self, launch, grad: torch.Tensor, accum: torch.Tensor | None) -> torch.cuda.Stream | None:
-        """The side stream for a launch's finite check in step(): a large parameter's without an
-        accumulated gradient (that one may come from another stream), else None (the current stream)."""
-        if self._checking_ahead and launch.n >= self._check_ahead_numel and accum is None and grad.is_cuda:
-            return self._check_streams.stream(grad.device)
-        return None
-
     def _group_structure(self, group: dict, hyper: dict) -> tuple:
         """What a prepared launch was built for from its group and the optimizer: formats, flags, seed."""
         flags = tuple(v for v in hyper.values() if isinstance(v, bool))
@@ -349,22 +339,17 @@ class FusedOptimizer(torch.optim.Optimizer):
         releasing = self._release is not None and self._release.attached
         self.flush_updates()  # left by a backward that did not finish
         self._new_window()
-        self._check_streams.new_step()
-        self._checking_ahead = True
-        try:
-            for group in self.param_groups:
-                for p in group["params"]:
-                    accum = self._release.take_buffer(p) if self._release is not None else None
-                    grad = p.grad
-                    if grad is None and accum is None:
-                        continue
-                    if grad is None:
-                        grad, accum = accum, None
-                    self.queue_update(p, grad, accum)
-                    if releasing:
-                        p.grad = None
-        finally:
-            self._checking_ahead = False
+        for group in self.param_groups:
+            for p in group["params"]:
+                accum = self._release.take_buffer(p) if self._release is not None else None
+                grad = p.grad
+                if grad is None and accum is None:
+                    continue
+                if grad is None:
+                    grad, accum = accum, None
+                self.queue_update(p, grad, accum)
+                if releasing:
+                    p.grad = None
         self.flush_updates()
         self._new_window()
         if self._release is not None:

@@ -571,20 +571,15 @@ class PreparedUpdate:
         self.bucketable: bool | None = None  # whether it can join a bucket (kernels/bucket.py decides once)
         self.check_launches: dict = {}  # resolved direct launches by gradient variant (launch_remembered)
         self.update_launches: dict = {}
-        self.checked: torch.cuda.Event | None = None  # recorded after a check run ahead (check_stream)
 
-    def launch(
-        self, grad: torch.Tensor, accum: torch.Tensor | None, hyper: dict, check_stream: torch.cuda.Stream | None = None
-    ) -> None:
-        """Launch the check and the update on the current stream; with ``check_stream``
-        (``fusedopt.streams.CheckStreams``), the check there and the update after its event."""
+    def launch(self, grad: torch.Tensor, accum: torch.Tensor | None, hyper: dict) -> None:
         args, check_args = scalar_args(self.algo, hyper)
         has_accum = accum is not None
         # all the launch key can vary in from step to step: the gradients' dtypes and alignment
         variant = (grad.dtype, not grad.data_ptr() & 15)
         if has_accum:
             variant += (accum.dtype, not accum.data_ptr() & 15)
-        check = (
+        launch_remembered(
             _launch_check,
             self.check_launches,
             variant,
@@ -592,15 +587,6 @@ class PreparedUpdate:
             (grad, accum if has_accum else grad, *self.check_tensors, self.n, *NO_GRAD_DELTAS, *check_args),
             _check_config(has_accum, self.algo == 0, False),
         )
-        if check_stream is None:
-            launch_remembered(*check)
-        else:
-            with torch.cuda.stream(check_stream):
-                launch_remembered(*check)
-            if self.checked is None:
-                self.checked = torch.cuda.Event()
-            self.checked.record(check_stream)
-            torch.cuda.current_stream(grad.device).wait_event(self.checked)
         if self.n == 0:
             return
         runtime_args = (*self.head, grad, accum if has_accum else self.dummy, *self.tail, *NO_GRAD_DELTAS, *args)
