@@ -1,7 +1,7 @@
 """Interleaved step timing: the default fusedopt step against torch's fused AdamW (and variants).
 
 Usage (CUDA machine, repo root):
-  python benchmarks/step_ab.py [--rounds 30] [--reps 5] [--variants] [--out ab.json]
+  python benchmarks/step_ab.py [--rounds 30] [--reps 5] [--variants [WORD ...]] [--out ab.json]
 
 ``step_bandwidth.py`` times one configuration after another, and on the H200 the same
 configuration moved by 2-3% between positions in one run (2026-11-30, eighth sitting: the
@@ -87,7 +87,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--variants", action="store_true", help="also the default with other tiles / register caps")
+    parser.add_argument(
+        "--variants",
+        nargs="*",
+        default=None,
+        help="also the default's variants (all, or those whose name has a word given)",
+    )
     parser.add_argument("--kernels", action="store_true", help="then each configuration's kernel times per step")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -98,8 +103,10 @@ def main(argv=None) -> int:
         "torch AdamW fused (bf16 state)": _build(lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True)),
         "fusedopt default (8-bit / 24)": _build(lambda ps: fusedopt.AdamW(ps, lr=1e-4)),
     }
-    if args.variants:
+    if args.variants is not None:
         for name, launch in VARIANTS.items():
+            if args.variants and not any(word in name for word in args.variants):
+                continue
             configs[f"fusedopt default, {name}"] = _build(lambda ps: fusedopt.AdamW(ps, lr=1e-4), launch)
     names = list(configs)
     times = {name: [] for name in names}
