@@ -36,11 +36,12 @@ def check_refused_options(**options) -> None:
 
 
 def check_number(name: str, value, *, low: float = 0.0, high: float | None = None, message: str | None = None):
-    """Raise torch's style of ValueError unless ``low <= value`` (and ``value < high`` when given)."""
+    """Raise torch's style of ValueError unless ``value`` is finite, ``low <= value`` (and ``value < high``
+    when given). torch takes an infinite learning rate or weight decay; here it is refused."""
     if isinstance(value, torch.Tensor):
         raise ValueError(f"{name} as a Tensor is not supported by fusedopt; pass a float")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ValueError(message or f"Invalid {name}: {value}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(message or f"Invalid {name}: {value}")  # NaN and inf: every update would be NaN
     if value < low or (high is not None and value >= high):
         raise ValueError(message or f"Invalid {name}: {value}")
 
@@ -208,12 +209,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             self.update_param(p, grad, accum)
             return
         group_index, _ = self._position[p]
-        settings = self._window.get(group_index)
-        if settings is None:  # once per group and step: neither the group nor the backend changes during one
-            group = self.param_groups[group_index]
-            hyper = self._hyper(group)
-            settings = self._window[group_index] = hyper, self._group_structure(group, hyper), kernel_allowed()
-        hyper, group_structure, allowed = settings
+        hyper, group_structure, allowed = self._settings(group_index)
         launch = self._prepared_launch(p, grad, accum, group_structure) if allowed else None
         if launch is None:
             self.update_param(p, grad, accum)  # through the backend
@@ -229,6 +225,24 @@ class FusedOptimizer(torch.optim.Optimizer):
         (size, alignment) gains nothing from waiting, and its held gradient would cost memory."""
         prepared = self._prepared.get(p)
         return prepared is not None and self._buckets is not None and can_join(prepared[0])
+
+    def _settings(self, group_index: int) -> tuple:
+        """(hyperparameters, group structure, kernel allowed) of a group for this step's updates.
+
+        Computed once per group and step: neither the group nor the backend changes during one. The
+        hyperparameters are validated then, before the group's first update: a scheduler or the user
+        may have set them since the last step (a NaN learning rate would make every update NaN)."""
+        settings = self._window.get(group_index)
+        if settings is None:
+            group = self.param_groups[group_index]
+            self._check_hyperparameters(group)
+            hyper = self._hyper(group)
+            settings = self._window[group_index] = hyper, self._group_structure(group, hyper), kernel_allowed()
+        return settings
+
+    def check_settings(self, p: torch.Tensor) -> None:
+        """Validate ``p``'s group for this step's updates (gradient release calls it before it counts a gradient)."""
+        self._settings(self._position[p][0])
 
     def _new_window(self) -> None:
         """Group settings may change from here on (a step ended, groups or state were replaced)."""
@@ -250,7 +264,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if prepared is not None and self._buckets is not None and self._buckets.is_pending(prepared[0]):
             self.flush_updates()  # p's queued update runs first
         group, index = self.position(p)
-        hyper = self._hyper(group)
+        hyper = self._hyper(group)  # as the group is now: step() and release validated it (_settings)
         launch = (
             self._prepared_launch(p, grad, accum, self._group_structure(group, hyper)) if kernel_allowed() else None
         )
@@ -339,6 +353,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         releasing = self._release is not None and self._release.attached
         self.flush_updates()  # left by a backward that did not finish
         self._new_window()
+        for group_index in range(len(self.param_groups)):
+            self._settings(group_index)  # every group validated before the first update
         for group in self.param_groups:
             for p in group["params"]:
                 accum = self._release.take_buffer(p) if self._release is not None else None

@@ -138,6 +138,8 @@ class GradientRelease:
                 f"applied in this backward pass (backward #{n} since the last step() with accumulation_steps={k}); "
                 f"call optimizer.step() once every {k} backward pass(es)"
             )
+        if n == k:  # this backward updates p: its group's values as they are now, validated before counting
+            optimizer.check_settings(p)
         self._counts[key] = n
         if grad.is_sparse:
             raise RuntimeError(f"fusedopt.{type(optimizer).__name__} does not support sparse gradients")

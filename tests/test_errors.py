@@ -19,6 +19,9 @@ CONSTRUCTION_ERRORS = [
     (fusedopt.AdamW, dict(betas=(0.9,)), "Invalid betas"),
     (fusedopt.AdamW, dict(weight_decay=-0.1), "Invalid weight_decay value"),
     (fusedopt.AdamW, dict(lr=float("nan")), "Invalid learning rate"),
+    (fusedopt.AdamW, dict(lr=float("inf")), "Invalid learning rate: inf"),
+    (fusedopt.AdamW, dict(eps=float("inf")), "Invalid epsilon value: inf"),
+    (fusedopt.AdamW, dict(weight_decay=float("inf")), "Invalid weight_decay value: inf"),
     (fusedopt.AdamW, dict(amsgrad=True), "amsgrad=True is not supported"),
     (fusedopt.AdamW, dict(foreach=True), "foreach=True is not supported"),
     (fusedopt.AdamW, dict(capturable=True), "capturable=True is not supported"),
@@ -33,6 +36,9 @@ CONSTRUCTION_ERRORS = [
     (fusedopt.AdamW, dict(state_bits=32, fused="yes"), "Invalid fused"),
     (fusedopt.AdamW, dict(state_bits=32, maximize=1), "Invalid maximize"),
     (fusedopt.SGD, dict(momentum=-0.5), "Invalid momentum value"),
+    (fusedopt.SGD, dict(momentum=float("inf")), "Invalid momentum value: inf"),
+    (fusedopt.SGD, dict(dampening=float("inf")), "Invalid dampening value: inf"),
+    (fusedopt.Lion, dict(lr=float("inf")), "Invalid learning rate: inf"),
     (fusedopt.SGD, dict(nesterov=True), "Nesterov momentum requires a momentum and zero dampening"),
     (fusedopt.SGD, dict(momentum=0.9, dampening=0.1, nesterov=True), "Nesterov momentum requires"),
     (fusedopt.SGD, dict(foreach=True), "foreach=True is not supported"),
@@ -67,6 +73,39 @@ def test_invalid_group_option_is_refused_and_the_group_not_added():
     assert len(opt.param_groups) == 1
     opt.add_param_group({"params": [_w(2, 2)], "state_bits": 16, "lr": 1e-2})
     assert opt.param_groups[1]["state_bits"] == 16
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize(
+    "key,value,match",
+    [("lr", float("nan"), "Invalid learning rate: nan"), ("weight_decay", float("inf"), "Invalid weight_decay value")],
+)
+def test_hyperparameters_changed_between_steps_are_validated(fused, key, value, match):
+    """A scheduler or the user sets a group's value after construction: the next update raises
+    before it touches anything, and the optimizer goes on once the value is valid again."""
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Linear(33, 17)
+    opt = fusedopt.AdamW(model.parameters(), state_bits=8, min_compress_numel=0, fused=fused)
+    x = torch.randn(5, 33, generator=gen)
+    model(x).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    params = [p.detach().clone() for p in model.parameters()]
+    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
+    good = opt.param_groups[0][key]
+    opt.param_groups[0][key] = value
+    with pytest.raises(ValueError, match=match):  # fused=True: from backward's first hook
+        model(x).square().sum().backward()
+        opt.step()
+    for p, before, saved in zip(model.parameters(), params, state):
+        assert torch.equal(p, before)
+        assert all(torch.equal(v, saved[k]) for k, v in opt.state[p].items())
+    opt.param_groups[0][key] = good
+    opt.zero_grad()
+    model(x).square().sum().backward()
+    opt.step()
+    assert all(torch.isfinite(p).all() and not torch.equal(p, b) for p, b in zip(model.parameters(), params))
+    assert [int(opt.state[p]["step"]) for p in model.parameters()] == [2, 2]
 
 
 def test_same_parameter_twice_is_refused():
