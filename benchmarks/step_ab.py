@@ -1,7 +1,7 @@
 """Interleaved step timing: the default fusedopt step against torch's fused AdamW (and variants).
 
 Usage (CUDA machine, repo root):
-  python benchmarks/step_ab.py [--rounds 30] [--reps 5] [--variants [WORD ...]] [--out ab.json]
+  python benchmarks/step_ab.py [--rounds 30] [--reps 5] [--variants [WORD ...]] [--model 1b] [--out ab.json]
 
 ``step_bandwidth.py`` times one configuration after another, and on the H200 the same
 configuration moved by 2-3% between positions in one run (2026-11-30, eighth sitting: the
@@ -18,6 +18,10 @@ with the 8 tensors in one bucketed launch pair (``kernels/bucket.py`` launches t
 alone since the ninth sitting; a prepared update decides once, at its first step, whether it
 can join a bucket).
 
+``--model 1b`` times the parameters of a Llama-style model instead (``fusedopt.profiler_models``:
+201 bf16 tensors, 1.1e9 elements, most of them joining bucketed launches); the variant
+``unbucketed`` shows what the buckets do there.
+
 ``--kernels`` then profiles 3 steps of each configuration (``torch.profiler``) and prints, per
 kernel, launches and GPU time per step against the event-timed step: what of the step is kernel
 time, and what is between kernels.
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -45,6 +50,7 @@ VARIANTS = {  # (elements per program, warps, register cap); the default is 1024
     "tile 1024 / 4 warps (default until 2026-11-30)": (1024, 4, None),
     "tile 2048 / 4 warps": (2048, 4, None),
     "bucketed (one launch pair for the 8 tensors, the default until the ninth sitting)": "bucketed",
+    "unbucketed (FUSEDOPT_BUCKET_MB=0: one launch pair per tensor)": "unbucketed",
 }
 
 
@@ -61,22 +67,31 @@ def kernel_times(opt, steps: int = 3) -> tuple[list[tuple[str, int, float]], flo
     return sorted(rows, key=lambda row: -row[2]), ms
 
 
-def _params():
-    params = [torch.nn.Parameter(torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16)) for _ in range(N_TENSORS)]
+def model_shapes(preset: str) -> list[tuple[int, ...]]:
+    """The parameter shapes of ``fusedopt.profiler_models``' Llama-style model ``preset`` (built on the meta device)."""
+    from fusedopt.profiler_models import PRESETS, TinyLM
+
+    return [tuple(p.shape) for p in TinyLM(PRESETS[preset], device="meta").parameters()]
+
+
+def _params(shapes):
+    params = [torch.nn.Parameter(torch.randn(shape, device="cuda", dtype=torch.bfloat16)) for shape in shapes]
     for p in params:
         p.grad = torch.randn_like(p)
     return params
 
 
-def _build(make, launch=None):
-    """An optimizer over fresh parameters, warmed up (compiled, state allocated, launches prepared).
-    ``launch``: (tile, warps, register cap), or "bucketed"."""
+def _build(make, shapes, launch=None):
+    """An optimizer over fresh parameters of ``shapes``, warmed up (compiled, state allocated, launches
+    prepared). ``launch``: (tile, warps, register cap), "bucketed" or "unbucketed"."""
     if launch == "bucketed":
         context = mock.patch.object(bucket, "MAX_MEMBER_NUMEL", 1 << 62)  # any size joins a bucket
+    elif launch == "unbucketed":
+        context = mock.patch.dict(os.environ, {"FUSEDOPT_BUCKET_MB": "0"})  # read when the optimizer is built
     else:
         context = launch_constants(*launch) if launch is not None else contextlib.nullcontext()
     with context:
-        opt = make(_params())
+        opt = make(_params(shapes))
         for _ in range(2):
             opt.step()
         torch.cuda.synchronize()
@@ -94,20 +109,25 @@ def main(argv=None) -> int:
         help="also the default's variants (all, or those whose name has a word given)",
     )
     parser.add_argument("--kernels", action="store_true", help="then each configuration's kernel times per step")
+    parser.add_argument(
+        "--model", help="the parameters of this profiler_models preset (e.g. 1b) instead of 8 large tensors"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
+    shapes = model_shapes(args.model) if args.model else [SHAPE] * N_TENSORS
+    print(f"{len(shapes)} bf16 tensors, {sum(math.prod(s) for s in shapes) / 1e9:.3f}e9 elements", flush=True)
     configs = {
-        "torch AdamW fused (bf16 state)": _build(lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True)),
-        "fusedopt default (8-bit / 24)": _build(lambda ps: fusedopt.AdamW(ps, lr=1e-4)),
+        "torch AdamW fused (bf16 state)": _build(lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True), shapes),
+        "fusedopt default (8-bit / 24)": _build(lambda ps: fusedopt.AdamW(ps, lr=1e-4), shapes),
     }
     if args.variants is not None:
         for name, launch in VARIANTS.items():
             if args.variants and not any(word in name for word in args.variants):
                 continue
-            configs[f"fusedopt default, {name}"] = _build(lambda ps: fusedopt.AdamW(ps, lr=1e-4), launch)
+            configs[f"fusedopt default, {name}"] = _build(lambda ps: fusedopt.AdamW(ps, lr=1e-4), shapes, launch)
     names = list(configs)
     times = {name: [] for name in names}
     for r in range(args.rounds):
@@ -134,6 +154,7 @@ def main(argv=None) -> int:
                 print(f"  {count:3d} x {key[:70]:70s} {us / 1e3:8.3f} ms per step")
     if args.out:
         env = dict(torch=torch.__version__, device=torch.cuda.get_device_name(), fusedopt=fusedopt.__version__)
+        env.update(model=args.model, tensors=len(shapes))
         with open(args.out, "w") as f:
             json.dump(dict(env=env, rounds=args.rounds, reps=args.reps, results=summary, kernels=kernels), f, indent=2)
     return 0
