@@ -3,11 +3,11 @@
 A parameter's update costs two kernel launches of host time (~50-100 us on the H200 host),
 which gradient release pays inside backward. A bucket launches both kernels once for up to
 ``BUCKET_TENSORS`` parameters from a table of one row per member (``update.py``'s ``BUCKET``
-branch): every program finds its member from the launch arguments, which carry each member's
-first program and gradient delta, and the member's other pointers as the first member's plus
-the deltas of its row. The table (up to 2 KiB) depends only on the members, so it is built once
-and reused while the members' prepared launches are; the gradients are new each step, and their
-deltas travel as launch arguments (no host-to-device copy, no sync).
+branch): every program finds its member from the rows' first-program columns, and the member's
+pointers as the first member's plus the deltas of its row. The table (2 KiB) depends only on
+the members, so it is built once and reused while the members' prepared launches are; only the
+gradients are new each step, and their deltas travel as launch arguments (no host-to-device
+copy, no sync).
 
 Each member gets exactly the single-parameter launch's programs, element offsets, hash keys and
 scratch words, so its result is bit-identical to its own launch (tests/test_buckets.py).
@@ -22,14 +22,15 @@ from fusedopt.kernels.launcher import launch_remembered
 from fusedopt.kernels.update import (
     _GRAD_DELTA_BIAS,
     BUCKET_TENSORS,
+    COL_CHECK_START,
+    COL_UPDATE_START,
     GRAD_DELTA_BIAS,
-    NO_MEMBER_START,
-    START_BITS,
+    NO_GRAD_DELTAS,
+    NO_START,
     TABLE_COLS,
     PreparedUpdate,
     _check_config,
     bucket_config,
-    pack_member_args,
     scalar_args,
 )
 from fusedopt.streams import on_default_stream
@@ -42,8 +43,6 @@ ALIGN = 16  # bytes: the alignment the kernel's vector accesses assume for every
 # which only pays while the member's own GPU time is shorter: from 2**24 elements (~70 us of
 # update on the H200) a parameter launches alone.
 MAX_MEMBER_NUMEL = 1 << 24
-# a gradient's delta from the first member's, in elements, as the packed launch argument holds it
-MAX_GRAD_DELTA = 1 << (62 - START_BITS - 1)
 
 assert int(_GRAD_DELTA_BIAS) == GRAD_DELTA_BIAS
 
@@ -79,20 +78,21 @@ class PreparedBucket:
         self.members = members  # kept: the table points into their tensors
         self.algo = first.algo
         base = _pointer_tensors(first)
-        self.update_starts, self.programs = _starts([u.programs for u in members])
-        self.check_starts, self.check_programs = _starts([u.check_programs for u in members])
-        if self.programs > NO_MEMBER_START:  # a program index must fit the packed arguments' start field
-            raise ValueError(f"a bucket of {self.programs} update programs is too large")
+        update_starts, self.programs = _starts([u.programs for u in members])
+        check_starts, self.check_programs = _starts([u.check_programs for u in members])
         rows = []
-        for u in members:
+        for u, update_start, check_start in zip(members, update_starts, check_starts):
             deltas = []
             for t, b in zip(_pointer_tensors(u), base, strict=True):
                 offset = t.data_ptr() - b.data_ptr()
                 if offset % b.element_size():
                     raise ValueError("bucket members' tensors of one role must share a dtype")
                 deltas.append(offset // b.element_size())
-            row = deltas + [u.n, (u.n + 1) // 2, *u.keys, u.check_programs]
+            row = deltas + [u.n, (u.n + 1) // 2, *u.keys, u.check_programs, update_start, check_start]
             rows.append(row + [0] * (TABLE_COLS - len(row)))  # in the order of update.py's COL_* columns
+        unused = [0] * TABLE_COLS  # rows of no member: their first programs are after every program
+        unused[COL_UPDATE_START.value] = unused[COL_CHECK_START.value] = NO_START
+        rows += [unused] * (BUCKET_TENSORS - len(members))
         with on_default_stream(first.head[0]):  # launches on any stream can then wait for the copy
             self.table = _to_device(torch.tensor(rows, dtype=torch.int64), first.head[0].device)
         self.head, self.state_tensors = first.head, first.state_tensors
@@ -109,14 +109,10 @@ class PreparedBucket:
             raise ValueError(f"a bucket of {len(self.members)} parameters got {len(grads)} gradients")
         base = grads[0]
         address, size = base.data_ptr(), base.element_size()
-        deltas = [(g.data_ptr() - address) // size for g in grads]
-        if not all(-MAX_GRAD_DELTA < d < MAX_GRAD_DELTA for d in deltas):  # never seen: 2**40 elements apart
-            for member, grad in zip(self.members, grads):
-                member.launch(grad, None, hyper)
-            return
+        deltas = list(NO_GRAD_DELTAS)
+        for i, g in enumerate(grads):
+            deltas[i] = (g.data_ptr() - address) // size + GRAD_DELTA_BIAS
         args, check_args = scalar_args(self.algo, hyper)
-        check_members = pack_member_args(deltas, self.check_starts)
-        update_members = pack_member_args(deltas, self.update_starts)
         # nothing in the launch keys varies (the gradients' dtype and alignment are the members'):
         # one resolved direct launch each
         launch_remembered(
@@ -124,11 +120,11 @@ class PreparedBucket:
             self.launches,
             "check",
             self.check_programs,
-            (base, base, self.scratch, self.step, self.skipped, self.table, 0, *check_members, *check_args),
+            (base, base, self.scratch, self.step, self.skipped, self.table, 0, *deltas, *check_args),
             self.check_config,
         )
         runtime_args = (
-            *self.head, base, self.head[0], *self.state_tensors, self.table, *self.ints, *update_members, *args
+            *self.head, base, self.head[0], *self.state_tensors, self.table, *self.ints, *deltas, *args
         )  # fmt: skip
         update_launcher = update._launch_update
         launch_remembered(update_launcher, self.launches, "update", self.programs, runtime_args, self.update_config)

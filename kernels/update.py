@@ -57,34 +57,23 @@ CHECK_TILES = 8  # iterations per check program (fewer programs: fewer ticket at
 SCRATCH_WORDS = 8
 # Bucketed launches (kernels/bucket.py): one launch updates up to BUCKET_TENSORS parameters of one
 # configuration. Each parameter's pointers are the first member's plus a delta from a per-member
-# table row. Per member, one integer argument carries what changes every step or what a program
-# needs before it can read the table: the gradient's delta and the member's first program of this
-# kernel, packed as GRAD_DELTA_BIAS + delta * 2**START_BITS + first program (biased into int64
-# range so Triton always types them alike: no recompile, no host-device copy). A program finds its
-# member from the arguments alone, so one table read, not two, precedes its loads.
+# table row; the gradients' deltas change every step and arrive as integer arguments, biased
+# into int64 range so Triton always types them alike (no recompile, no host-device copy).
 BUCKET_TENSORS = 16
 GRAD_DELTA_BIAS = 1 << 62
-START_BITS = 21
-NO_MEMBER_START = (1 << START_BITS) - 1  # the first program of an unused member: after every program
 # columns of a bucket's table row (int64): pointer deltas in elements of the first member's
-# tensor, the member's sizes and hash keys, and its check programs (the ticket count)
+# tensor, the member's sizes and hash keys, and the first update and check program of the
+# launch that is the member's (a table has BUCKET_TENSORS rows: unused ones start at NO_START)
 (
     COL_PARAM, COL_CORR, COL_M, COL_M_SCALE, COL_V, COL_V_SCALE, COL_STEP, COL_SCRATCH,
-    COL_N, COL_N_PAIRS, COL_KEY_SHARED, COL_KEY_PARAM, COL_CHECK_PROGRAMS,
-) = (tl.constexpr(i) for i in range(13))  # fmt: skip
+    COL_N, COL_N_PAIRS, COL_KEY_SHARED, COL_KEY_PARAM, COL_CHECK_PROGRAMS, COL_UPDATE_START, COL_CHECK_START,
+) = (tl.constexpr(i) for i in range(15))  # fmt: skip
 TABLE_COLS = 16
+NO_START = 1 << 62
+_BUCKET_ROWS = tl.constexpr(BUCKET_TENSORS)
 _TABLE_COLS = tl.constexpr(TABLE_COLS)
-NO_GRAD_DELTAS = (GRAD_DELTA_BIAS,) * BUCKET_TENSORS  # a single-parameter launch (unused there)
+NO_GRAD_DELTAS = (GRAD_DELTA_BIAS,) * BUCKET_TENSORS  # a single-parameter launch
 _GRAD_DELTA_BIAS = tl.constexpr(GRAD_DELTA_BIAS)
-_START_BITS = tl.constexpr(START_BITS)
-_START_MASK = tl.constexpr(NO_MEMBER_START)
-
-
-def pack_member_args(grad_deltas: list[int], starts: list[int]) -> tuple[int, ...]:
-    """The BUCKET_TENSORS launch arguments of a bucket's members: gradient delta (|delta| < 2**40) and
-    first program (< NO_MEMBER_START; kernels/bucket.py checks both)."""
-    packed = [GRAD_DELTA_BIAS + (d << START_BITS) + s for d, s in zip(grad_deltas, starts, strict=True)]
-    return (*packed, *(GRAD_DELTA_BIAS + NO_MEMBER_START,) * (BUCKET_TENSORS - len(packed)))
 
 
 @dataclass(frozen=True, eq=False)
@@ -130,44 +119,23 @@ def _rebase(ptr, row, col: tl.constexpr):
 
 
 @triton.jit
-def _first_program(packed):
-    """A member's first program from its packed argument (``pack_member_args``)."""
-    return ((packed - _GRAD_DELTA_BIAS) & _START_MASK).to(tl.int32)
-
-
-@triton.jit
-def _bucket_member(
-    table_ptr, grad_ptr, gd0, gd1, gd2, gd3, gd4, gd5, gd6, gd7, gd8, gd9, gd10, gd11, gd12, gd13, gd14, gd15
-):  # fmt: skip
-    """(its program index, its table row, its gradient) of this program's member in a bucketed
-    launch: the last member whose first program is not after this one, from the launch arguments
-    (member 0 starts at program 0). Uniform scalar work once per program; a member map in memory
-    would cost a dependent load before the table row's."""
+def _bucket_member(table_ptr, start_col: tl.constexpr):
+    """(member, its program index, its table row) of this program of a bucketed launch: the
+    member is the last whose first program (column ``start_col``) is not after this one. Once
+    per program of BLOCK elements; a map per program would cost 8 bytes per program of
+    device memory for every bucket composition."""
     pid = tl.program_id(0)
-    member = (pid >= _first_program(gd1)).to(tl.int32)
-    member += (pid >= _first_program(gd2)).to(tl.int32)
-    member += (pid >= _first_program(gd3)).to(tl.int32)
-    member += (pid >= _first_program(gd4)).to(tl.int32)
-    member += (pid >= _first_program(gd5)).to(tl.int32)
-    member += (pid >= _first_program(gd6)).to(tl.int32)
-    member += (pid >= _first_program(gd7)).to(tl.int32)
-    member += (pid >= _first_program(gd8)).to(tl.int32)
-    member += (pid >= _first_program(gd9)).to(tl.int32)
-    member += (pid >= _first_program(gd10)).to(tl.int32)
-    member += (pid >= _first_program(gd11)).to(tl.int32)
-    member += (pid >= _first_program(gd12)).to(tl.int32)
-    member += (pid >= _first_program(gd13)).to(tl.int32)
-    member += (pid >= _first_program(gd14)).to(tl.int32)
-    member += (pid >= _first_program(gd15)).to(tl.int32)
-    packed = _member_arg(member, gd0, gd1, gd2, gd3, gd4, gd5, gd6, gd7, gd8, gd9, gd10, gd11, gd12, gd13, gd14, gd15)
-    delta = (packed - _GRAD_DELTA_BIAS) >> _START_BITS  # arithmetic: the delta's sign is kept
-    grad_ptr = grad_ptr + tl.multiple_of(delta, 128 // grad_ptr.dtype.element_ty.primitive_bitwidth)
-    return pid - _first_program(packed), table_ptr + member * _TABLE_COLS, grad_ptr
+    starts = tl.load(table_ptr + tl.arange(0, _BUCKET_ROWS) * _TABLE_COLS + start_col)
+    member = tl.sum((starts <= pid).to(tl.int32), axis=0) - 1
+    row = table_ptr + member * _TABLE_COLS
+    return member, pid - tl.load(row + start_col).to(tl.int32), row
 
 
 @triton.jit
-def _member_arg(member, gd0, gd1, gd2, gd3, gd4, gd5, gd6, gd7, gd8, gd9, gd10, gd11, gd12, gd13, gd14, gd15):
-    """Member ``member``'s packed argument."""
+def _grad_pointer(
+    grad_ptr, member, gd0, gd1, gd2, gd3, gd4, gd5, gd6, gd7, gd8, gd9, gd10, gd11, gd12, gd13, gd14, gd15
+):  # fmt: skip
+    """Member ``member``'s gradient: ``grad_ptr`` plus its delta (the arguments carry GRAD_DELTA_BIAS)."""
     d = tl.where(member == 0, gd0, gd1)
     d = tl.where(member == 2, gd2, d)
     d = tl.where(member == 3, gd3, d)
@@ -183,7 +151,7 @@ def _member_arg(member, gd0, gd1, gd2, gd3, gd4, gd5, gd6, gd7, gd8, gd9, gd10, 
     d = tl.where(member == 13, gd13, d)
     d = tl.where(member == 14, gd14, d)
     d = tl.where(member == 15, gd15, d)
-    return d
+    return grad_ptr + tl.multiple_of(d - _GRAD_DELTA_BIAS, 128 // grad_ptr.dtype.element_ty.primitive_bitwidth)
 
 
 @triton.jit
@@ -238,8 +206,9 @@ def _check_kernel(
     BUCKET: tl.constexpr,  # one launch over several parameters (kernels/bucket.py)
 ):
     if BUCKET:
-        program, row, grad_ptr = _bucket_member(
-            table_ptr, grad_ptr, gd0, gd1, gd2, gd3, gd4, gd5, gd6, gd7, gd8, gd9, gd10, gd11, gd12, gd13, gd14, gd15
+        member, program, row = _bucket_member(table_ptr, COL_CHECK_START)
+        grad_ptr = _grad_pointer(
+            grad_ptr, member, gd0, gd1, gd2, gd3, gd4, gd5, gd6, gd7, gd8, gd9, gd10, gd11, gd12, gd13, gd14, gd15
         )
         scratch_ptr = _rebase(scratch_ptr, row, COL_SCRATCH)
         step_ptr = _rebase(step_ptr, row, COL_STEP)
@@ -353,11 +322,12 @@ def _update_kernel(
     BUCKET: tl.constexpr,  # one launch over several parameters (kernels/bucket.py)
 ):
     if BUCKET:  # this program's member: its pointers, size and keys
-        program, row, grad_ptr = _bucket_member(
-            table_ptr, grad_ptr, gd0, gd1, gd2, gd3, gd4, gd5, gd6, gd7, gd8, gd9, gd10, gd11, gd12, gd13, gd14, gd15
-        )
+        member, program, row = _bucket_member(table_ptr, COL_UPDATE_START)
         param_ptr = _rebase(param_ptr, row, COL_PARAM)
         corr_ptr = _rebase(corr_ptr, row, COL_CORR)
+        grad_ptr = _grad_pointer(
+            grad_ptr, member, gd0, gd1, gd2, gd3, gd4, gd5, gd6, gd7, gd8, gd9, gd10, gd11, gd12, gd13, gd14, gd15
+        )
         m_ptr = _rebase(m_ptr, row, COL_M)
         m_scale_ptr = _rebase(m_scale_ptr, row, COL_M_SCALE)
         v_ptr = _rebase(v_ptr, row, COL_V)
