@@ -36,12 +36,13 @@ from fusedopt.kernels.update import (
 from fusedopt.streams import on_default_stream
 
 ALIGN = 16  # bytes: the alignment the kernel's vector accesses assume for every member tensor
-# A bucket program finds its member and the member's pointers in the table before its loads can
-# start, and pays for it on every element: on the H200 the update kernel over 8 tensors of 1.34e8
+# A bucketed update is slower per element: on the H200 the update kernel over 8 tensors of 1.34e8
 # elements took 4.83 ms bucketed against 4.50 ms launched per tensor (7% more; ninth sitting,
-# benchmarks/step_ab.py --kernels). A bucket saves host time, a launch pair (~25-50 us) per member,
-# which only pays while the member's own GPU time is shorter: from 2**24 elements (~70 us of
-# update on the H200) a parameter launches alone.
+# benchmarks/step_ab.py --kernels). A bucket program reads the table before its loads can start;
+# finding the member from launch arguments instead (one table read fewer) did not help (tenth
+# sitting, benchmarks/RESULTS.md), so the cause is not pinned down. A bucket saves host time, a
+# launch pair (~25-50 us) per member, which only pays while the member's own GPU time is shorter:
+# from 2**24 elements (~70 us of update on the H200) a parameter launches alone.
 MAX_MEMBER_NUMEL = 1 << 24
 
 assert int(_GRAD_DELTA_BIAS) == GRAD_DELTA_BIAS
