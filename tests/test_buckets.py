@@ -28,7 +28,7 @@ def _grads(shapes, steps, seed=1):
 
 def _train(
     monkeypatch, device, bucket_mb, opt_cls, kwargs, dtype, fused, shapes=SHAPES, steps=3, built=None, changes=None,
-    moved=(),
+    moved=(), reversed_views=False,
 ):  # fmt: skip
     monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
     monkeypatch.setenv("FUSEDOPT_BUCKET_MB", str(bucket_mb))
@@ -42,6 +42,11 @@ def _train(
         if fused:
             sum((p * g.to(device, dtype)).sum() for p, g in zip(params, grads)).backward()
             assert all(p.grad is None for p in params)  # released: updated by the end of backward
+        elif reversed_views:  # views of one buffer, parameter 0's last: each gradient below the one before
+            buffer = torch.cat([g.reshape(-1) for g in reversed(grads)]).to(device, dtype)
+            end = buffer.numel()
+            for p, g in zip(params, grads):
+                p.grad, end = buffer[end - g.numel() : end].view(g.shape), end - g.numel()
         else:
             for p, g in zip(params, grads):
                 p.grad = g.to(device, dtype)
@@ -134,31 +139,16 @@ def test_gradients_below_the_first_members_address(monkeypatch, device):
     """A member's gradient is the first member's pointer plus a delta from the launch arguments: the
     gradients here are views of one buffer in reverse order, so every delta is negative."""
     shapes = [(16, 24), (32, 48), (16, 16)]
-    sizes = [h * w for h, w in shapes]
-
-    def train(bucket_mb):
-        monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
-        monkeypatch.setenv("FUSEDOPT_BUCKET_MB", str(bucket_mb))
-        params = _params(device, torch.bfloat16, shapes)
-        opt = fusedopt.AdamW(params, lr=1e-2, state_bits=8, min_compress_numel=0)
-        gen = torch.Generator().manual_seed(3)
-        for _ in range(2):
-            buffer = torch.randn(sum(sizes), generator=gen).to(device, torch.bfloat16)
-            ends = [sum(sizes[i:]) for i in range(len(sizes))]  # parameter 0 last in the buffer
-            for p, n, end in zip(params, sizes, ends):
-                p.grad = buffer[end - n : end].view(p.shape)
-            opt.step()
-            opt.zero_grad()
-        built = [len(b.members) for b in opt._buckets._built.values()] if opt._buckets is not None else []
-        return (
-            [p.detach().cpu() for p in params],
-            [{k: v.cpu() for k, v in opt.state[p].items()} for p in params],
-            built,
-        )
-
-    alone, together = train(0), train(64)
-    assert together[2] == [len(shapes)]
-    _assert_identical(alone[:2], together[:2])
+    built = []
+    kwargs = dict(state_bits=8)
+    alone = _train(
+        monkeypatch, device, 0, fusedopt.AdamW, kwargs, torch.bfloat16, False, shapes, 2, reversed_views=True
+    )
+    together = _train(
+        monkeypatch, device, 64, fusedopt.AdamW, kwargs, torch.bfloat16, False, shapes, 2, built, reversed_views=True
+    )
+    assert built == [len(shapes)]
+    _assert_identical(alone, together)
 
 
 # the kernel computes on the non-finite gradient and only masks its stores: numpy (the
