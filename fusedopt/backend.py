@@ -84,6 +84,17 @@ def _gradient_problem(param: torch.Tensor, grad: torch.Tensor, accum: torch.Tens
     return None
 
 
+def check_gradient(p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None, optimizer_name: str) -> None:
+    """Refuse a gradient (or accumulated buffer) the update cannot take, naming the problem. The
+    kernel reads as many gradient elements as the parameter has: one of another shape (``p.grad.data
+    = ...`` can set one) would be read out of bounds."""
+    if grad.is_sparse:
+        raise RuntimeError(f"fusedopt.{optimizer_name} does not support sparse gradients")
+    for name, g in (("gradient", grad), ("accumulated gradient", accum)):
+        if g is not None and g.shape != p.shape:
+            raise ValueError(f"a {name} of shape {tuple(g.shape)} for a parameter of shape {tuple(p.shape)}")
+
+
 def unsupported_reason(job: ParamUpdate) -> str | None:
     """Why the kernel cannot run this update (None: it can)."""
     p = job.param

@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from . import checkpoint
-from .backend import gradient_fits_prepared, kernel_allowed, new_scratch, run_update
+from .backend import check_gradient, gradient_fits_prepared, kernel_allowed, new_scratch, run_update
 from .buckets import UpdateBuckets, bucket_budget, can_join
 from .codecs import NONNEGATIVE_SLOTS, SUPPORTED_STATE_BITS, MomentCodec, codec_for
 from .master import MASTER_CORRECTION, check_master_weight_bits, correction_layout, master_value
@@ -71,6 +71,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.accumulation_steps = accumulation_steps
         self.seed = seed
         self._position: dict[torch.Tensor, tuple[int, int]] = {}  # param -> (group index, param index)
+        self._next_index = 0  # a new parameter's index (a hash input: it never changes or repeats)
+        self._groups_seen: list = []  # param_groups as _position last saw them (sync_groups)
         self._release: GradientRelease | None = None
         self._kernel_scratch: dict[torch.Tensor, torch.Tensor] = {}
         self._prepared: dict[torch.Tensor, tuple] = {}  # param -> (PreparedUpdate, structure, state keys, ids)
@@ -79,7 +81,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.bucket_budget = bucket_budget()  # bytes of gradients release may hold (0: none)
         self._buckets = UpdateBuckets() if self.bucket_budget > 0 else None  # see buckets.py
         super().__init__(params, defaults)
-        first = self.param_groups[0]["params"][0]
+        first = next(p for g in self.param_groups for p in g["params"])  # torch refused a list of none
         self.num_skipped_updates = torch.zeros((), dtype=torch.int64, device=first.device)
         if fused:
             self._release = GradientRelease(self)
@@ -105,12 +107,42 @@ class FusedOptimizer(torch.optim.Optimizer):
         except Exception:
             self.param_groups.pop()
             raise
+        if self._release is not None:
+            try:
+                self._release.attach(group["params"])  # checks every parameter before it hooks one
+            except Exception:
+                self.param_groups.pop()
+                raise
         group_index = len(self.param_groups) - 1
         self._new_window()
         for p in group["params"]:
-            self._position[p] = (group_index, len(self._position))
-        if self._release is not None:
-            self._release.attach(group["params"])
+            self._position[p] = (group_index, self._next_index)
+            self._next_index += 1
+
+    def sync_groups(self) -> None:
+        """Follow edits made to ``param_groups`` directly, as torch.optim does: groups reordered or
+        removed, parameters removed from a group. Each parameter's group is found again (its index
+        stays); one no longer in any group is forgotten and its release hook removed, so nothing
+        updates it. A parameter that never went through the constructor or ``add_param_group`` is
+        refused: fusedopt has not validated it and has no index for it."""
+        seen = [(id(g), len(g["params"])) for g in self.param_groups]
+        if seen == self._groups_seen:
+            return
+        positions = {}
+        for group_index, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p not in self._position or p in positions:
+                    raise ValueError(
+                        f"param_groups[{group_index}]['params'] holds a parameter of shape {tuple(p.shape)} that "
+                        "was not added through the constructor or add_param_group() (or is listed twice); "
+                        "add parameters with add_param_group()"
+                    )
+                positions[p] = (group_index, self._position[p][1])
+        dropped = [p for p in self._position if p not in positions]
+        if dropped and self._release is not None:
+            self._release.detach(dropped)
+        self._position, self._groups_seen = positions, seen
+        self._new_window()
 
     def check_group(self, group: dict) -> None:
         """Validate every option of a (complete) group: the shared fusedopt ones, then the algorithm's."""
@@ -240,9 +272,47 @@ class FusedOptimizer(torch.optim.Optimizer):
             settings = self._window[group_index] = hyper, self._group_structure(group, hyper), kernel_allowed()
         return settings
 
-    def check_settings(self, p: torch.Tensor) -> None:
-        """Validate ``p``'s group for this step's updates (gradient release calls it before it counts a gradient)."""
-        self._settings(self._position[p][0])
+    def check_update(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None) -> None:
+        """Refuse, before anything is written, an update of ``p`` that cannot be applied as asked:
+        invalid group values (``_settings``), a sparse gradient or one of another shape, or state
+        that no longer fits the parameter or its group. ``step()`` checks every parameter this way
+        before its first update, gradient release each one before it counts the gradient. Beyond the
+        gradient's shape, nothing is looked at while ``p``'s prepared launch still holds (it was
+        built for this state, parameter and group structure)."""
+        check_gradient(p, grad, accum, type(self).__name__)
+        group_index, _ = self._position[p]
+        _, group_structure, allowed = self._settings(group_index)
+        if not (allowed and self._prepared_launch(p, grad, accum, group_structure) is not None):
+            self._check_state(p, self.param_groups[group_index])
+
+    def _check_state(self, p: torch.Tensor, group: dict) -> None:
+        """Refuse state that does not fit ``p`` and its group as they are now: every tensor their
+        settings need, of its dtype and shape, and no master correction they do not keep. The
+        state was made for them as they were: ``p.data`` of another shape or dtype, or a group's
+        ``state_bits``, ``min_compress_numel``, ``master_weight_bits`` (or SGD's momentum) set
+        since, would read it wrongly."""
+        state = self.state.get(p)
+        if not state:
+            return  # created from the group's settings at the first update
+        needed = {
+            slot + suffix: layout
+            for slot, codec in self.codecs(p, group).items()
+            for suffix, layout in codec.layout(p.shape).items()
+        }
+        needed.update(correction_layout(p, group["master_weight_bits"]))
+        problems = [_state_problem(key, state.get(key), *layout) for key, layout in needed.items()]
+        if MASTER_CORRECTION in state and MASTER_CORRECTION not in needed:
+            bits = group["master_weight_bits"]
+            problems.append(f"holds a master_correction that master_weight_bits={bits} does not keep")
+        problem = next((problem for problem in problems if problem is not None), None)
+        if problem is not None:
+            raise ValueError(
+                f"the optimizer state of a {p.dtype} parameter of shape {tuple(p.shape)} {problem}: it was made for "
+                "the parameter and its group as they were. The parameter's shape or dtype, or its group's "
+                "state_bits, min_compress_numel, master_weight_bits or momentum, changed since. Change the group's "
+                "settings through state_dict() / load_state_dict(), which converts the state (edit the saved "
+                "group); for a parameter of another shape or dtype, build a new optimizer"
+            )
 
     def _new_window(self) -> None:
         """Group settings may change from here on (a step ended, groups or state were replaced)."""
@@ -258,8 +328,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def update_param(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None) -> None:
         """Apply one optimizer update to ``p`` from ``grad`` (+ an accumulated buffer)."""
-        if grad.is_sparse:
-            raise RuntimeError(f"fusedopt.{type(self).__name__} does not support sparse gradients")
+        check_gradient(p, grad, accum, type(self).__name__)
         prepared = self._prepared.get(p)
         if prepared is not None and self._buckets is not None and self._buckets.is_pending(prepared[0]):
             self.flush_updates()  # p's queued update runs first
@@ -273,17 +342,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             return
         # A first update may run in a hook on a side stream: state (and the correction buffer that
         # all parameters share) is initialised on the default stream, which that stream then waits for
+        self._check_state(p, group)  # before anything is written
         with on_default_stream(p):
             state = self.ensure_state(p)
             self._scratch(p)
         codecs = self.codecs(p, group)
-        for slot, codec in codecs.items():
-            if slot + codec.suffixes[0] not in state:
-                raise ValueError(
-                    f"the state of a parameter of shape {tuple(p.shape)} was not stored as {codec!r}: its group's "
-                    "state_bits or min_compress_numel changed after it was created; change them through "
-                    "state_dict() / load_state_dict(), which converts the state"
-                )
         job = ParamUpdate(
             param=p,
             grad=grad,
@@ -352,9 +415,13 @@ class FusedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         releasing = self._release is not None and self._release.attached
         self.flush_updates()  # left by a backward that did not finish
+        self.sync_groups()
         self._new_window()
-        for group_index in range(len(self.param_groups)):
-            self._settings(group_index)  # every group validated before the first update
+        for group in self.param_groups:  # every update checked before the first one runs
+            for p in group["params"]:
+                grad = p.grad if p.grad is not None else self._release.buffer(p) if self._release else None
+                if grad is not None:
+                    self.check_update(p, grad)
         for group in self.param_groups:
             for p in group["params"]:
                 accum = self._release.take_buffer(p) if self._release is not None else None
@@ -410,6 +477,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._new_window()
         if self._buckets is not None:
             self._buckets.forget()
+
+
+def _state_problem(key: str, value: torch.Tensor | None, dtype: torch.dtype, shape: torch.Size) -> str | None:
+    """What is wrong with the state entry ``key`` against the (dtype, shape) needed (None: nothing)."""
+    if value is None:
+        return f"has no '{key}'"
+    if value.dtype != dtype or value.shape != shape:
+        return f"holds '{key}' as {value.dtype} {tuple(value.shape)}, not {dtype} {tuple(shape)}"
+    return None
 
 
 def check_param(p: torch.Tensor) -> None:

@@ -33,6 +33,7 @@ from collections.abc import Iterable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .backend import check_gradient
 from .reference import accumulate_low_precision
 from .rounding import LOW_PRECISION
 from .streams import current_stream_of, is_default_stream_current, on_default_stream, ready_on_current_stream
@@ -114,6 +115,16 @@ class GradientRelease:
         GradientRelease._remove_handles(self._handles)
         self.attached = False
 
+    def detach(self, params: Iterable[torch.Tensor]) -> None:
+        """Remove the hooks of parameters the optimizer no longer holds (torch.optim leaves them alone)."""
+        for p in params:
+            entry = self._handles.pop(id(p), None)
+            if entry is not None:
+                entry[1].remove()
+                if _OWNERS.get(p) is not None and _OWNERS[p]() is self:
+                    del _OWNERS[p]
+            self._buffers.pop(p, None)
+
     @staticmethod
     def _remove_handles(handles: dict) -> None:
         for _, handle in handles.values():
@@ -131,6 +142,8 @@ class GradientRelease:
             return
         k = optimizer.accumulation_steps
         key = id(p)  # the parameter is alive while its hook runs; id hashing is cheaper than a tensor's
+        if not self._counts:  # the first gradient since step(): param_groups may have been edited
+            optimizer.sync_groups()
         n = self._counts.get(key, 0) + 1
         if n > k:
             raise RuntimeError(
@@ -138,11 +151,16 @@ class GradientRelease:
                 f"applied in this backward pass (backward #{n} since the last step() with accumulation_steps={k}); "
                 f"call optimizer.step() once every {k} backward pass(es)"
             )
-        if n == k:  # this backward updates p: its group's values as they are now, validated before counting
-            optimizer.check_settings(p)
+        if n == k:  # this backward updates p: everything that could refuse the update is checked first
+            optimizer.check_update(p, grad, self.buffer(p))
+        else:
+            check_gradient(p, grad, None, type(optimizer).__name__)
+        # counted once the gradient is used: a refused one leaves the count as it was
+        self._consume(optimizer, p, grad, n, k)
         self._counts[key] = n
-        if grad.is_sparse:
-            raise RuntimeError(f"fusedopt.{type(optimizer).__name__} does not support sparse gradients")
+
+    def _consume(self, optimizer, p: torch.Tensor, grad: torch.Tensor, n: int, k: int) -> None:
+        """Accumulate (``n < k``), update, or hold the update of ``p``'s checked gradient."""
         # backward runs hooks with grad mode off unless create_graph=True: enter no_grad only then
         with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
             if n < k:
@@ -205,6 +223,11 @@ class GradientRelease:
     def end_of_backward(self, optimizer) -> None:
         self._flush_queued = False
         optimizer.flush_updates()
+
+    def buffer(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The accumulated gradient held for ``p`` (kept; ``take_buffer`` hands it over)."""
+        entry = self._buffers.get(p)
+        return None if entry is None else entry[0]
 
     def take_buffer(self, p: torch.Tensor) -> torch.Tensor | None:
         """Hand over (and forget) the accumulated gradient the optimizer holds for ``p``, ready to use
