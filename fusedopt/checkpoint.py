@@ -27,18 +27,26 @@ from .state_memory import pack_tensors
 # 2: 8-bit moments on shifted-minifloat levels (2026-11-30). 1: on square levels, converted on
 # load (the codes' layout is the same, so they must not be copied as they are).
 FORMAT = 2
-# torch.optim group keys that fusedopt ignores when loading a torch checkpoint (implementation
-# switches with no effect on the state); any other unknown key with a non-default value is refused.
-_IGNORED_FOREIGN_KEYS = {"foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay", "initial_lr"}
+# torch.optim group keys that fusedopt drops when loading a torch checkpoint: implementation
+# switches with no effect on the state. Other keys of a saved group are kept as torch keeps them
+# (a scheduler's initial_lr, a user's own "name"), except those that change the algorithm:
+# amsgrad=True, and torch.optim.Adam's coupled L2 weight decay (decoupled_weight_decay=False).
+_IGNORED_FOREIGN_KEYS = {"foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay"}
+# Hyperparameters of torch.optim's and fusedopt's optimizers: one this optimizer does not have
+# means the checkpoint is another algorithm's (an SGD checkpoint has momentum, an AdamW one eps).
+_OTHER_ALGORITHMS_KEYS = {"betas", "eps", "momentum", "dampening", "nesterov", "lr_decay", "rho", "alpha", "centered"}
 
 
 def state_dict(optimizer, packed: dict) -> dict:
     """Add fusedopt's optimizer-wide entries to torch's packed state dict."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
     packed["fusedopt"] = {
         "format": FORMAT,
         "algorithm": optimizer.algorithm,
         "seed": optimizer.seed,
         "num_skipped_updates": optimizer.num_skipped_updates,
+        # 4-bit codes and block scales are flat: only the shapes tell two parameters of one size apart
+        "shapes": {i: list(params[i].shape) for i in packed["state"]},
     }
     return packed
 
@@ -71,7 +79,9 @@ def load_state_dict(optimizer, saved: dict) -> None:
         )
 
     new_groups = [_merge_group(optimizer, g, s) for g, s in zip(groups, saved_groups)]
-    seed = meta["seed"] if meta is not None else optimizer.seed
+    seed = _load_seed(meta["seed"] if meta is not None else optimizer.seed)
+    skipped = _load_counter(meta) if meta is not None else None
+    shapes = meta.get("shapes", {}) if meta is not None else {}
     saved_format = meta.get("format", 0) if meta is not None else None  # None: not fusedopt's
     lossy: list[str] = []
     new_state: defaultdict = defaultdict(dict)
@@ -82,6 +92,11 @@ def load_state_dict(optimizer, saved: dict) -> None:
         p, group = ids[pid]
         _, index = optimizer.position(p)
         where = f"parameter {index} (shape {tuple(p.shape)})"
+        if pid in shapes and list(shapes[pid]) != list(p.shape):
+            raise ValueError(
+                f"loaded state dict holds the state of a parameter of shape {tuple(shapes[pid])} for {where}: the "
+                "parameters are not the ones it was saved from (another model, or another order)"
+            )
         new_state[p] = _convert_param_state(optimizer, p, group, param_state, where, seed, index, lossy, saved_format)
 
     # Everything validated and converted: commit (the shared corrections are built, if they were
@@ -92,9 +107,8 @@ def load_state_dict(optimizer, saved: dict) -> None:
         groups[i] = group
     optimizer.state = new_state
     optimizer.seed = seed
-    if meta is not None:
-        counter = meta["num_skipped_updates"]
-        optimizer.num_skipped_updates.copy_(torch.as_tensor(counter, dtype=torch.int64))
+    if skipped is not None:
+        optimizer.num_skipped_updates.copy_(skipped)
     if lossy:
         warnings.warn(
             "checkpoint state was converted to this optimizer's state format with rounding: " + "; ".join(lossy),
@@ -107,17 +121,40 @@ def load_state_dict(optimizer, saved: dict) -> None:
 def _merge_group(optimizer, group: dict, saved_group: dict) -> dict:
     merged = dict(group)
     for key, value in saved_group.items():
-        if key == "params":
+        if key == "params" or key in _IGNORED_FOREIGN_KEYS:
             continue
-        if key in optimizer.defaults or key == "param_names":
-            merged[key] = value
-        elif key == "amsgrad":
+        if key == "amsgrad" and key not in optimizer.defaults:
             if value:
                 raise ValueError("checkpoint was saved with amsgrad=True, which fusedopt does not support")
-        elif key not in _IGNORED_FOREIGN_KEYS:
-            raise ValueError(f"loaded parameter group has an option fusedopt does not know: {key!r}")
+            continue
+        if key in _OTHER_ALGORITHMS_KEYS and key not in optimizer.defaults:
+            raise ValueError(
+                f"loaded parameter group has {key!r}, an option of another optimizer than "
+                f"fusedopt.{type(optimizer).__name__}"
+            )
+        merged[key] = value
+    if saved_group.get("decoupled_weight_decay") is False and saved_group.get("weight_decay", 0) != 0:
+        raise ValueError(
+            "checkpoint was saved by torch.optim.Adam with weight_decay (L2 added to the gradient); "
+            f"fusedopt.{type(optimizer).__name__} decays the weights directly, a different algorithm"
+        )
     optimizer.check_group(merged)
     return merged
+
+
+def _load_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"checkpoint has an invalid seed: {seed!r} (expected a non-negative integer)")
+    return seed
+
+
+def _load_counter(meta: dict) -> torch.Tensor:
+    counter = meta.get("num_skipped_updates")
+    if isinstance(counter, torch.Tensor) and not counter.is_floating_point() and counter.numel() == 1:
+        return counter.reshape(()).to(torch.int64)
+    if isinstance(counter, int) and not isinstance(counter, bool) and counter >= 0:
+        return torch.tensor(counter, dtype=torch.int64)
+    raise ValueError(f"checkpoint has an invalid num_skipped_updates: {counter!r} (expected an integer count)")
 
 
 def _convert_param_state(
@@ -130,7 +167,7 @@ def _convert_param_state(
     correction = convert_correction(p, group["master_weight_bits"], saved.pop(MASTER_CORRECTION, None), where)
     codecs: dict[str, MomentCodec] = optimizer.codecs(p, group)
     known = {"step"} | {slot + s for slot, codec in codecs.items() for s in codec.layout(p.shape)}
-    foreign_slots = {k for k in saved if k not in known and not any(k.startswith(slot) for slot in codecs)}
+    foreign_slots = {k for k in saved if k not in known and not any(_of_slot(k, slot) for slot in codecs)}
     if foreign_slots:
         raise ValueError(f"state of {where} has entries this optimizer does not keep: {sorted(foreign_slots)}")
 
@@ -148,7 +185,7 @@ def _convert_param_state(
             out.update({slot + s: t.detach() for s, t in entries.items()})  # copied to p.device by pack_tensors
             continue
         value = saved.get(slot)
-        if value is None and not any(k.startswith(slot) for k in saved):
+        if value is None and not any(_of_slot(k, slot) for k in saved):
             if step != 0:
                 raise ValueError(f"state of {where} lacks {slot!r} although it was updated {step:g} times")
             out.update({slot + s: t for s, t in codec.zeros(p.shape, p.device).items()})
@@ -167,6 +204,11 @@ def _convert_param_state(
     out.update(correction)
     step_tensor = out.pop("step")
     return {"step": step_tensor, **pack_tensors(out, p.device)}  # shared allocations, as a fresh state
+
+
+def _of_slot(key: str, slot: str) -> bool:
+    """Whether a state key is the slot's own or one of its codec's entries (``exp_avg.codes``, not ``exp_avg_sq``)."""
+    return key == slot or key.startswith(slot + ".")
 
 
 def _saved_codec(

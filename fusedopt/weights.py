@@ -51,13 +51,38 @@ def load_master_state_dict(model: torch.nn.Module, optimizer, state_dict: dict, 
     everything the optimizer does not split); returns its result (missing/unexpected keys).
     """
     held = _check(optimizer)
-    result = model.load_state_dict(state_dict, strict=strict)
     params = model.state_dict(keep_vars=True)
-    for name, value in state_dict.items():
-        p = params.get(name)
-        if p is None or id(p) not in held:
-            continue
-        group, _ = optimizer.position(p)
-        if is_split(p, group["master_weight_bits"]):  # the rest was loaded exactly as torch loads it
-            set_master(p, optimizer.ensure_state(p), group["master_weight_bits"], torch.as_tensor(value))
-    return result
+    _check_fits(params, state_dict, strict)  # before anything is written
+    try:
+        return model.load_state_dict(state_dict, strict=strict)
+    finally:
+        # Even if torch raised after copying some entries: a split parameter torch wrote gets the
+        # correction of its new value, never keeps the old one (the master would be neither).
+        for name, value in state_dict.items():
+            p = params.get(name)
+            if p is None or id(p) not in held or not isinstance(value, torch.Tensor) or value.shape != p.shape:
+                continue
+            group, _ = optimizer.position(p)
+            if is_split(p, group["master_weight_bits"]):  # the rest was loaded exactly as torch loads it
+                set_master(p, optimizer.ensure_state(p), group["master_weight_bits"], torch.as_tensor(value))
+
+
+def _check_fits(own: dict, state_dict: dict, strict: bool) -> None:
+    """Raise as ``model.load_state_dict`` would, but before it copies anything: torch copies
+    what fits and raises at the end."""
+    problems = [
+        f"size mismatch for {name}: copying a param with shape {tuple(value.shape)} from checkpoint, "
+        f"the shape in current model is {tuple(own[name].shape)}"
+        for name, value in state_dict.items()
+        if name in own and isinstance(value, torch.Tensor) and value.shape != own[name].shape
+    ]
+    if strict:
+        missing = [name for name in own if name not in state_dict]
+        unexpected = [name for name in state_dict if name not in own]
+        if missing:
+            problems.append(f"Missing key(s) in state_dict: {', '.join(map(repr, missing))}")
+        if unexpected:
+            problems.append(f"Unexpected key(s) in state_dict: {', '.join(map(repr, unexpected))}")
+    if problems:
+        message = "\n\t".join(problems)
+        raise RuntimeError(f"Error(s) in loading state_dict for the model (nothing was loaded):\n\t{message}")

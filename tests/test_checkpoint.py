@@ -191,6 +191,30 @@ def _bad_state_bits(sd):
     sd["param_groups"][0]["state_bits"] = 12
 
 
+def _drop_first_moment(sd):  # exp_avg_sq's entries are there: "exp_avg" is not a prefix match
+    del sd["state"][0]["exp_avg"]
+
+
+def _no_counter(sd):
+    del sd["fusedopt"]["num_skipped_updates"]
+
+
+def _text_seed(sd):
+    sd["fusedopt"]["seed"] = "abc"
+
+
+def _negative_seed(sd):
+    sd["fusedopt"]["seed"] = -5
+
+
+def _coupled_weight_decay(sd):  # as torch.optim.Adam saves it
+    sd["param_groups"][0]["decoupled_weight_decay"] = False
+
+
+def _other_shapes(sd):  # the two weights' states swapped (the model's parameters in another order)
+    sd["fusedopt"]["shapes"][0], sd["fusedopt"]["shapes"][2] = sd["fusedopt"]["shapes"][2], sd["fusedopt"]["shapes"][0]
+
+
 @pytest.mark.parametrize(
     "mutate,match",
     [
@@ -202,6 +226,12 @@ def _bad_state_bits(sd):
         (_group_count, "number of parameter groups"),
         (_bad_step, "invalid step"),
         (_bad_state_bits, "Invalid state_bits"),
+        (_drop_first_moment, "lacks 'exp_avg'"),
+        (_no_counter, "invalid num_skipped_updates: None"),
+        (_text_seed, "invalid seed: 'abc'"),
+        (_negative_seed, "invalid seed: -5"),
+        (_coupled_weight_decay, "torch.optim.Adam with weight_decay"),
+        (_other_shapes, "not the ones it was saved from"),
     ],
 )
 def test_incompatible_checkpoints_are_refused_and_leave_the_optimizer_intact(mutate, match):
@@ -224,8 +254,41 @@ def test_sgd_checkpoint_into_adamw_is_refused():
         fusedopt.AdamW(model.parameters(), state_bits=32).load_state_dict(sgd.state_dict())
     ref = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     train(model, ref, inputs(1))
-    with pytest.raises(ValueError, match="'momentum'"):
+    with pytest.raises(ValueError, match="'momentum', an option of another optimizer"):
         fusedopt.AdamW(model.parameters(), state_bits=32).load_state_dict(ref.state_dict())
+
+
+def test_own_group_keys_and_a_schedulers_initial_lr_round_trip():
+    """Keys torch.optim keeps in a group are kept: a user's own, and the initial_lr an LR scheduler
+    resumes from (``StepLR(opt, ..., last_epoch=N)`` after loading needs it)."""
+    model, resumed = twins()
+    opt = fusedopt.AdamW([{"params": model.parameters(), "name": "all"}], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for _ in range(3):
+        train(model, opt, inputs(1))
+        scheduler.step()
+    saved = _save_load(opt.state_dict())
+    other = fusedopt.AdamW(resumed.parameters(), lr=0.1)
+    other.load_state_dict(saved)
+    assert other.param_groups[0]["name"] == "all" and other.param_groups[0]["initial_lr"] == 0.1
+    resumed_scheduler = torch.optim.lr_scheduler.StepLR(other, step_size=2, gamma=0.5, last_epoch=3)
+    resumed_scheduler.step()
+    scheduler.step()
+    assert other.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 0.025
+
+
+def test_four_bit_state_of_another_parameter_with_the_same_size_is_refused():
+    """4-bit codes and scales are flat: the saved shapes tell a (48, 32) parameter's state from a
+    (32, 48) one's."""
+    a, b = torch.nn.Parameter(torch.randn(48, 32)), torch.nn.Parameter(torch.randn(32, 48))
+    opt = fusedopt.AdamW([a, b], state_bits=4, min_compress_numel=0)
+    a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+    opt.step()
+    saved = _save_load(opt.state_dict())
+    swapped = fusedopt.AdamW([b, a], state_bits=4, min_compress_numel=0)
+    with pytest.raises(ValueError, match=r"shape \(48, 32\) for parameter 0 \(shape \(32, 48\)\)"):
+        swapped.load_state_dict(saved)
+    assert not swapped.state
 
 
 @pytest.mark.parametrize("state_bits", [32, 16])

@@ -242,3 +242,24 @@ def test_an_empty_first_group_is_accepted():
     before = w.detach().clone()
     opt.step()
     assert not torch.equal(w, before)
+
+
+def test_a_hook_whose_update_fails_does_not_count_the_gradient(monkeypatch):
+    """An update that raises inside a release hook (e.g. out of memory creating its state) leaves
+    the backward count as it was: after the error, the next backward updates as usual."""
+    model = _model()
+    opt = fusedopt.AdamW(model.parameters(), fused=True)
+    update = opt.update_param
+
+    def fail_once(*args, **kwargs):
+        monkeypatch.setattr(opt, "update_param", update)
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(opt, "update_param", fail_once)
+    with pytest.raises(RuntimeError, match="simulated"):
+        _backward(model)
+    assert not any(opt.state[p] for p in model.parameters())  # the first update failed: nothing was written
+    opt.zero_grad()
+    _backward(model)
+    opt.step()
+    assert [int(opt.state[p]["step"]) for p in model.parameters()] == [1] * 4

@@ -461,6 +461,29 @@ def test_load_master_state_dict_sets_the_master(dtype, bits):
         fusedopt.master_state_dict(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+@pytest.mark.parametrize("problem", ["shape", "missing", "unexpected"])
+def test_a_refused_load_master_state_dict_leaves_every_master_as_it_was(problem):
+    """torch's load_state_dict copies what fits and raises at the end: a split parameter would get
+    its new bf16 value beside its old correction, a master that is neither. fusedopt raises first."""
+    model = Net(torch.bfloat16)
+    opt = fusedopt.AdamW(model.parameters(), state_bits=16, master_weight_bits=24)
+    start = {k: random_values(v.shape, seed=i) for i, (k, v) in enumerate(model.state_dict().items())}
+    fusedopt.load_master_state_dict(model, opt, start)
+    before = {name: opt.master_weight(p) for name, p in model.named_parameters()}
+    values = {k: random_values(v.shape, seed=10 + i) for i, (k, v) in enumerate(model.state_dict().items())}
+    name = next(iter(values))
+    if problem == "shape":
+        values[name] = torch.zeros(2, 3)
+    elif problem == "missing":
+        del values[name]
+    else:
+        values["extra.weight"] = torch.zeros(2)
+    with pytest.raises(RuntimeError, match="nothing was loaded"):
+        fusedopt.load_master_state_dict(model, opt, values)
+    for name, p in model.named_parameters():
+        assert same_bits(opt.master_weight(p), before[name]), name
+
+
 # --- checkpoints -----------------------------------------------------------------------------
 
 
