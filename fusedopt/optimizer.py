@@ -26,6 +26,7 @@ from .streams import on_default_stream
 # Options that apply to the whole optimizer; a parameter group may not set them.
 OPTIMIZER_WIDE_OPTIONS = ("fused", "accumulation_steps", "seed")
 SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_RESOLVE = object()  # queue_update: look up the prepared launch itself
 
 
 def check_refused_options(**options) -> None:
@@ -234,15 +235,17 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # --- the update ------------------------------------------------------------------------
 
-    def queue_update(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None) -> None:
+    def queue_update(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None, launch=_RESOLVE):
         """``update_param``, or a place in a bucket of updates launched together (``buckets.py``):
-        the update has run once ``flush_updates()`` returns. ``grad`` must stay unchanged until then."""
+        the update has run once ``flush_updates()`` returns. ``grad`` must stay unchanged until then.
+        ``launch``: what ``check_update`` found for this gradient, if it was called."""
         if self._buckets is None or accum is not None or grad.is_sparse:
-            self.update_param(p, grad, accum)
+            self.update_param(p, grad, accum, launch)
             return
         group_index, _ = self._position[p]
         hyper, group_structure, allowed = self._settings(group_index)
-        launch = self._prepared_launch(p, grad, accum, group_structure) if allowed else None
+        if launch is _RESOLVE:
+            launch = self._prepared_launch(p, grad, accum, group_structure) if allowed else None
         if launch is None:
             self.update_param(p, grad, accum)  # through the backend
         elif not self._buckets.add(launch, grad, hyper, group_index):
@@ -272,18 +275,21 @@ class FusedOptimizer(torch.optim.Optimizer):
             settings = self._window[group_index] = hyper, self._group_structure(group, hyper), kernel_allowed()
         return settings
 
-    def check_update(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None) -> None:
+    def check_update(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None):
         """Refuse, before anything is written, an update of ``p`` that cannot be applied as asked:
         invalid group values (``_settings``), a sparse gradient or one of another shape, or state
         that no longer fits the parameter or its group. ``step()`` checks every parameter this way
         before its first update, gradient release each one before it counts the gradient. Beyond the
         gradient's shape, nothing is looked at while ``p``'s prepared launch still holds (it was
-        built for this state, parameter and group structure)."""
+        built for this state, parameter and group structure). Returns that launch (None: there is
+        none), for ``queue_update``: nothing else changes ``p``'s state before p's own update."""
         check_gradient(p, grad, accum, type(self).__name__)
         group_index, _ = self._position[p]
         _, group_structure, allowed = self._settings(group_index)
-        if not (allowed and self._prepared_launch(p, grad, accum, group_structure) is not None):
+        launch = self._prepared_launch(p, grad, accum, group_structure) if allowed else None
+        if launch is None:
             self._check_state(p, self.param_groups[group_index])
+        return launch
 
     def _check_state(self, p: torch.Tensor, group: dict) -> None:
         """Refuse state that does not fit ``p`` and its group as they are now: every tensor their
@@ -326,17 +332,18 @@ class FusedOptimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 self._buckets.flush()
 
-    def update_param(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None) -> None:
-        """Apply one optimizer update to ``p`` from ``grad`` (+ an accumulated buffer)."""
+    def update_param(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None, launch=_RESOLVE):
+        """Apply one optimizer update to ``p`` from ``grad`` (+ an accumulated buffer); ``launch`` as
+        ``queue_update``'s."""
         check_gradient(p, grad, accum, type(self).__name__)
         prepared = self._prepared.get(p)
         if prepared is not None and self._buckets is not None and self._buckets.is_pending(prepared[0]):
             self.flush_updates()  # p's queued update runs first
         group, index = self.position(p)
         hyper = self._hyper(group)  # as the group is now: step() and release validated it (_settings)
-        launch = (
-            self._prepared_launch(p, grad, accum, self._group_structure(group, hyper)) if kernel_allowed() else None
-        )
+        if launch is _RESOLVE:
+            allowed = kernel_allowed()
+            launch = self._prepared_launch(p, grad, accum, self._group_structure(group, hyper)) if allowed else None
         if launch is not None:
             launch.launch(grad, accum, hyper)
             return
@@ -417,22 +424,21 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.flush_updates()  # left by a backward that did not finish
         self.sync_groups()
         self._new_window()
-        for group in self.param_groups:  # every update checked before the first one runs
-            for p in group["params"]:
-                grad = p.grad if p.grad is not None else self._release.buffer(p) if self._release else None
-                if grad is not None:
-                    self.check_update(p, grad)
+        checked = []  # every update is checked before the first one runs
         for group in self.param_groups:
             for p in group["params"]:
-                accum = self._release.take_buffer(p) if self._release is not None else None
-                grad = p.grad
+                grad, accum = p.grad, self._release.buffer(p) if self._release is not None else None
                 if grad is None and accum is None:
                     continue
-                if grad is None:
-                    grad, accum = accum, None
-                self.queue_update(p, grad, accum)
-                if releasing:
-                    p.grad = None
+                checked.append((p, self.check_update(p, accum) if grad is None else self.check_update(p, grad, accum)))
+        for p, launch in checked:
+            accum = self._release.take_buffer(p) if self._release is not None else None
+            grad = p.grad
+            if grad is None:
+                grad, accum = accum, None
+            self.queue_update(p, grad, accum, launch)
+            if releasing:
+                p.grad = None
         self.flush_updates()
         self._new_window()
         if self._release is not None:

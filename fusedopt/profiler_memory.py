@@ -406,7 +406,7 @@ class MemoryTracker(TorchDispatchMode):
         release = getattr(opt, "_release", None) if opt is not None else None
         for buffer in release.buffered_gradients() if release is not None else ():
             add("gradients", buffer)
-        for _, grad in list(getattr(release, "_held", ())):  # held until their bucketed update
+        for grad in release.held_gradients() if release is not None else ():  # held until their bucketed update
             add("gradients", grad)
         return out
 

@@ -86,7 +86,7 @@ class GradientRelease:
         self.attached = True
         self._checked_processes = False  # checked again at the first hook: the group may come later
         self._flush_queued = False  # an end-of-backward flush of queued updates is registered
-        self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, gradient) not yet updated
+        self._held: list[tuple] = []  # (param, gradient, its prepared launch) not yet updated
         self._held_bytes = 0
         weakref.finalize(optimizer, GradientRelease._remove_handles, self._handles)
 
@@ -152,15 +152,17 @@ class GradientRelease:
                 f"call optimizer.step() once every {k} backward pass(es)"
             )
         if n == k:  # this backward updates p: everything that could refuse the update is checked first
-            optimizer.check_update(p, grad, self.buffer(p))
+            launch = optimizer.check_update(p, grad, self.buffer(p))
         else:
             check_gradient(p, grad, None, type(optimizer).__name__)
+            launch = None
         # counted once the gradient is used: a refused one leaves the count as it was
-        self._consume(optimizer, p, grad, n, k)
+        self._consume(optimizer, p, grad, n, k, launch)
         self._counts[key] = n
 
-    def _consume(self, optimizer, p: torch.Tensor, grad: torch.Tensor, n: int, k: int) -> None:
-        """Accumulate (``n < k``), update, or hold the update of ``p``'s checked gradient."""
+    def _consume(self, optimizer, p: torch.Tensor, grad: torch.Tensor, n: int, k: int, launch) -> None:
+        """Accumulate (``n < k``), update, or hold the update of ``p``'s checked gradient (``launch``:
+        its prepared launch, from ``check_update``)."""
         # backward runs hooks with grad mode off unless create_graph=True: enter no_grad only then
         with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
             if n < k:
@@ -183,12 +185,12 @@ class GradientRelease:
             ):
                 # the reference, a first step, no bucketing, a parameter launched alone, or a side
                 # stream's gradient (updated now, on that stream)
-                optimizer.update_param(p, grad, accum)
+                optimizer.update_param(p, grad, accum, launch)
                 p.grad = None
                 return
         # A kernel update: hold the gradient and update later, in buckets (fewer launches; the
         # hook itself stays a few microseconds). At most the bucket budget is held.
-        self._held.append((p, grad))
+        self._held.append((p, grad, launch))
         self._held_bytes += grad.numel() * grad.element_size()
         p.grad = None
         if self._held_bytes >= optimizer.bucket_budget:
@@ -205,12 +207,16 @@ class GradientRelease:
             torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext(),
             on_default_stream(held[0][1]),
         ):
-            for p, grad in held:
-                optimizer.queue_update(p, grad)
+            for p, grad, launch in held:
+                optimizer.queue_update(p, grad, None, launch)
             optimizer.flush_updates()
 
     def holds_updates(self) -> bool:
         return bool(self._held)
+
+    def held_gradients(self) -> list[torch.Tensor]:
+        """The gradients held until their bucketed update (the memory profiler counts them)."""
+        return [grad for _, grad, _ in self._held]
 
     def _flush_at_end_of_backward(self, optimizer) -> None:
         """Have the engine run the held updates when this backward pass ends."""

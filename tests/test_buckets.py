@@ -227,7 +227,7 @@ def test_release_holds_only_updates_that_can_join_a_bucket(monkeypatch, device):
     held = {}
 
     def seen(i):
-        return lambda p: held.update({i: any(q is p for q, _ in opt._release._held)})
+        return lambda p: held.update({i: any(q is p for q, _, _ in opt._release._held)})
 
     for i, p in enumerate(params):
         p.register_post_accumulate_grad_hook(seen(i))

@@ -320,7 +320,7 @@ def test_gradients_release_holds_count_as_gradients(monkeypatch, device):
 
     def on_gradient(p):  # what release holds once each hook has run
         hold(p)
-        held.append(sum(g.numel() * g.element_size() for _, g in opt._release._held))
+        held.append(sum(g.numel() * g.element_size() for g in opt._release.held_gradients()))
 
     tracker = MemoryTracker(model, opt)
     tracker.register_inputs(x)
