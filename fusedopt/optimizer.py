@@ -347,9 +347,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         if launch is not None:
             launch.launch(grad, accum, hyper)
             return
+        self._check_state(p, group)  # before anything is written
         # A first update may run in a hook on a side stream: state (and the correction buffer that
         # all parameters share) is initialised on the default stream, which that stream then waits for
-        self._check_state(p, group)  # before anything is written
         with on_default_stream(p):
             state = self.ensure_state(p)
             self._scratch(p)
