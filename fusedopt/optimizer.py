@@ -227,9 +227,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         bf16/fp16 parameters with ``master_weight_bits`` 24/32: the parameter plus its correction
         (exactly the fp32 master for 32 on bf16); otherwise the parameter's value in fp32.
         """
+        self.flush_updates()
+        self.sync_groups()
         if not isinstance(p, torch.Tensor) or p not in self._position:
             raise ValueError("master_weight(p): p is not a parameter of this optimizer")
-        self.flush_updates()
         group, _ = self.position(p)
         return master_value(p, self.state.get(p), group["master_weight_bits"])
 
@@ -473,11 +474,13 @@ class FusedOptimizer(torch.optim.Optimizer):
     def torch_state_dict(self) -> dict:
         """This state as the matching ``torch.optim`` optimizer saves it (moments decoded to fp32)."""
         self.flush_updates()
+        self.sync_groups()
         return checkpoint.torch_state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a fusedopt or torch.optim checkpoint; state keeps its saved dtypes (see checkpoint.py)."""
         self.flush_updates()
+        self.sync_groups()
         checkpoint.load_state_dict(self, state_dict)
         self._prepared.clear()  # they hold the replaced state tensors
         self._new_window()

@@ -144,6 +144,8 @@ class GradientRelease:
         key = id(p)  # the parameter is alive while its hook runs; id hashing is cheaper than a tensor's
         if not self._counts:  # the first gradient since step(): param_groups may have been edited
             optimizer.sync_groups()
+            if id(p) not in self._handles:
+                return  # p is in no group any more: its hook was just removed, its gradient stays
         n = self._counts.get(key, 0) + 1
         if n > k:
             raise RuntimeError(

@@ -26,6 +26,7 @@ from .optimizer import FusedOptimizer
 def _check(optimizer) -> dict[int, torch.Tensor]:
     if not isinstance(optimizer, FusedOptimizer):
         raise TypeError(f"expected a fusedopt optimizer, got {type(optimizer).__name__}")
+    optimizer.sync_groups()  # param_groups may have been edited since the last step
     return {id(p): p for group in optimizer.param_groups for p in group["params"]}
 
 

@@ -263,3 +263,20 @@ def test_a_hook_whose_update_fails_does_not_count_the_gradient(monkeypatch):
     _backward(model)
     opt.step()
     assert [int(opt.state[p]["step"]) for p in model.parameters()] == [1] * 4
+
+
+def test_a_removed_group_whose_gradients_come_first_in_backward():
+    """fused=True: the first hook after step() finds the groups edited; if its own parameter was
+    removed, it leaves the gradient and the rest of backward updates the parameters still held."""
+    model = _model()
+    opt = fusedopt.AdamW([{"params": model[0].parameters()}, {"params": model[1].parameters()}], fused=True)
+    _backward(model)
+    opt.step()
+    del opt.param_groups[1]  # the last layer: its gradients are the first ones backward makes
+    last = [p.detach().clone() for p in model[1].parameters()]
+    first = [p.detach().clone() for p in model[0].parameters()]
+    _backward(model)
+    opt.step()
+    assert all(torch.equal(p, b) and p.grad is not None for p, b in zip(model[1].parameters(), last))
+    assert all(not torch.equal(p, b) and p.grad is None for p, b in zip(model[0].parameters(), first))
+    assert [int(opt.state[p]["step"]) for p in model.parameters()] == [2, 2, 1, 1]
