@@ -41,7 +41,10 @@ def check_number(name: str, value, *, low: float = 0.0, high: float | None = Non
     when given). torch takes an infinite learning rate or weight decay; here it is refused."""
     if isinstance(value, torch.Tensor):
         raise ValueError(f"{name} as a Tensor is not supported by fusedopt; pass a float")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        # numpy scalars included: they would reach the kernels' scalar arguments as they are
+        raise ValueError(f"{message or f'Invalid {name}: {value!r}'} (expected a float, got {type(value).__name__})")
+    if not math.isfinite(value):
         raise ValueError(message or f"Invalid {name}: {value}")  # NaN and inf: every update would be NaN
     if value < low or (high is not None and value >= high):
         raise ValueError(message or f"Invalid {name}: {value}")

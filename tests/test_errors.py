@@ -13,6 +13,7 @@ def _w(*shape, dtype=torch.float32):
 CONSTRUCTION_ERRORS = [
     (fusedopt.AdamW, dict(lr=-1.0), "Invalid learning rate: -1.0"),
     (fusedopt.AdamW, dict(lr=torch.tensor(1e-3)), "as a Tensor is not supported"),
+    (fusedopt.AdamW, dict(lr="0.1"), r"Invalid learning rate: '0.1' \(expected a float, got str\)"),
     (fusedopt.AdamW, dict(eps=-1e-8), "Invalid epsilon value"),
     (fusedopt.AdamW, dict(betas=(1.0, 0.999)), "Invalid beta parameter at index 0: 1.0"),
     (fusedopt.AdamW, dict(betas=(0.9, -0.1)), "Invalid beta parameter at index 1: -0.1"),
