@@ -272,7 +272,9 @@ def test_own_group_keys_and_a_schedulers_initial_lr_round_trip():
     other.load_state_dict(saved)
     assert other.param_groups[0]["name"] == "all" and other.param_groups[0]["initial_lr"] == 0.1
     resumed_scheduler = torch.optim.lr_scheduler.StepLR(other, step_size=2, gamma=0.5, last_epoch=3)
+    train(resumed, other, inputs(1))
     resumed_scheduler.step()
+    train(model, opt, inputs(1))
     scheduler.step()
     assert other.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 0.025
 
