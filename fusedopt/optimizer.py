@@ -111,7 +111,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         except Exception:
             self.param_groups.pop()
             raise
-        if self._release is not None:
+        if self._release is not None and self._release.attached:  # not after remove_hooks()
             try:
                 self._release.attach(group["params"])  # checks every parameter before it hooks one
             except Exception:

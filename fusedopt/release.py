@@ -148,6 +148,8 @@ class GradientRelease:
                 return  # p is in no group any more: its hook was just removed, its gradient stays
         n = self._counts.get(key, 0) + 1
         if n > k:
+            # p was updated in this window already: this gradient must not reach step() either
+            p.grad = None
             raise RuntimeError(
                 f"fusedopt: a parameter of shape {tuple(p.shape)} received a gradient after its update was already "
                 f"applied in this backward pass (backward #{n} since the last step() with accumulation_steps={k}); "

@@ -280,3 +280,19 @@ def test_a_removed_group_whose_gradients_come_first_in_backward():
     assert all(torch.equal(p, b) and p.grad is not None for p, b in zip(model[1].parameters(), last))
     assert all(not torch.equal(p, b) and p.grad is None for p, b in zip(model[0].parameters(), first))
     assert [int(opt.state[p]["step"]) for p in model.parameters()] == [2, 2, 1, 1]
+
+
+def test_a_group_added_after_remove_hooks_is_not_released():
+    """After ``remove_hooks()`` the optimizer behaves as fused=False, groups added later too."""
+    w, v = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4, 4))
+    opt = fusedopt.AdamW([w], fused=True)
+    opt.remove_hooks()
+    opt.add_param_group({"params": [v]})
+    (w.sum() + v.sum()).backward()
+    assert w.grad is not None and v.grad is not None  # nothing was released in backward
+    opt.step()
+    assert [int(opt.state[p]["step"]) for p in (w, v)] == [1, 1]
+    other = fusedopt.AdamW([v], fused=True)  # v carries no hook of opt's: another may release it
+    opt.zero_grad()
+    v.sum().backward()
+    assert v.grad is None and int(other.state[v]["step"]) == 1

@@ -59,8 +59,10 @@ def test_second_backward_before_step_is_an_error():
         loss_fn(model, x).backward()
     for p, q in zip(model.parameters(), after_first):
         assert torch.equal(p, q)  # never a silent double update
-    opt.zero_grad()
-    opt.step()
+    opt.step()  # as the error says: the refused backward's gradient is not applied either
+    for p, q in zip(model.parameters(), after_first):
+        assert torch.equal(p, q)
+    assert all(int(opt.state[p]["step"]) == 1 for p in model.parameters())
     loss_fn(model, x).backward()  # after step() a new window starts
 
 
