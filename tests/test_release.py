@@ -313,3 +313,28 @@ def test_release_is_refused_in_a_real_two_process_group(tmp_path):
     mp.spawn(_construct_in_group, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         assert "process group of 2 processes" in (tmp_path / f"rank{rank}.txt").read_text()
+
+
+def test_a_layer_used_twice_under_non_reentrant_checkpointing_is_updated_once():
+    """One Linear applied twice, each time under checkpoint(use_reentrant=False): its hook fires
+    once per backward, with the whole gradient, so fused=True equals fused=False bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(fused):
+        torch.manual_seed(0)
+        shared, head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+        params = [*shared.parameters(), *head.parameters()]
+        opt = fusedopt.AdamW(params, lr=1e-2, state_bits=32, fused=fused)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(4, 8, generator=gen)
+            h = checkpoint(shared, x, use_reentrant=False)
+            h = checkpoint(shared, torch.tanh(h), use_reentrant=False)
+            head(h).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return params, opt
+
+    (ours, opt), (theirs, _) = run(True), run(False)
+    assert all(torch.equal(p, q) for p, q in zip(ours, theirs))
+    assert all(int(opt.state[p]["step"]) == 3 for p in ours)
