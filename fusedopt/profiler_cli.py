@@ -31,15 +31,17 @@ def _parse_count(text: str) -> int:
 
 
 def _parse_gib(text: str) -> float:
+    """``24``, ``24GiB``, ``24G`` -> 24 GiB; ``24GB`` -> 24e9 bytes in GiB (22.35)."""
     t = text.strip().lower()
-    for suffix in ("gib", "gb", "g"):
+    scale = 1.0
+    for suffix, unit in (("gib", 1.0), ("gb", 1e9 / 2**30), ("g", 1.0)):
         if t.endswith(suffix):
-            t = t[: -len(suffix)]
+            t, scale = t[: -len(suffix)], unit
             break
     try:
-        value = float(t)
+        value = float(t) * scale
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a memory size in GiB: {text!r} (e.g. 24, 80GiB)") from None
+        raise argparse.ArgumentTypeError(f"not a memory size in GiB: {text!r} (e.g. 24, 80GiB, 24GB)") from None
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"not a memory size in GiB: {text!r}")
     return value
@@ -133,9 +135,13 @@ def _main_plan(argv) -> int:
         try:
             with open(args.results) as f:
                 measurements = json.load(f)["results"]
+            if not isinstance(measurements, list) or not all(map(_is_result, measurements)):
+                raise ValueError("its 'results' is not a list of the profiler's results")
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UserError(f"cannot read profiler results {args.results!r}: {exc}") from None
     configs = [parse_config(c) for c in (args.config or DEFAULT_CONFIGS)]
+    for config in configs:
+        config.check()  # as the profiler does: an option the optimizer refuses is an error, not a row
     rows = plan(
         args.params,
         args.gpu_memory,
@@ -154,12 +160,50 @@ def _main_plan(argv) -> int:
     return 0
 
 
+def _is_result(result) -> bool:
+    """A profiler result the planner can read (a failed one is skipped there)."""
+    if not isinstance(result, dict):
+        return False
+    if not result.get("ok"):
+        return True
+    needed = ("label", "dtype", "num_params", "memory", "device", "model", "model_key", "batch", "seq_len")
+    try:
+        return all(k in result for k in needed) and isinstance(result["memory"]["peak_breakdown"]["categories"], dict)
+    except (KeyError, TypeError):
+        return False
+
+
+def _writable_file(path: str, what: str) -> str:
+    """``path``'s folder created; a UserError now, not after the measurement, if it cannot be written."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot write the {what} to {path!r}: {exc}") from None
+    if os.path.isdir(path):
+        raise UserError(f"cannot write the {what} to {path!r}: it is a directory")
+    return path
+
+
+def _finite(value):
+    """``value`` with non-finite floats as None: JSON has no NaN (a diverged run's loss)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _main_run(argv) -> int:
     args = _run_parser().parse_args(argv)
     spec = ModelSpec.from_args(args.model, args.shape, args.hf_config, not args.no_checkpointing)
     if args.model is None and args.shape is None and args.hf_config is None:
         spec = ModelSpec.default(not args.no_checkpointing, device=args.device)
     configs = [parse_config(c) for c in (args.config or DEFAULT_CONFIGS)]
+    json_path = _writable_file(args.json or os.path.join(args.output_dir, "results.json"), "results")
+    plot_path = args.plot or os.path.join(args.output_dir, "memory.png")
+    plot_path = None if args.no_plot else _writable_file(plot_path, "plot")
     report = run_profile(
         spec,
         configs,
@@ -174,15 +218,14 @@ def _main_run(argv) -> int:
         progress=not args.quiet,
         threads=args.threads,
     )
-    json_path = args.json or os.path.join(args.output_dir, "results.json")
-    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
     with open(json_path, "w") as f:  # before printing: a closed pipe must not lose the results
-        json.dump(report.to_dict(), f, indent=1)
+        json.dump(_finite(report.to_dict()), f, indent=1, allow_nan=False)
     print(report.table())
+    for r in report.results:
+        if r.get("warning"):
+            print(f"warning: {r.get('label')}: {r['warning']}", file=sys.stderr)
     print(f"results: {json_path}")
-    if not args.no_plot:
-        plot_path = args.plot or os.path.join(args.output_dir, "memory.png")
-        os.makedirs(os.path.dirname(os.path.abspath(plot_path)), exist_ok=True)
+    if plot_path is not None:
         why_not = report.plot(plot_path)
         print(f"plot: {plot_path}" if why_not is None else f"plot: not written ({why_not})")
     ok = [r for r in report.results if r.get("ok")]

@@ -272,25 +272,21 @@ def load_hf_config(path: str):
     try:
         with open(path) as f:
             data = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not text (UnicodeDecodeError)
         raise UserError(f"cannot read Hugging Face config {path!r}: {exc}") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise UserError(f"Hugging Face config {path!r} has no 'model_type'")
     model_type = data.pop("model_type")
     try:
         return transformers.AutoConfig.for_model(model_type, **data)
-    except (ValueError, KeyError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - transformers' validators raise their own error types
         raise UserError(f"Hugging Face config {path!r}: {exc}") from None
 
 
 def build_hf_model(config, *, checkpointing: bool, device, dtype) -> nn.Module:
-    import transformers
 
-    try:
-        with torch.device(device):
-            model = transformers.AutoModelForCausalLM.from_config(config)
-    except ValueError as exc:
-        raise UserError(f"cannot build a causal LM from this Hugging Face config: {exc}") from None
+    with torch.device(device):
+        model = causal_lm_from_config(config)
     model.to(device=device, dtype=dtype)
     if checkpointing:
         enable_hf_checkpointing(model)
@@ -319,12 +315,21 @@ class HFLossWrapper(nn.Module):
         return self.model(input_ids=input_ids, labels=labels).loss
 
 
-def hf_num_params(config) -> int:
-    """Parameter count of the HF model for ``config``, built on the meta device (nothing allocated)."""
+def causal_lm_from_config(config) -> nn.Module:
+    """``AutoModelForCausalLM.from_config``; a config it cannot build (not a causal LM, a negative
+    size, heads that do not divide the width) is a UserError."""
     import transformers
 
+    try:
+        return transformers.AutoModelForCausalLM.from_config(config)
+    except (ValueError, RuntimeError, TypeError, ZeroDivisionError) as exc:
+        raise UserError(f"cannot build a causal LM from this Hugging Face config: {exc}") from None
+
+
+def hf_num_params(config) -> int:
+    """Parameter count of the HF model for ``config``, built on the meta device (nothing allocated)."""
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = causal_lm_from_config(config)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -379,10 +384,8 @@ class ModelSpec:
 
     def param_shapes(self) -> list[tuple[int, ...]]:
         if self.kind == "hf":
-            import transformers
-
             with torch.device("meta"):
-                model = transformers.AutoModelForCausalLM.from_config(load_hf_config(self.hf_config))
+                model = causal_lm_from_config(load_hf_config(self.hf_config))
             return [tuple(p.shape) for p in model.parameters()]
         return self.model_shape().param_shapes()
 

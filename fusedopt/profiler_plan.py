@@ -196,16 +196,17 @@ def plan(
     length match too. ``activations`` (bytes) overrides every activation figure.
     """
     rows = []
-    dname = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     for config in configs:
+        param_dtype = config.param_dtype(dtype)  # fp32 under autocast, as the profiler trains it
         match = None
         for result in measurements or ():
-            if result.get("ok") and result["label"] == config.label and result["dtype"] == dname:
+            if result.get("ok") and result["label"] == config.label and result["dtype"] == names[param_dtype]:
                 match = result
         per = measured_per_param(match) if match else None
         if per is None:
-            per = layout_model(config.optimizer, config.kwargs, dtype, shapes or []) or byte_model(
-                config.optimizer, config.kwargs, dtype
+            per = layout_model(config.optimizer, config.kwargs, param_dtype, shapes or []) or byte_model(
+                config.optimizer, config.kwargs, param_dtype
             )
         act, act_source = activations, "given"
         if act is None and match is not None:
@@ -226,7 +227,7 @@ def plan(
         persistent = int(per.persistent * num_params)
         grads = int(per.grads_at_peak * num_params)
         if match is None:  # a measurement saw what release held; a model adds its bound
-            grads += held_gradients(config, num_params, dtype)
+            grads += held_gradients(config, num_params, param_dtype)
         peak = persistent + grads + (act or 0)
         fits = peak <= memory_bytes if act is not None else (None if persistent + grads <= memory_bytes else False)
         rows.append(PlanRow(config.label, per, persistent, grads, act, act_source, peak, fits))

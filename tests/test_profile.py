@@ -20,6 +20,7 @@ import torch
 import fusedopt
 from fusedopt.buckets import bucket_budget
 from fusedopt.profile import MemoryTracker, OptimizerConfig, main, parse_config, plan
+from fusedopt.profiler_cli import _parse_gib
 from fusedopt.profiler_memory import CATEGORIES, cpu_allocator_trace
 from fusedopt.profiler_models import PRESETS, ModelSpec, UserError, parse_shape
 
@@ -401,6 +402,80 @@ def test_bad_input_exits_2_with_a_message(argv, message, capsys, tmp_path):
     err = capsys.readouterr().err
     assert rc == 2
     assert message in err and "Traceback" not in err
+
+
+PLAN_TINY = ["plan", "--model", "tiny", "--gpu-memory", "24"]
+
+
+def _write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "make_argv, message",
+    [
+        # output paths that cannot be written: refused before anything is measured
+        (lambda d: ["--model", "tiny", "--json", str(d)], "it is a directory"),
+        (lambda d: ["--model", "tiny", "--json", str(d / _write(d / "f", "") / "x.json")], "cannot write the results"),
+        (lambda d: ["--model", "tiny", "--plot", _write(d / "f", "") + "/m.png"], "cannot write the plot"),
+        # planner: configurations the profiler refuses, results files it cannot read
+        (lambda d: [*PLAN_TINY, "--config", "fusedopt:state_bits=7"], "state_bits"),
+        (
+            lambda d: [*PLAN_TINY, "--results", _write(d / "r", '{"results": 5}')],
+            "not a list of the profiler's results",
+        ),
+        (
+            lambda d: [*PLAN_TINY, "--results", _write(d / "r", '{"results": [{"ok": true}]}')],
+            "not a list of the profiler's results",
+        ),
+    ],
+)
+def test_bad_paths_configs_and_files_exit_2_before_measuring(make_argv, message, capsys, tmp_path):
+    rc = main(make_argv(tmp_path))
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ('{"model_type": "vit", "hidden_size": 64}', "Hugging Face config"),  # not a causal LM
+        (
+            '{"model_type": "llama", "vocab_size": 256, "hidden_size": -64, "intermediate_size": 128, '
+            '"num_hidden_layers": 1, "num_attention_heads": 4}',
+            "cannot build a causal LM",
+        ),
+    ],
+)
+def test_hf_configs_that_build_no_causal_lm_exit_2(config, message, capsys, tmp_path):
+    pytest.importorskip("transformers")
+    assert main(["plan", "--hf-config", _write(tmp_path / "c.json", config), "--gpu-memory", "1"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_gb_is_not_gib():
+    assert _parse_gib("24") == _parse_gib("24GiB") == _parse_gib("24g") == 24.0
+    assert _parse_gib("24GB") == pytest.approx(24e9 / 2**30)
+
+
+def test_plan_counts_autocast_configurations_as_fp32_parameters(capsys):
+    """torch.AdamW under autocast trains fp32 parameters (16 B/param with its state and gradients)."""
+    argv = ["plan", "--model", "1b", "--gpu-memory", "24", "--config", "torch:autocast='bf16'", "--config", "torch"]
+    assert main(argv) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("torch.AdamW")]
+    assert [row[1] for row in rows] == ["16.00", "8.00"]
+
+
+def test_a_diverging_run_writes_strict_json_and_warns(capsys, tmp_path):
+    """A loss that overflows is a warning on stderr, and results.json stays JSON (no NaN tokens)."""
+    out = tmp_path / "r.json"
+    argv = ["--model", "tiny", "--seq-len", "16", "--steps", "3", "--no-plot", "--in-process", "--quiet"]
+    assert main(argv + ["--config", "torch.SGD:lr=1e38", "--json", str(out), "--no-allocator-pass"]) == 0
+    assert "non-finite loss" in capsys.readouterr().err
+    json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in results.json"))
 
 
 @pytest.mark.parametrize("argv", [["--batch", "0"], ["--batch", "two"], ["--seq-len", "-5"], ["plan", "--params", "x"]])
