@@ -143,7 +143,7 @@ def _merge_group(optimizer, group: dict, saved_group: dict) -> dict:
 
 
 def _load_seed(seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+    if not rng.valid_seed(seed):
         raise ValueError(f"checkpoint has an invalid seed: {seed!r} (expected a non-negative integer)")
     return seed
 

@@ -20,6 +20,7 @@ from .codecs import NONNEGATIVE_SLOTS, SUPPORTED_STATE_BITS, MomentCodec, codec_
 from .master import MASTER_CORRECTION, check_master_weight_bits, correction_layout, master_value
 from .reference import ParamUpdate, UpdateMath
 from .release import GradientRelease
+from .rng import valid_seed
 from .state_memory import SharedCorrections, pack
 from .streams import on_default_stream
 
@@ -69,7 +70,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"Invalid fused: {fused!r} (expected True or False)")
         if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
             raise ValueError(f"Invalid accumulation_steps: {accumulation_steps!r} (expected an integer >= 1)")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        if not valid_seed(seed):
             raise ValueError(f"Invalid seed: {seed!r} (expected a non-negative integer)")
         self.fused = fused
         self.accumulation_steps = accumulation_steps
@@ -338,20 +339,23 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def update_param(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None, launch=_RESOLVE):
         """Apply one optimizer update to ``p`` from ``grad`` (+ an accumulated buffer); ``launch`` as
-        ``queue_update``'s."""
-        check_gradient(p, grad, accum, type(self).__name__)
+        ``queue_update``'s (given: ``check_update`` has checked this update already)."""
+        checked = launch is not _RESOLVE
+        if not checked:
+            check_gradient(p, grad, accum, type(self).__name__)
         prepared = self._prepared.get(p)
         if prepared is not None and self._buckets is not None and self._buckets.is_pending(prepared[0]):
             self.flush_updates()  # p's queued update runs first
         group, index = self.position(p)
         hyper = self._hyper(group)  # as the group is now: step() and release validated it (_settings)
-        if launch is _RESOLVE:
+        if not checked:
             allowed = kernel_allowed()
             launch = self._prepared_launch(p, grad, accum, self._group_structure(group, hyper)) if allowed else None
         if launch is not None:
             launch.launch(grad, accum, hyper)
             return
-        self._check_state(p, group)  # before anything is written
+        if not checked:
+            self._check_state(p, group)  # before anything is written
         # A first update may run in a hook on a side stream: state (and the correction buffer that
         # all parameters share) is initialised on the default stream, which that stream then waits for
         with on_default_stream(p):

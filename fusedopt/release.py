@@ -110,8 +110,8 @@ class GradientRelease:
         """Remove every hook; the optimizer then behaves as ``fused=False``."""
         for param_ref, _ in self._handles.values():
             p = param_ref()
-            if p is not None and _OWNERS.get(p) is not None and _OWNERS[p]() is self:
-                del _OWNERS[p]
+            if p is not None:
+                self._disown(p)
         GradientRelease._remove_handles(self._handles)
         self.attached = False
 
@@ -121,9 +121,14 @@ class GradientRelease:
             entry = self._handles.pop(id(p), None)
             if entry is not None:
                 entry[1].remove()
-                if _OWNERS.get(p) is not None and _OWNERS[p]() is self:
-                    del _OWNERS[p]
+                self._disown(p)
             self._buffers.pop(p, None)
+
+    def _disown(self, p: torch.Tensor) -> None:
+        """Another fused optimizer may hook ``p`` from now on."""
+        owner = _OWNERS.get(p)
+        if owner is not None and owner() is self:
+            del _OWNERS[p]
 
     @staticmethod
     def _remove_handles(handles: dict) -> None:
@@ -236,6 +241,8 @@ class GradientRelease:
 
     def buffer(self, p: torch.Tensor) -> torch.Tensor | None:
         """The accumulated gradient held for ``p`` (kept; ``take_buffer`` hands it over)."""
+        if not self._buffers:  # the usual case (no accumulation): no tensor hashing in the hook
+            return None
         entry = self._buffers.get(p)
         return None if entry is None else entry[0]
 

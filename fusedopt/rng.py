@@ -64,6 +64,11 @@ def fmix32(h):
 
 
 @functools.lru_cache(maxsize=65536)
+def valid_seed(seed) -> bool:
+    """Whether ``seed`` is a seed the optimizers take (and checkpoints may carry): an int in [0, 2**63)."""
+    return isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**63
+
+
 def host_key(seed: int, param_index: int, stream: int) -> int:
     """The part of the key known on the host; passed to kernels as one uint32 scalar."""
     h = fmix32((seed & MASK32) ^ GOLDEN)
