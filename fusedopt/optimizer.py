@@ -8,10 +8,13 @@ Subclasses give the algorithm: its state slots, hyperparameter validation and fp
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
+from collections import OrderedDict
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint
 from .backend import check_gradient, gradient_fits_prepared, kernel_allowed, new_scratch, run_update
@@ -83,6 +86,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._prepared: dict[torch.Tensor, tuple] = {}  # param -> (PreparedUpdate, structure, state keys, ids)
         self._window: dict[int, tuple] = {}  # group index -> (hyper, group structure) for this step's updates
         self._corrections = SharedCorrections()
+        self._update_hooks: OrderedDict = OrderedDict()  # register_update_hook
         self.bucket_budget = bucket_budget()  # bytes of gradients release may hold (0: none)
         self._buckets = UpdateBuckets() if self.bucket_budget > 0 else None  # see buckets.py
         super().__init__(params, defaults)
@@ -238,9 +242,59 @@ class FusedOptimizer(torch.optim.Optimizer):
         group, _ = self.position(p)
         return master_value(p, self.state.get(p), group["master_weight_bits"])
 
+    # --- observing updates (the memory profiler attributes allocations with this) ----------
+
+    def register_update_hook(self, hook) -> RemovableHandle:
+        """Call ``hook()`` around every parameter update this optimizer runs (also those inside
+        backward with ``fused=True``, and bucketed launches): it returns a context manager that is
+        entered before the update's work and exited after it. Returns a handle whose ``remove()``
+        unregisters the hook."""
+        handle = RemovableHandle(self._update_hooks)
+        self._update_hooks[handle.id] = hook
+        return handle
+
+    def _observed(self):
+        if not self._update_hooks:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        for hook in list(self._update_hooks.values()):
+            stack.enter_context(hook())
+        return stack
+
+    def held_gradients(self) -> list[torch.Tensor]:
+        """Gradients the optimizer holds between backward and their update: accumulation buffers
+        (``accumulation_steps > 1``) and gradients waiting for a bucketed update (``fused=True``)."""
+        if self._release is None:
+            return []
+        return self._release.buffered_gradients() + self._release.held_gradients()
+
+    def queue_update(self, p, grad, accum=None, launch=_RESOLVE):
+        """``update_param``, or a place in a bucket of updates launched together (``buckets.py``):
+        the update has run once ``flush_updates()`` returns. ``grad`` must stay unchanged until then."""
+        if not self._update_hooks:
+            return self._queue_update_unobserved(p, grad, accum, launch)
+        with self._observed():
+            return self._queue_update_unobserved(p, grad, accum, launch)
+
+    def flush_updates(self) -> None:
+        """Run every queued update (``queue_update``) and every update gradient release holds."""
+        if not self._update_hooks:
+            return self._flush_updates_unobserved()
+        with self._observed():
+            return self._flush_updates_unobserved()
+
+    def update_param(self, p, grad, accum=None, launch=_RESOLVE):
+        """Apply one optimizer update to ``p`` from ``grad`` (+ an accumulated buffer)."""
+        if not self._update_hooks:
+            return self._update_param_unobserved(p, grad, accum, launch)
+        with self._observed():
+            return self._update_param_unobserved(p, grad, accum, launch)
+
     # --- the update ------------------------------------------------------------------------
 
-    def queue_update(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None, launch=_RESOLVE):
+    def _queue_update_unobserved(
+        self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None, launch=_RESOLVE
+    ):
         """``update_param``, or a place in a bucket of updates launched together (``buckets.py``):
         the update has run once ``flush_updates()`` returns. ``grad`` must stay unchanged until then.
         ``launch``: what ``check_update`` found for this gradient, if it was called."""
@@ -329,7 +383,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Group settings may change from here on (a step ended, groups or state were replaced)."""
         self._window.clear()
 
-    def flush_updates(self) -> None:
+    def _flush_updates_unobserved(self) -> None:
         """Run every queued update (``queue_update``) and every update gradient release holds."""
         if self._release is not None and self._release.holds_updates():
             self._release.drain(self)  # queues them, then flushes
@@ -337,7 +391,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 self._buckets.flush()
 
-    def update_param(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None, launch=_RESOLVE):
+    def _update_param_unobserved(
+        self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None, launch=_RESOLVE
+    ):
         """Apply one optimizer update to ``p`` from ``grad`` (+ an accumulated buffer); ``launch`` as
         ``queue_update``'s (given: ``check_update`` has checked this update already)."""
         checked = launch is not _RESOLVE
