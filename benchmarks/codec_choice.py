@@ -46,8 +46,8 @@ os.environ["FUSEDOPT_BACKEND"] = "reference"
 
 import fusedopt  # noqa: E402
 from fusedopt import rng  # noqa: E402
-from fusedopt.codec_blockwise import BlockCodec, MinifloatLevels, PowerLevels, _pow2  # noqa: E402
 from fusedopt.codecs import BF16, FP32  # noqa: E402
+from fusedopt.codecs.blockwise import BlockCodec, MinifloatLevels, PowerLevels, _pow2  # noqa: E402
 from fusedopt.profiler_models import stdlib_source_bytes  # noqa: E402
 
 
@@ -88,6 +88,7 @@ class Fp32ScaleCodec(BlockCodec):
     """Same levels, but one fp32 scale per block: the absmax maps exactly onto the top level."""
 
     scale_dtype = torch.float32
+    kernel_format = None  # the kernel reads E8M0 scales only
 
     def block_scales(self, absmax):
         unit = absmax / self.top

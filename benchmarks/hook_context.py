@@ -52,8 +52,9 @@ def main(argv=None) -> int:
     small.grad = torch.randn_like(small)
     opt.step()
     opt.step()  # the prepared launch exists from here
-    prepared = opt._prepared[small][0]
+    prepared = opt._dispatch._prepared[small].launch
     grad = small.grad
+    scalars = opt._dispatch.settings(0).scalars
     tensors = [p for p in model.parameters()][:16]
 
     def work() -> dict:
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
         out["tensor"] = (time.perf_counter() - t0) / args.reps * 1e6
         t0 = time.perf_counter()
         for _ in range(args.reps):
-            prepared.launch(grad, None, opt._hyper(opt.param_groups[0]))
+            prepared.launch(grad, None, scalars)
         out["launch"] = (time.perf_counter() - t0) / args.reps * 1e6
         return out
 

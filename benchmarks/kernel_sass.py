@@ -30,7 +30,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fusedopt import backend, codecs
+from fusedopt import codecs
 from fusedopt.kernels import update
 
 SLOW_OPCODES = ("MUFU", "I2F", "I2FP", "F2I", "FRND", "F2F", "I2I", "F2FP")
@@ -39,8 +39,8 @@ _POINTERS = ("param_ptr", "corr_ptr", "grad_ptr", "accum_ptr", "m_ptr", "m_scale
 
 def _formats(state_bits: int):
     shape = torch.Size([1024, 1024])
-    m = backend._moment_format(codecs.codec_for(state_bits, shape, 0))
-    v = backend._moment_format(codecs.codec_for(state_bits, shape, 0, signed=False))
+    m = codecs.codec_for(state_bits, shape, 0).kernel_format
+    v = codecs.codec_for(state_bits, shape, 0, signed=False).kernel_format
     return m, v
 
 

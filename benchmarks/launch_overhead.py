@@ -3,7 +3,7 @@
     python benchmarks/launch_overhead.py [--params 200] [--numel 4096]
 
 Times ``optimizer.step()`` over ``--params`` parameters per parameter, with small tensors so
-the GPU is never the bottleneck: bucketed (the default, ``fusedopt/buckets.py``), then with one
+the GPU is never the bottleneck: bucketed (the default, ``fusedopt/dispatch.py``), then with one
 launch pair per parameter (``FUSEDOPT_BUCKET_MB=0``) with the kernels' direct launch
 (``kernels/launcher.py``) and through Triton's own ``kernel[grid](...)``. Then a cProfile of the
 bucketed ``step()``: which functions the host time goes to.

@@ -29,7 +29,6 @@ from unittest import mock
 import torch
 
 import fusedopt
-from fusedopt.backend import new_scratch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from competitors import _fusedopt_bytes  # noqa: E402  (benchmarks/ is not a package)
@@ -95,11 +94,13 @@ def check_only_ms(reps: int) -> float:
     from fusedopt.kernels import update
 
     grads = [torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16) for _ in range(N_TENSORS)]
-    scratch = new_scratch(torch.device("cuda"))
+    scratch = torch.zeros(update.SCRATCH_WORDS, dtype=torch.int32, device="cuda")
     step = torch.zeros((), device="cuda")
     skipped = torch.zeros((), dtype=torch.int64, device="cuda")
     n = grads[0].numel()
-    _, check_args = update._scalar_args(0, 1e-3, 0.9, 0.999, 1e-8, 0.01, 0.0, 0.0)
+    _, check_args = update.pack_scalars(
+        fusedopt.AdamW.kernel_scalars(dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01))
+    )
     programs = -(-n // (update.CHECK_TILE * update.CHECK_TILES))
 
     config = update._check_config(False, True, False)

@@ -1,9 +1,34 @@
-"""fusedopt.AdamW: AdamW with compressed state, master-weight splitting and gradient release."""
+"""fusedopt.AdamW: AdamW with compressed state, master-weight splitting and gradient release.
+
+Everything that defines the algorithm is here: the class, its fp32 math (the reference the kernel
+is held to), its state slots, its kernel branch and scalars, and its torch.optim counterpart.
+"""
 
 from __future__ import annotations
 
+import torch
+
 from .optimizer import FusedOptimizer, check_betas, check_number, check_refused_options
-from .reference import adamw_math
+
+
+def _fp32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def adamw_math(p, g, moments, step, *, lr, beta1, beta2, eps, weight_decay):
+    """AdamW exactly as ``torch.optim.AdamW`` orders its operations (decoupled decay, eps outside sqrt)."""
+    # Bias corrections in fp64 (torch computes them from a Python step); the step size from lr
+    # rounded to fp32, as the Triton kernel receives it.
+    step = step.double()
+    step_size = (_fp32(lr) / (1 - beta1**step)).float()
+    inv_bias_correction2_sqrt = (1 / (1 - beta2**step).sqrt()).float()
+    m = moments["exp_avg"].lerp(g, 1 - beta1)
+    v = torch.addcmul(moments["exp_avg_sq"] * beta2, g, g, value=1 - beta2)
+    p = p * (1 - lr * weight_decay)
+    # torch's vectorised CPU sqrt is not correctly rounded; the fp64 one is, like the kernel's sqrt_rn
+    denom = v.double().sqrt().float() * inv_bias_correction2_sqrt + eps
+    p = p - (m / denom) * step_size
+    return p, {"exp_avg": m, "exp_avg_sq": v}
 
 
 class AdamW(FusedOptimizer):
@@ -11,12 +36,17 @@ class AdamW(FusedOptimizer):
 
     ``state_bits=32`` on fp32 parameters is exactly ``torch.optim.AdamW``. Memory per parameter
     for the state: 8 bytes at ``state_bits=32`` (two fp32 moments), 4 at ``16`` (two bf16 moments).
-    See ``fusedopt.FusedOptimizer`` and the README for ``state_bits``, ``master_weight_bits``,
-    ``min_compress_numel``, ``seed``, ``fused`` and ``accumulation_steps``.
+    See ``fusedopt.FusedOptimizer`` and the README for ``state_bits``, ``state_format``,
+    ``master_weight_bits``, ``min_compress_numel``, ``seed``, ``fused`` and ``accumulation_steps``.
     """
 
     algorithm = "adamw"
     math = staticmethod(adamw_math)
+    slots = ("exp_avg", "exp_avg_sq")
+    nonnegative_slots = ("exp_avg_sq",)
+    kernel_id = 0  # the ALGO == 0 branch of kernels/update.py
+    bias_corrections = True  # the check kernel computes them per step
+    torch_group_keys = dict(amsgrad=False, foreach=None, capturable=False, differentiable=False, fused=None)
 
     def __init__(
         self,
@@ -32,6 +62,7 @@ class AdamW(FusedOptimizer):
         capturable: bool = False,
         differentiable: bool = False,
         state_bits: int = 8,
+        state_format: str | None = None,
         master_weight_bits: int | None = 24,
         min_compress_numel: int = 4096,
         seed: int = 0,
@@ -39,28 +70,22 @@ class AdamW(FusedOptimizer):
         accumulation_steps: int = 1,
     ):
         check_refused_options(amsgrad=amsgrad, foreach=foreach, capturable=capturable, differentiable=differentiable)
-        defaults = dict(
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            maximize=maximize,
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
+        defaults.update(
             state_bits=state_bits,
+            state_format=state_format,
             master_weight_bits=master_weight_bits,
             min_compress_numel=min_compress_numel,
         )
         super().__init__(params, defaults, fused=fused, accumulation_steps=accumulation_steps, seed=seed)
 
-    def _check_hyperparameters(self, group):
+    def check_hyperparameters(self, group):
         check_number("learning rate", group["lr"])
         check_number("epsilon value", group["eps"])
         check_betas(group["betas"])
         check_number("weight_decay value", group["weight_decay"])
 
-    def _slots(self, group):
-        return ("exp_avg", "exp_avg_sq")
-
-    def _hyper(self, group):
+    def hyper(self, group):
         beta1, beta2 = group["betas"]
         return dict(
             lr=group["lr"],
@@ -69,4 +94,18 @@ class AdamW(FusedOptimizer):
             eps=group["eps"],
             weight_decay=group["weight_decay"],
             maximize=group["maximize"],
+        )
+
+    @staticmethod
+    def kernel_scalars(hyper):
+        lr, beta1, beta2 = hyper["lr"], hyper["beta1"], hyper["beta2"]
+        return dict(
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=hyper["eps"],
+            decay=1 - lr * hyper["weight_decay"],
+            lerp_weight=1 - beta1,
+            one_minus_beta2=1 - beta2,
+            bias_correction_betas=(beta1, beta2),
         )

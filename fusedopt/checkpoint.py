@@ -20,13 +20,14 @@ from collections import defaultdict
 import torch
 
 from . import rng
-from .codecs import NONNEGATIVE_SLOTS, MomentCodec
+from .codecs import MomentCodec, codec_named, registered_formats
 from .master import MASTER_CORRECTION, convert_correction
 from .state_memory import pack_tensors
 
-# 2: 8-bit moments on shifted-minifloat levels (2026-11-30). 1: on square levels, converted on
-# load (the codes' layout is the same, so they must not be copied as they are).
-FORMAT = 2
+# 3: each state's codec recorded by name ("codecs"). 2: not recorded; 8-bit moments on
+# shifted-minifloat levels. 1: 8-bit moments on square levels (the codec "block8-square"), converted
+# on load (the codes' layout is the same, so they must not be copied as they are).
+FORMAT = 3
 # torch.optim group keys that fusedopt drops when loading a torch checkpoint: implementation
 # switches with no effect on the state. Other keys of a saved group are kept as torch keeps them
 # (a scheduler's initial_lr, a user's own "name"), except those that change the algorithm:
@@ -47,8 +48,18 @@ def state_dict(optimizer, packed: dict) -> dict:
         "num_skipped_updates": optimizer.num_skipped_updates,
         # 4-bit codes and block scales are flat: only the shapes tell two parameters of one size apart
         "shapes": {i: list(params[i].shape) for i in packed["state"]},
+        # the format of each stored moment: two formats may share a layout
+        "codecs": {i: _codec_names(optimizer, params[i]) for i in packed["state"]},
     }
     return packed
+
+
+def _codec_names(optimizer, p: torch.Tensor) -> dict[str, str]:
+    state = optimizer.state.get(p)
+    if not state:
+        return {}
+    group, _ = optimizer.position(p)
+    return {slot: codec.name for slot, codec in optimizer.codecs(p, group).items()}
 
 
 def load_state_dict(optimizer, saved: dict) -> None:
@@ -82,6 +93,7 @@ def load_state_dict(optimizer, saved: dict) -> None:
     seed = _load_seed(meta["seed"] if meta is not None else optimizer.seed)
     skipped = _load_counter(meta) if meta is not None else None
     shapes = meta.get("shapes", {}) if meta is not None else {}
+    codec_names = meta.get("codecs", {}) if meta is not None else {}
     saved_format = meta.get("format", 0) if meta is not None else None  # None: not fusedopt's
     lossy: list[str] = []
     new_state: defaultdict = defaultdict(dict)
@@ -97,7 +109,10 @@ def load_state_dict(optimizer, saved: dict) -> None:
                 f"loaded state dict holds the state of a parameter of shape {tuple(shapes[pid])} for {where}: the "
                 "parameters are not the ones it was saved from (another model, or another order)"
             )
-        new_state[p] = _convert_param_state(optimizer, p, group, param_state, where, seed, index, lossy, saved_format)
+        names = codec_names.get(pid, {})
+        new_state[p] = _convert_param_state(
+            optimizer, p, group, param_state, where, seed, index, lossy, saved_format, names
+        )
 
     # Everything validated and converted: commit (the shared corrections are built, if they were
     # not, before the first one is overwritten).
@@ -158,7 +173,7 @@ def _load_counter(meta: dict) -> torch.Tensor:
 
 
 def _convert_param_state(
-    optimizer, p, group, saved: dict, where: str, seed: int, index: int, lossy: list, saved_format: int | None
+    optimizer, p, group, saved: dict, where: str, seed: int, index: int, lossy: list, saved_format: int | None, names
 ) -> dict:
     if not isinstance(saved, dict):
         raise ValueError(f"state of {where} is a {type(saved).__name__}, expected a dict")
@@ -177,9 +192,10 @@ def _convert_param_state(
     for i, (slot, codec) in enumerate(codecs.items()):
         layout = codec.layout(p.shape)
         entries = {s: saved.get(slot + s) for s in layout}
-        source = _saved_codec(slot, saved, p.shape, slot not in NONNEGATIVE_SLOTS, saved_format)
-        same_levels = source is None or source is _PLAIN or source.levels is getattr(codec, "levels", None)
-        if same_levels and all(
+        signed = slot not in optimizer.nonnegative_slots
+        source = _saved_codec(slot, saved, p.shape, signed, saved_format, names.get(slot), where)
+        same_format = source is None or source is _PLAIN or source.name == codec.name
+        if same_format and all(
             isinstance(t, torch.Tensor) and (t.dtype, t.shape) == layout[s] for s, t in entries.items()
         ):
             out.update({slot + s: t.detach() for s, t in entries.items()})  # copied to p.device by pack_tensors
@@ -212,23 +228,49 @@ def _of_slot(key: str, slot: str) -> bool:
 
 
 def _saved_codec(
-    slot: str, saved: dict, shape: torch.Size, signed: bool, saved_format: int | None
+    slot: str, saved: dict, shape: torch.Size, signed: bool, saved_format: int | None, name: str | None, where: str
 ) -> MomentCodec | None:
-    """The codec that wrote ``slot`` in a saved state: a plain float tensor (fusedopt's fp32/bf16 or
-    torch.optim's), or a fusedopt block codec whose layout matches exactly, with the levels of the
-    checkpoint's format (None: unrecognised)."""
+    """The codec that wrote ``slot`` in a saved state: the one the checkpoint names, else a plain
+    float tensor (fusedopt's fp32/bf16 or torch.optim's), else a block codec of the checkpoint's
+    format whose layout matches exactly (None: unrecognised)."""
     value = saved.get(slot)
+    if not any(_of_slot(key, slot) for key in saved):
+        return None  # not saved at all: the caller says what is missing
+    if name is not None:
+        if name not in registered_formats():
+            raise ValueError(
+                f"state {slot!r} of {where} was saved in the state format {name!r}, which this fusedopt does not "
+                f"know (known: {', '.join(registered_formats())})"
+            )
+        codec = codec_named(name, signed, torch.Size(shape))
+        layout = codec.layout(shape)
+        if not all(_fits(saved.get(slot + s), dtype, size) for s, (dtype, size) in layout.items()):
+            got = {s: _describe(saved.get(slot + s)) for s in layout}
+            raise ValueError(
+                f"state {slot!r} of {where} cannot be converted: it does not have the layout of its saved state "
+                f"format {name!r} (got {got})"
+            )
+        return codec
     if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == shape:
         return _PLAIN
-    from .codec_blockwise import block_codec
-
-    for bits in (8, 4):
-        candidate = block_codec(bits, signed, torch.Size(shape), saved_format)
+    for candidate_name in _UNNAMED_BLOCK_FORMATS[1 if saved_format is not None and saved_format <= 1 else 2]:
+        candidate = codec_named(candidate_name, signed, torch.Size(shape))
         layout = candidate.layout(shape)
-        entries = [saved.get(slot + s) for s in layout]
-        if all(isinstance(t, torch.Tensor) and (t.dtype, t.shape) == layout[s] for t, s in zip(entries, layout)):
+        if all(_fits(saved.get(slot + s), dtype, size) for s, (dtype, size) in layout.items()):
             return candidate
     return None
+
+
+# The block formats of checkpoints that did not record codec names (formats 1 and 2), tried by layout.
+_UNNAMED_BLOCK_FORMATS = {1: ("block8-square", "block4"), 2: ("block8", "block4")}
+
+
+def _describe(t) -> str:
+    return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _fits(t, dtype: torch.dtype, shape: torch.Size) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == dtype and t.shape == shape
 
 
 class _PlainCodec(MomentCodec):
@@ -243,7 +285,7 @@ _PLAIN = _PlainCodec()
 
 def _load_step(value, where: str, *, has_moments: bool, optimizer) -> float:
     if value is None:
-        if optimizer.algorithm == "sgd":  # torch.optim.SGD keeps no step: a buffer means it has stepped
+        if not optimizer.torch_saves_step:  # e.g. torch.optim.SGD: a buffer means it has stepped
             return 1.0 if has_moments else 0.0
         raise ValueError(f"state of {where} has no 'step' entry")
     step = float(value.item() if isinstance(value, torch.Tensor) else value)
@@ -252,20 +294,13 @@ def _load_step(value, where: str, *, has_moments: bool, optimizer) -> float:
     return step
 
 
-# torch.optim counterparts of fusedopt's optimizers, and the group keys their state dicts carry.
-_TORCH_GROUP_KEYS = {
-    "adamw": dict(amsgrad=False, foreach=None, capturable=False, differentiable=False, fused=None),
-    "sgd": dict(foreach=None, differentiable=False, fused=None),
-}
-
-
 def torch_state_dict(optimizer) -> dict:
     """The optimizer's state as ``torch.optim.AdamW`` / ``torch.optim.SGD`` would save it.
 
     Moments are decoded to fp32; fusedopt's own options and the master-weight corrections are
     left out (the master itself lives in the weights: see ``fusedopt.master_state_dict``).
     """
-    if optimizer.algorithm not in _TORCH_GROUP_KEYS:
+    if optimizer.torch_group_keys is None:
         raise ValueError(f"torch.optim has no counterpart of fusedopt.{type(optimizer).__name__}")
     packed = optimizer.state_dict()
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -279,14 +314,15 @@ def torch_state_dict(optimizer) -> dict:
         for slot, codec in optimizer.codecs(p, group).items():
             stored = {s: saved[slot + s] for s in codec.suffixes}
             entry[slot] = codec.decode(stored).detach().float().clone()
-        if optimizer.algorithm == "sgd":
+        if not optimizer.torch_saves_step:
             entry.pop("step")
-            entry.setdefault("momentum_buffer", None)
+            for slot in optimizer.slots:
+                entry.setdefault(slot, None)
         state[index] = entry
-    fusedopt_only = ("state_bits", "master_weight_bits", "min_compress_numel")
+    fusedopt_only = ("state_bits", "state_format", "master_weight_bits", "min_compress_numel")
     groups = []
     for group in packed["param_groups"]:
         torch_group = {k: v for k, v in group.items() if k not in fusedopt_only}
-        torch_group.update(_TORCH_GROUP_KEYS[optimizer.algorithm])
+        torch_group.update(optimizer.torch_group_keys)
         groups.append(torch_group)
     return {"state": state, "param_groups": groups}

@@ -1,9 +1,22 @@
-"""fusedopt.Lion: Lion (Chen et al., "Symbolic Discovery of Optimization Algorithms", 2023)."""
+"""fusedopt.Lion: Lion (Chen et al., "Symbolic Discovery of Optimization Algorithms", 2023).
+
+The class, its fp32 math (the reference the kernel is held to), its state slot and its kernel
+branch and scalars.
+"""
 
 from __future__ import annotations
 
+import torch
+
 from .optimizer import FusedOptimizer, check_betas, check_number
-from .reference import lion_math
+
+
+def lion_math(p, g, moments, step, *, lr, beta1, beta2, weight_decay):
+    """Lion (Chen et al. 2023): sign of an interpolated momentum, decoupled weight decay."""
+    m = moments["exp_avg"]
+    direction = (m * beta1 + g * (1 - beta1)).sign()
+    p = torch.add(p * (1 - lr * weight_decay), direction, alpha=-lr)
+    return p, {"exp_avg": torch.add(m * beta2, g, alpha=1 - beta2)}
 
 
 class Lion(FusedOptimizer):
@@ -15,6 +28,9 @@ class Lion(FusedOptimizer):
 
     algorithm = "lion"
     math = staticmethod(lion_math)
+    slots = ("exp_avg",)
+    kernel_id = 2  # the ALGO == 2 branch of kernels/update.py
+    torch_group_keys = None  # torch.optim has no Lion
 
     def __init__(
         self,
@@ -25,33 +41,41 @@ class Lion(FusedOptimizer):
         *,
         maximize: bool = False,
         state_bits: int = 8,
+        state_format: str | None = None,
         master_weight_bits: int | None = 24,
         min_compress_numel: int = 4096,
         seed: int = 0,
         fused: bool = False,
         accumulation_steps: int = 1,
     ):
-        defaults = dict(
-            lr=lr,
-            betas=betas,
-            weight_decay=weight_decay,
-            maximize=maximize,
+        defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize)
+        defaults.update(
             state_bits=state_bits,
+            state_format=state_format,
             master_weight_bits=master_weight_bits,
             min_compress_numel=min_compress_numel,
         )
         super().__init__(params, defaults, fused=fused, accumulation_steps=accumulation_steps, seed=seed)
 
-    def _check_hyperparameters(self, group):
+    def check_hyperparameters(self, group):
         check_number("learning rate", group["lr"])
         check_betas(group["betas"])
         check_number("weight_decay value", group["weight_decay"])
 
-    def _slots(self, group):
-        return ("exp_avg",)
-
-    def _hyper(self, group):
+    def hyper(self, group):
         beta1, beta2 = group["betas"]
         return dict(
             lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], maximize=group["maximize"]
+        )
+
+    @staticmethod
+    def kernel_scalars(hyper):
+        lr, beta1, beta2 = hyper["lr"], hyper["beta1"], hyper["beta2"]
+        return dict(
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            decay=1 - lr * hyper["weight_decay"],
+            lerp_weight=1 - beta1,
+            one_minus_beta2=1 - beta2,
         )

@@ -1,36 +1,32 @@
 """FusedOptimizer: the shared base of fusedopt's optimizers over ``torch.optim.Optimizer``.
 
-It owns what every algorithm shares: validation of the fusedopt options, lazy state
-initialisation through the codecs, dispatch of one parameter's update to a backend,
-gradient release (``fused=True``, see ``release.py``) and checkpoints (``checkpoint.py``).
-Subclasses give the algorithm: its state slots, hyperparameter validation and fp32 math.
+It owns what every algorithm shares: parameter groups and the validation of fusedopt's options,
+lazy state initialisation through the codecs (``codecs/``), the checks before an update, ``step()``,
+gradient release (``fused=True``, ``release.py``) and checkpoints (``checkpoint.py``). Which path
+runs an update, and what the kernel path keeps between updates, is ``dispatch.py``'s. Each
+algorithm is one file (``adamw.py``, ``sgd.py``, ``lion.py``) with the facts declared below.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
-from collections import OrderedDict
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint
-from .backend import check_gradient, gradient_fits_prepared, kernel_allowed, new_scratch, run_update
-from .buckets import UpdateBuckets, bucket_budget, can_join
-from .codecs import NONNEGATIVE_SLOTS, SUPPORTED_STATE_BITS, MomentCodec, codec_for
+from .codecs import SUPPORTED_STATE_BITS, MomentCodec, codec_for, registered_formats
+from .dispatch import NOT_PREPARED, CheckedUpdate, UpdateDispatcher, check_gradient
 from .master import MASTER_CORRECTION, check_master_weight_bits, correction_layout, master_value
-from .reference import ParamUpdate, UpdateMath
+from .reference import UpdateMath
 from .release import GradientRelease
 from .rng import valid_seed
 from .state_memory import SharedCorrections, pack
-from .streams import on_default_stream
 
 # Options that apply to the whole optimizer; a parameter group may not set them.
 OPTIMIZER_WIDE_OPTIONS = ("fused", "accumulation_steps", "seed")
 SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_RESOLVE = object()  # queue_update: look up the prepared launch itself
 
 
 def check_refused_options(**options) -> None:
@@ -63,10 +59,17 @@ def check_betas(betas) -> None:
 
 
 class FusedOptimizer(torch.optim.Optimizer):
-    """Base class. Subclasses set ``algorithm`` and ``math`` and implement ``_slots``/``_check_group``."""
+    """Base class. An algorithm subclasses it in one file, declaring the facts below and implementing
+    ``check_hyperparameters`` and ``hyper`` (and ``kernel_scalars`` where it has a kernel branch)."""
 
-    algorithm: str = ""
-    math: UpdateMath
+    algorithm: str = ""  # its name in checkpoints
+    math: UpdateMath  # the fp32 math of one update: the CPU path and the kernel's oracle
+    slots: tuple[str, ...] = ()  # the moments it may keep (``state_slots`` says which a group keeps)
+    nonnegative_slots: tuple[str, ...] = ()  # moments never negative (stored unsigned)
+    kernel_id: int | None = None  # its branch in the fused kernel (None: the reference runs it)
+    bias_corrections: bool = False  # the kernel's check pass computes Adam's bias corrections
+    torch_group_keys: dict | None = None  # the torch.optim counterpart's extra group keys (None: none)
+    torch_saves_step: bool = True  # whether the torch.optim counterpart's state has a step count
 
     def __init__(self, params, defaults: dict, *, fused: bool, accumulation_steps: int, seed: int):
         if not isinstance(fused, bool):
@@ -82,13 +85,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._next_index = 0  # a new parameter's index (a hash input: it never changes or repeats)
         self._groups_seen: list = []  # param_groups as _position last saw them (sync_groups)
         self._release: GradientRelease | None = None
-        self._kernel_scratch: dict[torch.Tensor, torch.Tensor] = {}
-        self._prepared: dict[torch.Tensor, tuple] = {}  # param -> (PreparedUpdate, structure, state keys, ids)
-        self._window: dict[int, tuple] = {}  # group index -> (hyper, group structure) for this step's updates
         self._corrections = SharedCorrections()
-        self._update_hooks: OrderedDict = OrderedDict()  # register_update_hook
-        self.bucket_budget = bucket_budget()  # bytes of gradients release may hold (0: none)
-        self._buckets = UpdateBuckets() if self.bucket_budget > 0 else None  # see buckets.py
+        self._dispatch = UpdateDispatcher(self)
+        self.bucket_budget = self._dispatch.bucket_budget  # bytes of gradients release may hold (0: none)
+        params = _materialise(params)
         super().__init__(params, defaults)
         first = next(p for g in self.param_groups for p in g["params"])  # torch refused a list of none
         self.num_skipped_updates = torch.zeros((), dtype=torch.int64, device=first.device)
@@ -123,7 +123,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 self.param_groups.pop()
                 raise
         group_index = len(self.param_groups) - 1
-        self._new_window()
+        self._dispatch.new_window()
         for p in group["params"]:
             self._position[p] = (group_index, self._next_index)
             self._next_index += 1
@@ -151,7 +151,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if dropped and self._release is not None:
             self._release.detach(dropped)
         self._position, self._groups_seen = positions, seen
-        self._new_window()
+        self._dispatch.new_window()
 
     def check_group(self, group: dict) -> None:
         """Validate every option of a (complete) group: the shared fusedopt ones, then the algorithm's."""
@@ -161,35 +161,55 @@ class FusedOptimizer(torch.optim.Optimizer):
         numel = group["min_compress_numel"]
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise ValueError(f"Invalid min_compress_numel: {numel!r} (expected an integer >= 0)")
+        state_format = group.setdefault("state_format", None)  # groups saved before it existed lack it
+        if state_format is not None and state_format not in registered_formats():
+            raise ValueError(
+                f"Invalid state_format: {state_format!r} (expected None or one of {', '.join(registered_formats())})"
+            )
         check_master_weight_bits(group["master_weight_bits"])
         if not isinstance(group["maximize"], bool):
             raise ValueError(f"Invalid maximize: {group['maximize']!r} (expected True or False)")
-        self._check_hyperparameters(group)
+        self.check_hyperparameters(group)
 
-    def _check_hyperparameters(self, group: dict) -> None:
+    def check_hyperparameters(self, group: dict) -> None:
+        """Validate the algorithm's hyperparameters in ``group`` (torch's error messages)."""
         raise NotImplementedError
 
-    def _slots(self, group: dict) -> tuple[str, ...]:
+    def state_slots(self, group: dict) -> tuple[str, ...]:
         """Names of the moment tensors this algorithm keeps under ``group``'s settings."""
+        return self.slots
+
+    def hyper(self, group: dict) -> dict:
+        """The keyword arguments of ``math`` (plus ``maximize``) from a group."""
         raise NotImplementedError
 
-    def _hyper(self, group: dict) -> dict:
-        """The keyword arguments of ``math`` (plus ``maximize``) from a group."""
+    @staticmethod
+    def kernel_scalars(hyper: dict) -> dict:
+        """The fused kernel's runtime scalars from ``hyper`` (``kernels/update.py`` ``UPDATE_SCALARS``)."""
         raise NotImplementedError
 
     # --- state -----------------------------------------------------------------------------
 
     def codecs(self, p: torch.Tensor, group: dict) -> dict[str, MomentCodec]:
         """Slot name -> codec for parameter ``p`` under ``group``."""
-        bits, numel = group["state_bits"], group["min_compress_numel"]
+        bits, fmt, numel = group["state_bits"], group.get("state_format"), group["min_compress_numel"]
+        nonnegative = self.nonnegative_slots
         return {
-            slot: codec_for(bits, p.shape, numel, signed=slot not in NONNEGATIVE_SLOTS) for slot in self._slots(group)
+            slot: codec_for(bits, p.shape, numel, signed=slot not in nonnegative, state_format=fmt)
+            for slot in self.state_slots(group)
         }
 
     def position(self, p: torch.Tensor) -> tuple[dict, int]:
         """The group holding ``p`` and ``p``'s index in the optimizer (a hash input)."""
         group_index, index = self._position[p]
         return self.param_groups[group_index], index
+
+    def group_index(self, p: torch.Tensor) -> int:
+        return self._position[p][0]
+
+    def param_index(self, p: torch.Tensor) -> int:
+        """``p``'s index in the optimizer: a hash input, it never changes or repeats."""
+        return self._position[p][1]
 
     def ensure_state(self, p: torch.Tensor) -> dict:
         """The state of ``p``, created (step 0, zero moments) on first use."""
@@ -245,21 +265,11 @@ class FusedOptimizer(torch.optim.Optimizer):
     # --- observing updates (the memory profiler attributes allocations with this) ----------
 
     def register_update_hook(self, hook) -> RemovableHandle:
-        """Call ``hook()`` around every parameter update this optimizer runs (also those inside
-        backward with ``fused=True``, and bucketed launches): it returns a context manager that is
-        entered before the update's work and exited after it. Returns a handle whose ``remove()``
-        unregisters the hook."""
-        handle = RemovableHandle(self._update_hooks)
-        self._update_hooks[handle.id] = hook
-        return handle
-
-    def _observed(self):
-        if not self._update_hooks:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        for hook in list(self._update_hooks.values()):
-            stack.enter_context(hook())
-        return stack
+        """Call ``hook()`` around every piece of update work this optimizer runs (also inside backward
+        with ``fused=True``, and bucketed launches): it returns a context manager entered before the
+        work and exited after it (contexts may nest). Returns a handle whose ``remove()`` unregisters
+        the hook."""
+        return self._dispatch.register_observer(hook)
 
     def held_gradients(self) -> list[torch.Tensor]:
         """Gradients the optimizer holds between backward and their update: accumulation buffers
@@ -268,94 +278,58 @@ class FusedOptimizer(torch.optim.Optimizer):
             return []
         return self._release.buffered_gradients() + self._release.held_gradients()
 
-    def queue_update(self, p, grad, accum=None, launch=_RESOLVE):
-        """``update_param``, or a place in a bucket of updates launched together (``buckets.py``):
-        the update has run once ``flush_updates()`` returns. ``grad`` must stay unchanged until then."""
-        if not self._update_hooks:
-            return self._queue_update_unobserved(p, grad, accum, launch)
-        with self._observed():
-            return self._queue_update_unobserved(p, grad, accum, launch)
-
-    def flush_updates(self) -> None:
-        """Run every queued update (``queue_update``) and every update gradient release holds."""
-        if not self._update_hooks:
-            return self._flush_updates_unobserved()
-        with self._observed():
-            return self._flush_updates_unobserved()
-
-    def update_param(self, p, grad, accum=None, launch=_RESOLVE):
-        """Apply one optimizer update to ``p`` from ``grad`` (+ an accumulated buffer)."""
-        if not self._update_hooks:
-            return self._update_param_unobserved(p, grad, accum, launch)
-        with self._observed():
-            return self._update_param_unobserved(p, grad, accum, launch)
-
     # --- the update ------------------------------------------------------------------------
 
-    def _queue_update_unobserved(
-        self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None, launch=_RESOLVE
-    ):
-        """``update_param``, or a place in a bucket of updates launched together (``buckets.py``):
-        the update has run once ``flush_updates()`` returns. ``grad`` must stay unchanged until then.
-        ``launch``: what ``check_update`` found for this gradient, if it was called."""
-        if self._buckets is None or accum is not None or grad.is_sparse:
-            self.update_param(p, grad, accum, launch)
-            return
-        group_index, _ = self._position[p]
-        hyper, group_structure, allowed = self._settings(group_index)
-        if launch is _RESOLVE:
-            launch = self._prepared_launch(p, grad, accum, group_structure) if allowed else None
-        if launch is None:
-            self.update_param(p, grad, accum)  # through the backend
-        elif not self._buckets.add(launch, grad, hyper, group_index):
-            # prepared but not bucketable (size, alignment): alone, without update_param's lookups again
-            if self._buckets.is_pending(launch):  # a queued update of p runs first
-                self.flush_updates()
-            launch.launch(grad, accum, hyper)
-
-    def can_hold_update(self, p: torch.Tensor) -> bool:
-        """Whether gradient release should hold ``p``'s update for a bucket: its last update went
-        through the kernel and its prepared launch can join a bucket. One launched alone anyway
-        (size, alignment) gains nothing from waiting, and its held gradient would cost memory."""
-        prepared = self._prepared.get(p)
-        return prepared is not None and self._buckets is not None and can_join(prepared[0])
-
-    def _settings(self, group_index: int) -> tuple:
-        """(hyperparameters, group structure, kernel allowed) of a group for this step's updates.
-
-        Computed once per group and step: neither the group nor the backend changes during one. The
-        hyperparameters are validated then, before the group's first update: a scheduler or the user
-        may have set them since the last step (a NaN learning rate would make every update NaN)."""
-        settings = self._window.get(group_index)
-        if settings is None:
-            group = self.param_groups[group_index]
-            self._check_hyperparameters(group)
-            hyper = self._hyper(group)
-            settings = self._window[group_index] = hyper, self._group_structure(group, hyper), kernel_allowed()
-        return settings
-
-    def check_update(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None):
+    def check_update(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None) -> CheckedUpdate:
         """Refuse, before anything is written, an update of ``p`` that cannot be applied as asked:
-        invalid group values (``_settings``), a sparse gradient or one of another shape, or state
-        that no longer fits the parameter or its group. ``step()`` checks every parameter this way
-        before its first update, gradient release each one before it counts the gradient. Beyond the
-        gradient's shape, nothing is looked at while ``p``'s prepared launch still holds (it was
-        built for this state, parameter and group structure). Returns that launch (None: there is
-        none), for ``queue_update``: nothing else changes ``p``'s state before p's own update."""
+        invalid group values, a sparse gradient or one of another shape, or state that no longer fits
+        the parameter or its group. ``step()`` checks every parameter this way before its first
+        update, gradient release each one before it counts the gradient. Beyond the gradient's shape,
+        nothing is looked at while ``p``'s prepared launch still holds (it was built for this state,
+        parameter and group structure)."""
         check_gradient(p, grad, accum, type(self).__name__)
-        group_index, _ = self._position[p]
-        _, group_structure, allowed = self._settings(group_index)
-        launch = self._prepared_launch(p, grad, accum, group_structure) if allowed else None
+        group_index = self._position[p][0]
+        dispatch = self._dispatch
+        launch = dispatch.prepared_launch(p, grad, accum, dispatch.settings(group_index))
         if launch is None:
             self._check_state(p, self.param_groups[group_index])
-        return launch
+            return NOT_PREPARED
+        return CheckedUpdate(launch)
+
+    def update_param(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        accum: torch.Tensor | None = None,
+        checked: CheckedUpdate | None = None,
+    ) -> None:
+        """Apply one optimizer update to ``p`` from ``grad`` (+ an accumulated buffer) now; ``checked``:
+        what ``check_update`` returned for it (None: it is checked here)."""
+        if checked is None:
+            checked = self.check_update(p, grad, accum)
+        self._dispatch.update(p, grad, accum, checked)
+
+    def queue_update(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None, checked: CheckedUpdate):
+        """``update_param``, or a place in a bucket of updates launched together: the update has run
+        once ``flush_updates()`` returns. ``grad`` must stay unchanged until then."""
+        self._dispatch.queue(p, grad, accum, checked)
+
+    def flush_updates(self) -> None:
+        """Run every queued update and every update gradient release holds."""
+        if self._release is not None and self._release.holds_updates():
+            self._release.drain(self)  # queues them, then flushes
+        self._dispatch.flush()
+
+    def can_hold_update(self, p: torch.Tensor) -> bool:
+        """Whether gradient release should hold ``p``'s update for a bucket (``dispatch.py``)."""
+        return self._dispatch.can_hold(p)
 
     def _check_state(self, p: torch.Tensor, group: dict) -> None:
         """Refuse state that does not fit ``p`` and its group as they are now: every tensor their
         settings need, of its dtype and shape, and no master correction they do not keep. The
         state was made for them as they were: ``p.data`` of another shape or dtype, or a group's
-        ``state_bits``, ``min_compress_numel``, ``master_weight_bits`` (or SGD's momentum) set
-        since, would read it wrongly."""
+        ``state_bits``, ``state_format``, ``min_compress_numel``, ``master_weight_bits`` (or SGD's
+        momentum) set since, would read it wrongly."""
         state = self.state.get(p)
         if not state:
             return  # created from the group's settings at the first update
@@ -374,104 +348,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"the optimizer state of a {p.dtype} parameter of shape {tuple(p.shape)} {problem}: it was made for "
                 "the parameter and its group as they were. The parameter's shape or dtype, or its group's "
-                "state_bits, min_compress_numel, master_weight_bits or momentum, changed since. Change the group's "
-                "settings through state_dict() / load_state_dict(), which converts the state (edit the saved "
-                "group); for a parameter of another shape or dtype, build a new optimizer"
+                "state_bits, state_format, min_compress_numel, master_weight_bits or momentum, changed since. Change "
+                "the group's settings through state_dict() / load_state_dict(), which converts the state (edit the "
+                "saved group); for a parameter of another shape or dtype, build a new optimizer"
             )
-
-    def _new_window(self) -> None:
-        """Group settings may change from here on (a step ended, groups or state were replaced)."""
-        self._window.clear()
-
-    def _flush_updates_unobserved(self) -> None:
-        """Run every queued update (``queue_update``) and every update gradient release holds."""
-        if self._release is not None and self._release.holds_updates():
-            self._release.drain(self)  # queues them, then flushes
-        if self._buckets is not None and self._buckets.has_pending():
-            with torch.no_grad():
-                self._buckets.flush()
-
-    def _update_param_unobserved(
-        self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None, launch=_RESOLVE
-    ):
-        """Apply one optimizer update to ``p`` from ``grad`` (+ an accumulated buffer); ``launch`` as
-        ``queue_update``'s (given: ``check_update`` has checked this update already)."""
-        checked = launch is not _RESOLVE
-        if not checked:
-            check_gradient(p, grad, accum, type(self).__name__)
-        prepared = self._prepared.get(p)
-        if prepared is not None and self._buckets is not None and self._buckets.is_pending(prepared[0]):
-            self.flush_updates()  # p's queued update runs first
-        group, index = self.position(p)
-        hyper = self._hyper(group)  # as the group is now: step() and release validated it (_settings)
-        if not checked:
-            allowed = kernel_allowed()
-            launch = self._prepared_launch(p, grad, accum, self._group_structure(group, hyper)) if allowed else None
-        if launch is not None:
-            launch.launch(grad, accum, hyper)
-            return
-        if not checked:
-            self._check_state(p, group)  # before anything is written
-        # A first update may run in a hook on a side stream: state (and the correction buffer that
-        # all parameters share) is initialised on the default stream, which that stream then waits for
-        with on_default_stream(p):
-            state = self.ensure_state(p)
-            self._scratch(p)
-        codecs = self.codecs(p, group)
-        job = ParamUpdate(
-            param=p,
-            grad=grad,
-            accum=accum,
-            state=state,
-            codecs=codecs,
-            hyper=hyper,
-            master_weight_bits=group["master_weight_bits"],
-            seed=self.seed,
-            index=index,
-            skipped=self.num_skipped_updates,
-        )
-        launch = run_update(self.algorithm, type(self).math, job, self._scratch)
-        if launch is not None:
-            replaced = self._prepared.get(p)
-            structure = p.dtype, p.shape, p.device, p.data_ptr(), self._group_structure(group, hyper)
-            self._prepared[p] = launch, structure, tuple(state), tuple(map(id, state.values()))
-        else:
-            replaced = self._prepared.pop(p, None)
-        if replaced is not None and self._buckets is not None:
-            self._buckets.forget()  # built buckets hold the replaced launch
-
-    def _prepared_launch(self, p, grad, accum, group_structure: tuple):
-        """``p``'s prepared kernel launch from an earlier step, while nothing it depends on changed:
-        the same state tensors (same keys, same objects), the parameter's dtype, shape, device and
-        storage (a bucket's table points into it: ``p.data = ...`` moves it), and its group's
-        ``group_structure``. The host work per update is then the scalars and two launches (it runs
-        in backward hooks). None when the update must go through the backend."""
-        prepared = self._prepared.get(p)
-        if prepared is None or not gradient_fits_prepared(p, grad, accum):
-            return None
-        launch, structure, keys, ids = prepared
-        state = self.state.get(p)
-        if (
-            state is not None
-            and tuple(map(id, state.values())) == ids
-            and tuple(state) == keys
-            and structure == (p.dtype, p.shape, p.device, p.data_ptr(), group_structure)
-        ):
-            return launch
-        return None
-
-    def _group_structure(self, group: dict, hyper: dict) -> tuple:
-        """What a prepared launch was built for from its group and the optimizer: formats, flags, seed."""
-        flags = tuple(v for v in hyper.values() if isinstance(v, bool))
-        formats = (group["state_bits"], group["min_compress_numel"], group["master_weight_bits"], self._slots(group))
-        return formats, flags, self.seed
-
-    def _scratch(self, p: torch.Tensor) -> torch.Tensor:
-        """The kernel's per-parameter scratch words (flags and per-step scalars), kept between updates."""
-        scratch = self._kernel_scratch.get(p)
-        if scratch is None:
-            scratch = self._kernel_scratch[p] = new_scratch(p.device)
-        return scratch
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -487,7 +367,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         releasing = self._release is not None and self._release.attached
         self.flush_updates()  # left by a backward that did not finish
         self.sync_groups()
-        self._new_window()
+        self._dispatch.new_window()
         checked = []  # every update is checked before the first one runs
         for group in self.param_groups:
             for p in group["params"]:
@@ -504,7 +384,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             if releasing:
                 p.grad = None
         self.flush_updates()
-        self._new_window()
+        self._dispatch.new_window()
         if self._release is not None:
             self._release.new_window()
         return loss
@@ -512,7 +392,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch; also drops gradients the optimizer holds for accumulation."""
         super().zero_grad(set_to_none=set_to_none)
-        self._new_window()
+        self._dispatch.new_window()
         if self._release is not None:
             self._release.drop_buffers()
 
@@ -545,10 +425,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.flush_updates()
         self.sync_groups()
         checkpoint.load_state_dict(self, state_dict)
-        self._prepared.clear()  # they hold the replaced state tensors
-        self._new_window()
-        if self._buckets is not None:
-            self._buckets.forget()
+        self._dispatch.forget()  # prepared launches hold the replaced state tensors
+        self._dispatch.new_window()
 
 
 def _state_problem(key: str, value: torch.Tensor | None, dtype: torch.dtype, shape: torch.Size) -> str | None:
@@ -571,3 +449,19 @@ def check_param(p: torch.Tensor) -> None:
         )
     if p.is_sparse:
         raise ValueError("sparse parameters are not supported")
+
+
+def _materialise(params):
+    """``params`` as a list; an exhausted generator (``model.parameters()`` given to an earlier
+    optimizer) is named, where torch would only say the list is empty."""
+    if isinstance(params, torch.Tensor):
+        return params  # torch's own error for a bare tensor
+    is_iterator = iter(params) is params
+    params = list(params)
+    if not params and is_iterator:
+        raise ValueError(
+            "optimizer got an empty parameter list: the iterator or generator given (e.g. model.parameters()) "
+            "yielded nothing; a generator can be iterated only once, so one already used by another optimizer "
+            "is empty. Pass list(model.parameters()) to share parameters between optimizers"
+        )
+    return params

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from . import rng
-from .codecs import MomentCodec
+from .codecs.base import MomentCodec
 from .master import read_master, write_master
 from .rounding import round_stochastic
 
@@ -35,52 +35,9 @@ class ParamUpdate:
     skipped: torch.Tensor  # counter of skipped updates (0-d int64 tensor)
 
 
-# --- the algorithms' fp32 math -------------------------------------------------------------
-# Each takes the fp32 master ``p``, fp32 gradient ``g`` (already negated for maximize), the
-# decoded moments and the new step count (a 0-d tensor), and returns (p, moments).
-
-
-def _fp32(x: float) -> float:
-    return float(torch.tensor(x, dtype=torch.float32))
-
-
-def adamw_math(p, g, moments, step, *, lr, beta1, beta2, eps, weight_decay):
-    """AdamW exactly as ``torch.optim.AdamW`` orders its operations (decoupled decay, eps outside sqrt)."""
-    # Bias corrections in fp64 (torch computes them from a Python step); the step size from lr
-    # rounded to fp32, as the Triton kernel receives it.
-    step = step.double()
-    step_size = (_fp32(lr) / (1 - beta1**step)).float()
-    inv_bias_correction2_sqrt = (1 / (1 - beta2**step).sqrt()).float()
-    m = moments["exp_avg"].lerp(g, 1 - beta1)
-    v = torch.addcmul(moments["exp_avg_sq"] * beta2, g, g, value=1 - beta2)
-    p = p * (1 - lr * weight_decay)
-    # torch's vectorised CPU sqrt is not correctly rounded; the fp64 one is, like the kernel's sqrt_rn
-    denom = v.double().sqrt().float() * inv_bias_correction2_sqrt + eps
-    p = p - (m / denom) * step_size
-    return p, {"exp_avg": m, "exp_avg_sq": v}
-
-
-def sgd_math(p, g, moments, step, *, lr, momentum, dampening, nesterov, weight_decay):
-    """SGD with momentum, dampening and nesterov as ``torch.optim.SGD`` (first step: buffer = gradient)."""
-    # torch.add(..., alpha=) as torch.optim.SGD writes it (the CPU kernel fuses multiply and add)
-    d = torch.add(g, p, alpha=weight_decay) if weight_decay != 0 else g
-    new_moments = {}
-    if momentum != 0:
-        decayed = torch.add(moments["momentum_buffer"] * momentum, d, alpha=1 - dampening)
-        buf = torch.where(step == 1, d, decayed)
-        new_moments["momentum_buffer"] = buf
-        d = torch.add(d, buf, alpha=momentum) if nesterov else buf
-    return torch.add(p, d, alpha=-lr), new_moments
-
-
-def lion_math(p, g, moments, step, *, lr, beta1, beta2, weight_decay):
-    """Lion (Chen et al. 2023): sign of an interpolated momentum, decoupled weight decay."""
-    m = moments["exp_avg"]
-    direction = (m * beta1 + g * (1 - beta1)).sign()
-    p = torch.add(p * (1 - lr * weight_decay), direction, alpha=-lr)
-    return p, {"exp_avg": torch.add(m * beta2, g, alpha=1 - beta2)}
-
-
+# An algorithm's fp32 math (in its own file): takes the fp32 master ``p``, the fp32 gradient ``g``
+# (already negated for maximize), the decoded moments and the new step count (a 0-d tensor) and the
+# hyperparameters as keywords, and returns (p, moments).
 UpdateMath = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 

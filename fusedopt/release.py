@@ -6,7 +6,7 @@ the last ``step()``. Below ``accumulation_steps`` it leaves the gradient to accu
 rounding, so contributions below one ulp survive); on the k-th it runs the same update
 ``step()`` would and sets ``p.grad = None``, so a full set of gradients never exists. Kernel
 updates are held, gradient and all, until ``FUSEDOPT_BUCKET_MB`` MiB of gradients wait, and then
-run as buckets (``buckets.py``); the end of backward runs the rest. A further backward before
+run as buckets (``dispatch.py``); the end of backward runs the rest. A further backward before
 ``step()`` is an error, never a second update.
 
 Streams (``streams.py``): only gradients that autograd made ready on their device's default
@@ -33,7 +33,7 @@ from collections.abc import Iterable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .backend import check_gradient
+from .dispatch import check_gradient
 from .reference import accumulate_low_precision
 from .rounding import LOW_PRECISION
 from .streams import current_stream_of, is_default_stream_current, on_default_stream, ready_on_current_stream
@@ -86,7 +86,7 @@ class GradientRelease:
         self.attached = True
         self._checked_processes = False  # checked again at the first hook: the group may come later
         self._flush_queued = False  # an end-of-backward flush of queued updates is registered
-        self._held: list[tuple] = []  # (param, gradient, its prepared launch) not yet updated
+        self._held: list[tuple] = []  # (param, gradient, its CheckedUpdate) not yet updated
         self._held_bytes = 0
         weakref.finalize(optimizer, GradientRelease._remove_handles, self._handles)
 
@@ -161,17 +161,17 @@ class GradientRelease:
                 f"call optimizer.step() once every {k} backward pass(es)"
             )
         if n == k:  # this backward updates p: everything that could refuse the update is checked first
-            launch = optimizer.check_update(p, grad, self.buffer(p))
+            checked = optimizer.check_update(p, grad, self.buffer(p))
         else:
             check_gradient(p, grad, None, type(optimizer).__name__)
-            launch = None
+            checked = None
         # counted once the gradient is used: a refused one leaves the count as it was
-        self._consume(optimizer, p, grad, n, k, launch)
+        self._consume(optimizer, p, grad, n, k, checked)
         self._counts[key] = n
 
-    def _consume(self, optimizer, p: torch.Tensor, grad: torch.Tensor, n: int, k: int, launch) -> None:
-        """Accumulate (``n < k``), update, or hold the update of ``p``'s checked gradient (``launch``:
-        its prepared launch, from ``check_update``)."""
+    def _consume(self, optimizer, p: torch.Tensor, grad: torch.Tensor, n: int, k: int, checked) -> None:
+        """Accumulate (``n < k``), update, or hold the update of ``p``'s gradient (``checked``: what
+        ``check_update`` returned for it)."""
         # backward runs hooks with grad mode off unless create_graph=True: enter no_grad only then
         with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
             if n < k:
@@ -194,12 +194,12 @@ class GradientRelease:
             ):
                 # the reference, a first step, no bucketing, a parameter launched alone, or a side
                 # stream's gradient (updated now, on that stream)
-                optimizer.update_param(p, grad, accum, launch)
+                optimizer.update_param(p, grad, accum, checked)
                 p.grad = None
                 return
         # A kernel update: hold the gradient and update later, in buckets (fewer launches; the
         # hook itself stays a few microseconds). At most the bucket budget is held.
-        self._held.append((p, grad, launch))
+        self._held.append((p, grad, checked))
         self._held_bytes += grad.numel() * grad.element_size()
         p.grad = None
         if self._held_bytes >= optimizer.bucket_budget:
@@ -216,8 +216,8 @@ class GradientRelease:
             torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext(),
             on_default_stream(held[0][1]),
         ):
-            for p, grad, launch in held:
-                optimizer.queue_update(p, grad, None, launch)
+            for p, grad, checked in held:
+                optimizer.queue_update(p, grad, None, checked)
             optimizer.flush_updates()
 
     def holds_updates(self) -> bool:

@@ -1,9 +1,27 @@
-"""fusedopt.SGD: SGD with momentum, with compressed momentum and gradient release."""
+"""fusedopt.SGD: SGD with momentum, with compressed momentum and gradient release.
+
+The class, its fp32 math (the reference the kernel is held to), its state slot, its kernel
+branch and scalars, and its torch.optim counterpart.
+"""
 
 from __future__ import annotations
 
+import torch
+
 from .optimizer import FusedOptimizer, check_number, check_refused_options
-from .reference import sgd_math
+
+
+def sgd_math(p, g, moments, step, *, lr, momentum, dampening, nesterov, weight_decay):
+    """SGD with momentum, dampening and nesterov as ``torch.optim.SGD`` (first step: buffer = gradient)."""
+    # torch.add(..., alpha=) as torch.optim.SGD writes it (the CPU kernel fuses multiply and add)
+    d = torch.add(g, p, alpha=weight_decay) if weight_decay != 0 else g
+    new_moments = {}
+    if momentum != 0:
+        decayed = torch.add(moments["momentum_buffer"] * momentum, d, alpha=1 - dampening)
+        buf = torch.where(step == 1, d, decayed)
+        new_moments["momentum_buffer"] = buf
+        d = torch.add(d, buf, alpha=momentum) if nesterov else buf
+    return torch.add(p, d, alpha=-lr), new_moments
 
 
 class SGD(FusedOptimizer):
@@ -15,6 +33,10 @@ class SGD(FusedOptimizer):
 
     algorithm = "sgd"
     math = staticmethod(sgd_math)
+    slots = ("momentum_buffer",)
+    kernel_id = 1  # the ALGO == 1 branch of kernels/update.py
+    torch_group_keys = dict(foreach=None, differentiable=False, fused=None)
+    torch_saves_step = False  # torch.optim.SGD keeps only the momentum buffer
 
     def __init__(
         self,
@@ -29,6 +51,7 @@ class SGD(FusedOptimizer):
         foreach: bool | None = None,
         differentiable: bool = False,
         state_bits: int = 8,
+        state_format: str | None = None,
         master_weight_bits: int | None = 24,
         min_compress_numel: int = 4096,
         seed: int = 0,
@@ -43,13 +66,16 @@ class SGD(FusedOptimizer):
             nesterov=nesterov,
             weight_decay=weight_decay,
             maximize=maximize,
+        )
+        defaults.update(
             state_bits=state_bits,
+            state_format=state_format,
             master_weight_bits=master_weight_bits,
             min_compress_numel=min_compress_numel,
         )
         super().__init__(params, defaults, fused=fused, accumulation_steps=accumulation_steps, seed=seed)
 
-    def _check_hyperparameters(self, group):
+    def check_hyperparameters(self, group):
         check_number("learning rate", group["lr"])
         check_number("momentum value", group["momentum"])
         check_number("dampening value", group["dampening"])
@@ -59,8 +85,18 @@ class SGD(FusedOptimizer):
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 
-    def _slots(self, group):
-        return ("momentum_buffer",) if group["momentum"] != 0 else ()
+    def state_slots(self, group):
+        return self.slots if group["momentum"] != 0 else ()
 
-    def _hyper(self, group):
+    def hyper(self, group):
         return {k: group[k] for k in ("lr", "momentum", "dampening", "nesterov", "weight_decay", "maximize")}
+
+    @staticmethod
+    def kernel_scalars(hyper):
+        # the kernel's beta1 carries the momentum, lerp_weight 1 - dampening
+        return dict(
+            lr=hyper["lr"],
+            beta1=hyper["momentum"],
+            weight_decay=hyper["weight_decay"],
+            lerp_weight=1 - hyper["dampening"],
+        )

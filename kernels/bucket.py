@@ -31,7 +31,6 @@ from fusedopt.kernels.update import (
     PreparedUpdate,
     _check_config,
     bucket_config,
-    scalar_args,
 )
 from fusedopt.streams import on_default_stream
 
@@ -100,10 +99,10 @@ class PreparedBucket:
         self.step, self.scratch, self.skipped = first.step, first.scratch, first.skipped
         self.ints = first.ints  # the first member's sizes and keys (unused: the table has them)
         self.update_config = bucket_config(first.configs[False])
-        self.check_config = _check_config(False, self.algo == 0, True)
+        self.check_config = _check_config(False, first.bias_corrections, True)
         self.launches: dict = {}  # resolved direct launches (launch_remembered)
 
-    def launch(self, grads: list[torch.Tensor], hyper: dict) -> None:
+    def launch(self, grads: list[torch.Tensor], scalars: tuple[tuple, tuple]) -> None:
         """Update every member from its gradient (``grads[i]`` for member i; same dtype, contiguous,
         16-byte aligned: ``gradient_bucketable``)."""
         if len(grads) != len(self.members):
@@ -113,7 +112,7 @@ class PreparedBucket:
         deltas = list(NO_GRAD_DELTAS)
         for i, g in enumerate(grads):
             deltas[i] = (g.data_ptr() - address) // size + GRAD_DELTA_BIAS
-        args, check_args = scalar_args(self.algo, hyper)
+        args, check_args = scalars
         # nothing in the launch keys varies (the gradients' dtype and alignment are the members'):
         # one resolved direct launch each
         launch_remembered(

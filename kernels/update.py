@@ -27,18 +27,19 @@ a kernel several times. Block sizes and warps are fixed here.
 import functools
 import math
 import struct
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from fusedopt.codecs.base import NO_MOMENT, KernelFormat
 from fusedopt.kernels.hashing import step_hash, tile_bits
 from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig, launch_remembered
 from fusedopt.kernels.master import load_master, store_master
 from fusedopt.kernels.moments import commit_mask, load_moment, store_moment, tile_offsets
 
-ALGORITHMS = {"adamw": 0, "sgd": 1, "lion": 2}
+# The algorithm branches of _update_kernel (ALGO): an algorithm's file names its branch as kernel_id.
+KERNEL_IDS = {0: "AdamW", 1: "SGD", 2: "Lion"}
 # Elements per update program (a multiple of every quantisation block) and warps: 16 elements per
 # thread. Against 8 (1024 / 4 warps, the default until 2026-11-30) each thread's fixed work (hash
 # row keys, scalars, scale handling) spreads over twice the elements: 116 instead of 134 SASS
@@ -74,28 +75,6 @@ _BUCKET_ROWS = tl.constexpr(BUCKET_TENSORS)
 _TABLE_COLS = tl.constexpr(TABLE_COLS)
 NO_GRAD_DELTAS = (GRAD_DELTA_BIAS,) * BUCKET_TENSORS  # a single-parameter launch
 _GRAD_DELTA_BIAS = tl.constexpr(GRAD_DELTA_BIAS)
-
-
-@dataclass(frozen=True, eq=False)
-class MomentFormat:
-    """How one moment is stored, as the kernel needs it (built from a fusedopt codec).
-
-    Compared and hashed by identity (``eq=False``): the backend builds one per codec and the
-    launch caches key on it, so hashing must not walk the fields on every launch.
-    """
-
-    fmt: int  # 0 none, 32 fp32, 16 bf16, 8 / 4 block codes
-    signed: bool = True
-    power: int = 1  # levels q**power; negative: minifloat levels with -power mantissa bits
-    qmax: int = 0
-    k: int = 0
-    min_exponent: int = 0
-    threshold: int = 0
-    top: int = 0
-    block: int = 32
-
-
-NO_MOMENT = MomentFormat(0)
 
 
 @triton.jit
@@ -476,7 +455,7 @@ def _split_log2(name: str, beta: float) -> dict:
 
 
 @functools.lru_cache(maxsize=256)
-def _moment_args(prefix: str, fmt: MomentFormat) -> dict:
+def _moment_args(prefix: str, fmt: KernelFormat) -> dict:
     return {
         f"{prefix}_FMT": fmt.fmt,
         f"{prefix}_SIGNED": fmt.signed,
@@ -490,30 +469,33 @@ def _moment_args(prefix: str, fmt: MomentFormat) -> dict:
 
 
 def launch_update(
-    algorithm: str,
+    kernel_id: int,
+    bias_corrections: bool,
     param: torch.Tensor,
     grad: torch.Tensor,
     accum: torch.Tensor | None,
     correction: torch.Tensor | None,
-    moments: list[tuple[MomentFormat, torch.Tensor | None, torch.Tensor | None]],
+    moments: list[tuple[KernelFormat, torch.Tensor | None, torch.Tensor | None]],
     step: torch.Tensor,
     scratch: torch.Tensor,
     skipped: torch.Tensor,
     keys: tuple[int, int],
     param_own_draw: bool,
-    hyper: dict,
+    flags: tuple[bool, bool],
+    scalars: tuple[tuple, tuple],
 ) -> "PreparedUpdate":
     """Update one parameter in place. ``moments``: up to two (format, values, scales); ``keys``:
-    host keys of the shared and the parameter's own random word (``fusedopt.rng``).
+    host keys of the shared and the parameter's own random word (``fusedopt.rng``); ``flags``:
+    (maximize, nesterov); ``scalars``: ``pack_scalars`` of the algorithm's ``kernel_scalars``.
 
     The caller guarantees contiguous tensors on one device and supported formats
-    (``fusedopt.backend`` checks); this only launches. Returns the parameter's
+    (``fusedopt.dispatch`` checks); this only launches. Returns the parameter's
     :class:`PreparedUpdate`, which launches the next steps' updates with less host work.
     """
     prepared = PreparedUpdate(
-        algorithm, param, correction, moments, step, scratch, skipped, keys, param_own_draw, hyper
+        kernel_id, bias_corrections, param, correction, moments, step, scratch, skipped, keys, param_own_draw, flags
     )
-    prepared.launch(grad, accum, hyper)
+    prepared.launch(grad, accum, scalars)
     return prepared
 
 
@@ -526,10 +508,26 @@ class PreparedUpdate:
     gradient, the accumulated gradient and the runtime scalars (lr, betas, ...) are new.
     """
 
-    def __init__(self, algorithm, param, correction, moments, step, scratch, skipped, keys, param_own_draw, hyper):
+    def __init__(
+        self,
+        kernel_id,
+        bias_corrections,
+        param,
+        correction,
+        moments,
+        step,
+        scratch,
+        skipped,
+        keys,
+        param_own_draw,
+        flags,
+    ):
+        if kernel_id not in KERNEL_IDS:
+            raise ValueError(f"the fused kernel has no branch for kernel_id {kernel_id!r}")
         n = param.numel()
         (m_fmt, m_val, m_scales), (v_fmt, v_val, v_scales) = (moments + [(NO_MOMENT, None, None)] * 2)[:2]
-        self.algo = algo = ALGORITHMS[algorithm]
+        self.algo = algo = kernel_id
+        self.bias_corrections = bias_corrections
         self.n = n
         self.dummy = dummy = param  # unused pointer arguments (their constexpr switches are off)
         self.scratch, self.step, self.skipped = scratch, step, skipped
@@ -537,7 +535,6 @@ class PreparedUpdate:
         self.check_programs = -(-max(n, 1) // (CHECK_TILE * CHECK_TILES))
         self.programs = -(-n // BLOCK)
         corr_bits = 0 if correction is None else (16 if correction.dtype == torch.int16 else 8)
-        flags = bool(hyper.get("maximize", False)), bool(hyper.get("nesterov", False))
         self.configs = [  # [has_accum]
             _update_config(
                 algo,
@@ -572,8 +569,8 @@ class PreparedUpdate:
         self.check_launches: dict = {}  # resolved direct launches by gradient variant (launch_remembered)
         self.update_launches: dict = {}
 
-    def launch(self, grad: torch.Tensor, accum: torch.Tensor | None, hyper: dict) -> None:
-        args, check_args = scalar_args(self.algo, hyper)
+    def launch(self, grad: torch.Tensor, accum: torch.Tensor | None, scalars: tuple[tuple, tuple]) -> None:
+        args, check_args = scalars
         has_accum = accum is not None
         # all the launch key can vary in from step to step: the gradients' dtypes and alignment
         variant = (grad.dtype, not grad.data_ptr() & 15)
@@ -585,7 +582,7 @@ class PreparedUpdate:
             variant,
             self.check_programs,
             (grad, accum if has_accum else grad, *self.check_tensors, self.n, *NO_GRAD_DELTAS, *check_args),
-            _check_config(has_accum, self.algo == 0, False),
+            _check_config(has_accum, self.bias_corrections, False),
         )
         if self.n == 0:
             return
@@ -595,34 +592,23 @@ class PreparedUpdate:
         )
 
 
-def scalar_args(algo: int, hyper: dict) -> tuple[tuple, tuple]:
-    """The runtime scalars of the update and of the check kernel from a group's hyperparameters."""
-    get = hyper.get
-    return _scalar_args(
-        algo, hyper["lr"], get("beta1", 0.0), get("beta2", 0.0), get("eps", 0.0), hyper["weight_decay"],
-        get("momentum", 0.0), get("dampening", 0.0),
-    )  # fmt: skip
+UPDATE_SCALARS = ("lr", "beta1", "beta2", "eps", "decay", "weight_decay", "lerp_weight", "one_minus_beta2")
+_UPDATE_DEFAULTS = dict(
+    beta1=0.0, beta2=0.0, eps=0.0, decay=1.0, weight_decay=0.0, lerp_weight=0.0, one_minus_beta2=0.0
+)
 
 
-@functools.lru_cache(maxsize=256)
-def _scalar_args(algo, lr, beta1, beta2, eps, weight_decay, momentum, dampening) -> tuple[tuple, tuple]:
-    """The runtime scalars of the update and of the check kernel for one group's hyperparameters,
-    in signature order (cached: one computation per step and group, not per parameter). All
-    floats: a Python int would be typed int32 by Triton."""
-    args = dict(lr=lr, beta1=0.0, beta2=0.0, eps=0.0, decay=1.0, weight_decay=0.0, lerp_weight=0.0)
-    args.update(one_minus_beta2=0.0)
-    check = dict(lr=lr, **_split_log2("log2_beta1", 0.5), **_split_log2("log2_beta2", 0.5))
-    if algo == 1:  # SGD: beta1 carries the momentum, lerp_weight 1 - dampening
-        args.update(beta1=momentum, weight_decay=weight_decay, lerp_weight=1 - dampening)
-    else:
-        args.update(beta1=beta1, beta2=beta2, decay=1 - lr * weight_decay)
-        args.update(lerp_weight=1 - beta1, one_minus_beta2=1 - beta2)
-        if algo == 0:
-            args.update(eps=eps)
-            check.update(**_split_log2("log2_beta1", beta1), **_split_log2("log2_beta2", beta2))
-    order = ("lr", "beta1", "beta2", "eps", "decay", "weight_decay", "lerp_weight", "one_minus_beta2")
-    check_order = ("lr", "log2_beta1_hi", "log2_beta1_lo", "log2_beta2_hi", "log2_beta2_lo")
-    return tuple(float(args[name]) for name in order), tuple(float(check[name]) for name in check_order)
+def pack_scalars(named: dict) -> tuple[tuple, tuple]:
+    """The runtime scalars of the update and of the check kernel, in signature order, from an
+    algorithm's ``kernel_scalars`` (names of ``UPDATE_SCALARS``, missing ones at their neutral value,
+    and ``bias_correction_betas`` for the check kernel). All floats: a Python int would be typed int32."""
+    unknown = set(named) - set(UPDATE_SCALARS) - {"bias_correction_betas"}
+    if unknown:
+        raise ValueError(f"kernel scalars the fused kernel does not take: {sorted(unknown)}")
+    values = {**_UPDATE_DEFAULTS, **named}
+    beta1, beta2 = named.get("bias_correction_betas", (0.5, 0.5))  # 0.5: any valid value, unused
+    check = (named["lr"], *_split_log2("log2_beta1", beta1).values(), *_split_log2("log2_beta2", beta2).values())
+    return tuple(float(values[name]) for name in UPDATE_SCALARS), tuple(float(x) for x in check)
 
 
 @functools.lru_cache(maxsize=8)

@@ -1,4 +1,4 @@
-"""Bucketed kernel updates (fusedopt/buckets.py, kernels/bucket.py): several parameters' updates
+"""Bucketed kernel updates (fusedopt/dispatch.py, kernels/bucket.py): several parameters' updates
 in one launch pair give bit-for-bit the results of one launch pair per parameter.
 
 Runs the kernel through the public API: Triton's interpreter on the CPU, the compiled kernel on a
@@ -52,8 +52,8 @@ def _train(
                 p.grad = g.to(device, dtype)
         opt.step()
         opt.zero_grad()
-    if built is not None and opt._buckets is not None:
-        built.extend(len(b.members) for b in opt._buckets._built.values())
+    if built is not None:
+        built.extend(len(b.members) for b in opt._dispatch._built.values())
     return [p.detach().cpu() for p in params], [{k: v.cpu() for k, v in opt.state[p].items()} for p in params], opt
 
 
@@ -81,7 +81,7 @@ def test_buckets_are_bit_identical_to_one_launch_per_parameter(monkeypatch, devi
     built = []
     alone = _train(monkeypatch, device, 0, opt_cls, kwargs, dtype, fused)
     together = _train(monkeypatch, device, 64, opt_cls, kwargs, dtype, fused, built=built)
-    assert alone[2]._buckets is None
+    assert alone[2].bucket_budget == 0
     assert built and max(built) >= 3  # the three sizes that are multiples of 16 went in one bucket
     _assert_identical(alone, together)
 
@@ -170,7 +170,7 @@ def test_a_non_finite_gradient_in_a_bucket_skips_only_its_parameter(monkeypatch,
     for p, g in zip(params, second):
         p.grad = g.to(device, torch.bfloat16)
     opt.step()
-    assert [len(b.members) for b in opt._buckets._built.values()] == [3]
+    assert [len(b.members) for b in opt._dispatch._built.values()] == [3]
     assert not torch.equal(params[0], before[0][0])
     assert float(opt.state[params[0]]["step"]) == 2
     for i in (1, 2):
@@ -199,7 +199,7 @@ def test_release_holds_less_than_the_budget(monkeypatch, device):
         opt.step()
     assert max(held) > 0  # gradients were held for a bucket
     assert max(held) < budget_mb * 2**20
-    assert sorted({len(b.members) for b in opt._buckets._built.values()}) == [3]
+    assert sorted({len(b.members) for b in opt._dispatch._built.values()}) == [3]
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -255,7 +255,7 @@ def test_misaligned_gradient_is_launched_alone(monkeypatch, device):
                 assert p.grad.data_ptr() % bucket.ALIGN != 0
             opt.step()
         if mb:
-            assert not opt._buckets._built  # nothing went in a bucket
+            assert not opt._dispatch._built  # nothing went in a bucket
         states = [{k: v.cpu() for k, v in opt.state[p].items()} for p in params]
         results.append(([p.detach().cpu() for p in params], states))
     _assert_identical(*results)
@@ -327,7 +327,7 @@ def test_release_with_accumulation_and_two_groups(monkeypatch, device, dtype):
             assert all(p.grad is None for p in params)
             opt.step()
         if mb:  # fp32 gradients were held and bucketed (one bucket per group); bf16 ones went alone
-            assert sorted(len(b.members) for b in opt._buckets._built.values()) == (
+            assert sorted(len(b.members) for b in opt._dispatch._built.values()) == (
                 [2, 2] if dtype == torch.float32 else []
             )
         states = [{k: v.cpu() for k, v in opt.state[p].items()} for p in params]

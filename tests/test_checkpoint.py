@@ -333,7 +333,7 @@ def test_format_one_checkpoint_with_square_level_codes_is_converted_not_misread(
     """Checkpoint format 1 stored 8-bit moments on q**2 levels, in the same layout as today's
     minifloat codes: copying them would silently change every moment. They are decoded with the
     old levels and re-encoded (a lossy-conversion warning), so the moments survive."""
-    from fusedopt.codec_blockwise import BLOCK, LEGACY_LEVELS, BlockCodec, block_codec
+    from fusedopt.codecs.blockwise import block_codec
 
     gen = torch.Generator().manual_seed(3)
     w = torch.nn.Parameter(torch.randn(40, 50, generator=gen))
@@ -343,13 +343,13 @@ def test_format_one_checkpoint_with_square_level_codes_is_converted_not_misread(
         opt.step()
     saved = copy.deepcopy(opt.state_dict())
     saved["fusedopt"]["format"] = 1
+    del saved["fusedopt"]["codecs"]  # format 1 did not record codec names
     entry = saved["state"][0]
     moments = {}
     for slot, signed in (("exp_avg", True), ("exp_avg_sq", False)):
-        current = block_codec(8, signed, w.shape)
+        current = block_codec("block8", signed, w.shape)
         moments[slot] = current.decode({s: entry[slot + s] for s in current.suffixes})
-        legacy = BlockCodec(8, signed, LEGACY_LEVELS[1][8, signed], BLOCK, w.shape)
-        assert block_codec(8, signed, w.shape, 1).levels is legacy.levels
+        legacy = block_codec("block8-square", signed, w.shape)
         draw = torch.randint(0, 2**32, w.shape, generator=gen, dtype=torch.int64)
         old = legacy.encode(moments[slot], lambda d=draw: d)
         entry.update({slot + s: t for s, t in old.items()})
@@ -362,9 +362,9 @@ def test_format_one_checkpoint_with_square_level_codes_is_converted_not_misread(
         fresh.load_state_dict(saved)
     (p,) = fresh.param_groups[0]["params"]
     for slot, signed in (("exp_avg", True), ("exp_avg_sq", False)):
-        codec = block_codec(8, signed, w.shape)
+        codec = block_codec("block8", signed, w.shape)
         loaded = codec.decode({s: fresh.state[p][slot + s] for s in codec.suffixes})
         # two requantisations (to q**2, back to minifloat), each within 2 gaps / top of a block's absmax
         err = (loaded - moments[slot]).reshape(-1, 40).abs().amax(1) / moments[slot].reshape(-1, 40).abs().amax(1)
         assert err.max() < 2 * 0.066, (slot, err.max().item())
-    assert fresh.state_dict()["fusedopt"]["format"] == 2
+    assert fresh.state_dict()["fusedopt"]["format"] == 3

@@ -1,7 +1,7 @@
 """Block-quantized moments (state_bits=8 and 4): layout, round-trip bounds, small magnitudes,
 EMA tracking under stochastic rounding, no NaN/Inf, checkpoints and the memory budget.
 
-The format (``fusedopt/codec_blockwise.py``): blocks of 16 elements, one E8M0 exponent byte
+The format (``fusedopt/codecs/blockwise.py``): blocks of 16 elements, one E8M0 exponent byte
 per block, codes ``q`` with levels ``L(q) * 2**(e - k)`` (sign-magnitude for signed moments;
 L: shifted minifloat levels at 8 bits, q**2 at 4), stochastic rounding between the two levels
 that bracket the value. The tests take the level map from the codec (``level_table``).
@@ -14,8 +14,8 @@ import torch
 
 import fusedopt
 from fusedopt import rng
-from fusedopt.codec_blockwise import BLOCK, BlockCodec
 from fusedopt.codecs import FP32, codec_for
+from fusedopt.codecs.blockwise import BLOCK, BlockCodec
 
 SHAPE = torch.Size([67, 61])  # 4087 elements: not a multiple of the block, odd for 4-bit pairs
 FORMATS = [(8, True), (8, False), (4, True), (4, False)]
@@ -429,7 +429,7 @@ def test_state_bytes_per_element_for_a_large_adamw_parameter():
 
 
 def test_eight_bit_levels_are_the_documented_shifted_minifloat():
-    """L(q) = (16 + q mod 16) * 2**(q >> 4) - 16 (codec_blockwise's docstring), and a value
+    """L(q) = (16 + q mod 16) * 2**(q >> 4) - 16 (blockwise.py's docstring), and a value
     exactly on a level, or halfway between two, encodes as the docstring says."""
     for signed, qmax, top in ((True, 127, 3952), (False, 255, 1015792)):
         c = codec(8, signed)

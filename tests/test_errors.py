@@ -157,7 +157,7 @@ def test_changing_state_bits_of_a_live_group_is_refused():
     opt.step()
     opt.param_groups[0]["state_bits"] = 32
     before = w.clone()
-    with pytest.raises(ValueError, match="has no 'exp_avg'.*group's state_bits, min_compress_numel"):
+    with pytest.raises(ValueError, match="has no 'exp_avg'.*group's state_bits, state_format, min_compress_numel"):
         opt.step()
     assert torch.equal(w, before)
     # the supported way: through a checkpoint, which converts (8-bit codes decode exactly to fp32)

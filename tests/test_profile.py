@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fusedopt
-from fusedopt.buckets import bucket_budget
+from fusedopt.dispatch import bucket_budget
 from fusedopt.profile import MemoryTracker, OptimizerConfig, main, parse_config, plan
 from fusedopt.profiler_cli import _parse_gib
 from fusedopt.profiler_memory import CATEGORIES, cpu_allocator_trace

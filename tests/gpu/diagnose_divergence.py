@@ -36,7 +36,7 @@ def run(opt_cls, dtype, kwargs, steps=12, shape=(257, 1031)):
         diffs = {"param": (wc.detach() != wg.detach().cpu()).double().mean().item()}
         for k, v in oc.state[wc].items():
             diffs[k] = (v != og.state[wg][k].cpu()).double().mean().item()
-        scratch = next(iter(og._kernel_scratch.values())).cpu()
+        scratch = next(iter(og._dispatch._scratch.values())).cpu()
         words = scratch[3:5].view(torch.float32).tolist()
         step = oc.state[wc]["step"].double()
         beta1, beta2 = 0.9, 0.999

@@ -34,10 +34,9 @@ Format of one moment tensor of ``n`` elements, taken flattened in row-major orde
 
 AdamW keeps 2.125 bytes per element for both moments at 8 bits, 1.125 at 4 bits.
 ``docs/codecs.md`` gives the measurements behind these choices (against linear levels,
-cube-root and minifloat levels, fp32 scales, blocks of 8 to 128). Until 2026-11-30 (fifth
-sitting) 8 bits used square levels too; the shifted minifloat tracks the moments as well
-(docs/codecs.md) and its kernel encode costs about 15 fewer instructions per element and
-moment, the largest share of the fused step's time (benchmarks/RESULTS.md).
+cube-root and minifloat levels, fp32 scales, blocks of 8 to 128). Checkpoints of format 1 stored
+8-bit moments on square levels (the codec ``block8-square``); the shifted minifloat tracks the
+moments as well and its kernel encode is cheaper (benchmarks/RESULTS.md).
 
 Encode, element by element (what the Triton kernel repeats in registers):
 
@@ -77,7 +76,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .codecs import BitsFn, MomentCodec
+from .base import BitsFn, KernelFormat, MomentCodec
 
 BLOCK = 16
 _SCALE_BIAS = 127
@@ -178,7 +177,7 @@ class BlockCodec(MomentCodec):
 
     suffixes = (".codes", ".scales")
 
-    def __init__(self, bits: int, signed: bool, levels, block: int, shape: torch.Size):
+    def __init__(self, bits: int, signed: bool, levels, block: int, shape: torch.Size, name: str = ""):
         if bits not in (8, 4) or levels.qmax != (1 << (bits - signed)) - 1 or block < 2 or block & (block - 1):
             raise ValueError(f"unsupported block format: bits={bits}, signed={signed}, {levels!r}, block={block}")
         self.state_bits = bits
@@ -191,6 +190,28 @@ class BlockCodec(MomentCodec):
         # e = E(absmax) + 1 covers the block iff the absmax mantissa 1.f <= 2 * top / 2**k.
         self.mantissa_threshold = ((self.top << 24) >> self.k) - (1 << 23)
         self.min_exponent = self.k - 126
+        self.name = name or f"block{bits}-{levels!r}-{block}"
+        self.kernel_format = self._kernel_format()
+
+    def _kernel_format(self) -> KernelFormat | None:
+        """The kernel's switches for these levels and E8M0 scales (None: the kernel lacks the levels)."""
+        if type(self.levels) is PowerLevels and self.levels.power in (1, 2):
+            power = self.levels.power
+        elif type(self.levels) is MinifloatLevels:
+            power = -self.levels.mantissa_bits
+        else:
+            return None
+        return KernelFormat(
+            self.state_bits,
+            signed=self.signed,
+            power=power,
+            qmax=self.qmax,
+            k=self.k,
+            min_exponent=self.min_exponent,
+            threshold=self.mantissa_threshold,
+            top=self.top,
+            block=self.block,
+        )
 
     # --- layout ------------------------------------------------------------------------------
 
@@ -279,27 +300,17 @@ class BlockCodec(MomentCodec):
         return f"BlockCodec(bits={self.state_bits}, {kind}, levels={self.levels!r}, block={self.block})"
 
 
-# The chosen level maps: (bits, signed) -> levels (see the module docstring and docs/codecs.md).
-LEVELS = {
-    (8, True): MinifloatLevels(127, 4),
-    (8, False): MinifloatLevels(255, 4),
-    (4, True): PowerLevels(7, 2),
-    (4, False): PowerLevels(15, 2),
+# The formats by checkpoint name: (bits, levels of a signed moment, of a nonnegative one). A name
+# keeps its meaning forever; a new level map gets a new name.
+FORMATS = {
+    "block8": (8, MinifloatLevels(127, 4), MinifloatLevels(255, 4)),
+    "block4": (4, PowerLevels(7, 2), PowerLevels(15, 2)),
+    "block8-square": (8, PowerLevels(127, 2), PowerLevels(255, 2)),  # checkpoints of format 1
 }
 
 
-# Level maps of earlier checkpoint formats (fusedopt.checkpoint.FORMAT), where they differ:
-# format 1 stored 8-bit moments on square levels.
-LEGACY_LEVELS = {1: {(8, True): PowerLevels(127, 2), (8, False): PowerLevels(255, 2)}}
-
-
 @functools.cache
-def block_codec(bits: int, signed: bool, shape: torch.Size, checkpoint_format: int | None = None) -> BlockCodec:
-    """The shared codec of a ``bits``-bit moment of ``shape`` (signed: m, momentum; else v); with
-    ``checkpoint_format``, the one that wrote such a moment in a checkpoint of that format."""
-    levels = LEVELS[bits, signed]
-    for old_format in sorted(LEGACY_LEVELS):
-        if checkpoint_format is not None and checkpoint_format <= old_format:
-            levels = LEGACY_LEVELS[old_format].get((bits, signed), levels)
-            break
-    return BlockCodec(bits, signed, levels, BLOCK, shape)
+def block_codec(name: str, signed: bool, shape: torch.Size) -> BlockCodec:
+    """The shared codec of the format ``name`` for a moment of ``shape`` (signed: m, momentum; else v)."""
+    bits, signed_levels, unsigned_levels = FORMATS[name]
+    return BlockCodec(bits, signed, signed_levels if signed else unsigned_levels, BLOCK, shape, name)
