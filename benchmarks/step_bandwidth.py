@@ -7,12 +7,12 @@ For each configuration: median time of a full ``opt.step()`` over 8 tensors of 8
 against a device-to-device copy measured in the same process (bytes read + written).
 Also: host time per parameter of a step over many tiny parameters (launch overhead).
 
-Byte models per element (read + write). DESIGN.md section 4 (the issue's model): gradient 2,
+Byte models per element (read + write). The basic byte model: gradient 2,
 parameter 2 + 2, correction 1 + 1 (int8) or 2 + 2 (int16), each 8-bit moment 1 + 1 and each 4-bit
 moment 0.5 + 0.5, block scales (1 byte per 16 elements and moment) read + written: 12.25 B for the
 default. "with check": the same plus the finite check's second read of the gradient (+2 B), which
-the semantics of DESIGN.md section 2 require (a parameter with any non-finite gradient element is
-left untouched, so the whole gradient is read before the first write). Under the DESIGN model a
+the non-finite rule requires (a parameter with any non-finite gradient element is
+left untouched, so the whole gradient is read before the first write). Under the basic model a
 step that moved every byte at copy speed, check included, would reach 12.25 / 14.25 = 86% of copy.
 """
 
@@ -68,7 +68,7 @@ def copy_bandwidth() -> float:
 
 
 def fusedopt_bytes(state_bits: int, master_weight_bits, check_read: bool = True) -> float:
-    """Bytes per element of a step; ``check_read=False``: DESIGN.md section 4's model."""
+    """Bytes per element of a step; ``check_read=False``: the basic byte model."""
     return _fusedopt_bytes(state_bits, master_weight_bits) + (2 if check_read else 0)
 
 
@@ -198,8 +198,8 @@ def main(argv=None) -> int:
     overhead = host_overhead_us()
     print(f"copy bandwidth {copy_gbps:.0f} GB/s; host time per parameter {overhead['host_us_per_param']:.1f} us")
     print(
-        "\n| configuration | ms / step | bytes/elem: DESIGN, with check | GB/s (with check) "
-        "| % of copy: DESIGN model | % of copy: with check |\n|---|---|---|---|---|---|"
+        "\n| configuration | ms / step | bytes/elem: basic, with check | GB/s (with check) "
+        "| % of copy: basic model | % of copy: with check |\n|---|---|---|---|---|---|"
     )
     for r in results:
         r["fraction_of_copy"] = r["GBps"] / copy_gbps

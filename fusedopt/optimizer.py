@@ -304,8 +304,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         checked: CheckedUpdate | None = None,
     ) -> None:
         """Apply one optimizer update to ``p`` from ``grad`` (+ an accumulated buffer) now; ``checked``:
-        what ``check_update`` returned for it (None: it is checked here)."""
+        what ``check_update`` returned for it (None: it is checked here, outside any step, against the
+        group and ``FUSEDOPT_BACKEND`` as they are now)."""
         if checked is None:
+            self._dispatch.new_window()
             checked = self.check_update(p, grad, accum)
         self._dispatch.update(p, grad, accum, checked)
 

@@ -4,7 +4,7 @@ PyTorch's CUDA caching allocator serves a request of 10 MiB or more from a segme
 to 2 MiB, and splits the tail off for other tensors only when more than 1 MiB remains. So an
 11 MiB one-byte tensor (the moment codes of a 2048 x 5632 matrix) holds a 12 MiB block: on the
 1.1B Llama shape the two moments' codes and the int8 correction of the 66 MLP matrices held
-~0.19 GiB that no tensor used (benchmarks/RESULTS.md, 2026-11-30). As views of one buffer,
+a measurable share of memory that no tensor used (benchmarks/RESULTS.md). As views of one buffer,
 a parameter's moment codes and block scales (all uint8) are one request and lose one tail at
 most. Only tensors of the same dtype share a buffer: ``torch.save`` refuses views of one
 storage with different dtypes. So the int8 (or int16) master-weight corrections of all trainable

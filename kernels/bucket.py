@@ -1,7 +1,7 @@
 """One launch pair (finite check, update) for several parameters of one configuration.
 
-A parameter's update costs two kernel launches of host time (~50-100 us on the H200 host),
-which gradient release pays inside backward. A bucket launches both kernels once for up to
+A parameter's update costs two kernel launches of host time, which gradient release pays
+inside backward. A bucket launches both kernels once for up to
 ``BUCKET_TENSORS`` parameters from a table of one row per member (``update.py``'s ``BUCKET``
 branch): every program finds its member from the rows' first-program columns, and the member's
 pointers as the first member's plus the deltas of its row. The table (2 KiB) depends only on
@@ -35,13 +35,10 @@ from fusedopt.kernels.update import (
 from fusedopt.streams import on_default_stream
 
 ALIGN = 16  # bytes: the alignment the kernel's vector accesses assume for every member tensor
-# A bucketed update is slower per element: on the H200 the update kernel over 8 tensors of 1.34e8
-# elements took 4.83 ms bucketed against 4.50 ms launched per tensor (7% more; ninth sitting,
-# benchmarks/step_ab.py --kernels). A bucket program reads the table before its loads can start;
-# finding the member from launch arguments instead (one table read fewer) did not help (tenth
-# sitting, benchmarks/RESULTS.md), so the cause is not pinned down. A bucket saves host time, a
-# launch pair (~25-50 us) per member, which only pays while the member's own GPU time is shorter:
-# from 2**24 elements (~70 us of update on the H200) a parameter launches alone.
+# A bucketed update is slower per element than one launched alone (benchmarks/step_ab.py --kernels;
+# the cause is not pinned down, benchmarks/RESULTS.md). A bucket saves host time, a launch pair
+# per member, which only pays while the member's own GPU time is shorter: from 2**24 elements a
+# parameter launches alone.
 MAX_MEMBER_NUMEL = 1 << 24
 
 assert int(_GRAD_DELTA_BIAS) == GRAD_DELTA_BIAS

@@ -1,8 +1,8 @@
 """Launch a Triton kernel's compiled binary directly once Triton has compiled it.
 
-``kernel[grid](...)`` binds and specialises every argument on every call: on the H200 host
-that cost ~37 us per launch for our kernels' ~45 arguments, and one parameter's update is
-two launches, most of the host time per parameter (benchmarks/launch_overhead.py). A
+``kernel[grid](...)`` binds and specialises every argument on every call: for our kernels'
+~45 arguments that is most of the host time of a parameter's update, which is two launches
+(benchmarks/launch_overhead.py, figures in benchmarks/RESULTS.md). A
 :class:`DirectLauncher` sends the first launch of each specialisation through Triton (which
 compiles or finds the binary) and later ones straight to the compiled kernel's launcher.
 

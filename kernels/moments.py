@@ -26,7 +26,7 @@ def _pow2(e):
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
 
 
-# Conversions (int <-> float, floor) issue at an eighth of the fp32 rate on the H100/H200, as
+# Conversions (int <-> float, floor) issue at a fraction of the fp32 rate on recent GPUs, as
 # MUFU does; with four per element and moment they bounded the kernel. Exact bit tricks on
 # the fp32 pipe replace them: 1.5 * 2**23 + x rounds x to an integer kept in the low
 # mantissa bits (|x| < 2**22), and an integer below 2**23 or-ed into 2**23's pattern is

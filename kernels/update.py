@@ -41,13 +41,9 @@ from fusedopt.kernels.moments import commit_mask, load_moment, store_moment, til
 # The algorithm branches of _update_kernel (ALGO): an algorithm's file names its branch as kernel_id.
 KERNEL_IDS = {0: "AdamW", 1: "SGD", 2: "Lion"}
 # Elements per update program (a multiple of every quantisation block) and warps: 16 elements per
-# thread. Against 8 (1024 / 4 warps, the default until 2026-11-30) each thread's fixed work (hash
-# row keys, scalars, scale handling) spreads over twice the elements: 116 instead of 134 SASS
-# instructions per element, at 111 registers. On the H200, in interleaved rounds
-# (benchmarks/step_ab.py): in bucketed launches, whose programs each look up their member first,
-# 2048 / 4 warps ran 2.1-2.3% faster than 1024 / 4, and 1024 / 2 warps (the same code per thread,
-# in programs of 64 threads) 0.4-1.1% faster still; launched alone, 1024 / 2 and 1024 / 4 are
-# within 1.5% either way and 2048 / 4 is about 1% slower. 4096 / 8 was slower.
+# thread, so each thread's fixed work (hash row keys, scalars, scale handling) spreads over more
+# elements; chosen by A/B runs of benchmarks/step_ab.py against other tiles and warp counts
+# (benchmarks/RESULTS.md).
 BLOCK = 1024
 NUM_WARPS = 2
 MAX_REGISTERS = None  # per thread (Triton's maxnreg); None: the compiler's choice
@@ -202,7 +198,7 @@ def _check_kernel(
     # barriers) per tile
     poison = tl.zeros([TILE], tl.float32)
     # unrolled: every tile's loads are issued before the first is used (a rolled loop waited for
-    # each tile's loads in turn, and the check ran at 84% of copy speed on the H200)
+    # each tile's loads in turn: measurably slower, benchmarks/RESULTS.md)
     for i in tl.static_range(TILES):
         offs = start + i * TILE + tl.arange(0, TILE).to(tl.int64)
         mask = offs < n_elements
