@@ -208,14 +208,16 @@ def _convert_param_state(
             continue
         if source is None:
             got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"state {slot!r} of {where} cannot be converted to the state format {codec.name!r}: got {got}")
+            target = codec.name
+            raise ValueError(f"state {slot!r} of {where} cannot be converted to the state format {target!r}: got {got}")
         decoded = source.decode({s: saved[slot + s].detach().to(p.device) for s in source.suffixes}).float()
         origin = str(value.dtype) if source is _PLAIN else source.name
         encoded = codec.encode(decoded, draws.moment(i))
         error = (codec.decode(encoded) - decoded).abs().max().item() if decoded.numel() else 0.0
         if error > 0:
             scale = decoded.abs().max().item()
-            lossy.append(f"{slot} of {where}: {origin} -> {codec.name}, max abs error {error:.3g} (max |x| {scale:.3g})")
+            change = f"{origin} -> {codec.name}"
+            lossy.append(f"{slot} of {where}: {change}, max abs error {error:.3g} (max |x| {scale:.3g})")
         out.update({slot + s: t for s, t in encoded.items()})
     out.update(correction)
     step_tensor = out.pop("step")
