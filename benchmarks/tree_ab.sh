@@ -29,7 +29,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     dir=$([ $tree = new ] && echo . || echo .ab/old)
     PYTHONPATH=$dir python3 $dir/benchmarks/step_ab.py --model 1b --rounds ${STEP_ROUNDS:-6} \
       --out "$OUT/step_${tree}_$round.json" > "$OUT/step_${tree}_$round.log" 2>&1
-    grep -i "median\|ratio" "$OUT/step_${tree}_$round.log" | tail -3 | sed "s/^/$tree r$round step: /"
+    grep "^| " "$OUT/step_${tree}_$round.log" | sed "s/^/$tree r$round step: /"
     PYTHONPATH=$dir python3 $dir/benchmarks/release_overhead.py --only "default, fused" --rounds ${RELEASE_ROUNDS:-3} \
       --steps ${RELEASE_STEPS:-3} --batch ${RELEASE_BATCH:-16} --out "$OUT/release_${tree}_$round.json" \
       > "$OUT/release_${tree}_$round.log" 2>&1

@@ -187,9 +187,9 @@ def test_an_unknown_state_format_is_refused():
         fusedopt.AdamW([w], state_format="block9")
 
 
-def test_forcing_the_kernel_on_a_format_without_a_kernel_branch_is_a_clear_error(monkeypatch):
+def test_forcing_the_kernel_on_a_format_without_a_kernel_branch_is_a_clear_error(monkeypatch, device):
     monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
-    w = torch.nn.Parameter(torch.randn(48, 80))
+    w = torch.nn.Parameter(torch.randn(48, 80, device=device))
     opt = fusedopt.AdamW([w], min_compress_numel=0, state_format=LINEAR8)
     w.grad = torch.randn_like(w)
     before = w.detach().clone()
@@ -223,9 +223,9 @@ def test_an_algorithm_in_one_file_matches_its_math_exactly():
     assert torch.equal(w.detach(), w0 - 1e-2 * (g * 0.1).sign())
 
 
-def test_forcing_the_kernel_on_an_algorithm_without_a_kernel_branch_is_a_clear_error(monkeypatch):
+def test_forcing_the_kernel_on_an_algorithm_without_a_kernel_branch_is_a_clear_error(monkeypatch, device):
     monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
-    w = torch.nn.Parameter(torch.randn(48, 80))
+    w = torch.nn.Parameter(torch.randn(48, 80, device=device))
     opt = SignSGD([w], min_compress_numel=0)
     w.grad = torch.randn_like(w)
     before = w.detach().clone()
