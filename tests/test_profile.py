@@ -20,9 +20,9 @@ import torch
 import fusedopt
 from fusedopt.buckets import bucket_budget
 from fusedopt.profile import MemoryTracker, OptimizerConfig, main, parse_config, plan
-from fusedopt.profiler_cli import _parse_gib
-from fusedopt.profiler_memory import CATEGORIES, cpu_allocator_trace
-from fusedopt.profiler_models import PRESETS, ModelSpec, UserError, parse_shape
+from fusedopt.profile.cli import _parse_gib
+from fusedopt.profile.memory import CATEGORIES, cpu_allocator_trace
+from fusedopt.profile.models import PRESETS, ModelSpec, UserError, parse_shape
 
 MB = 1 << 20
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -139,6 +139,104 @@ def test_categories_by_hand():
     assert _sums_to_total(r.peak_breakdown)
 
 
+class _HookedOptimizer(torch.optim.Optimizer):
+    """The update-hook protocol of fusedopt's optimizers under other method names: the tracker
+    must find updates through ``register_update_hook``, not by what the methods are called."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+        self.hooks = []
+
+    def register_update_hook(self, hook):
+        self.hooks.append(hook)
+        hooks = self.hooks
+
+        class Handle:
+            def remove(self):
+                hooks.remove(hook)
+
+        return Handle()
+
+    def apply_now(self, p):  # an update inside backward, as fusedopt's fused=True runs them
+        with contextlib.ExitStack() as stack:
+            for hook in list(self.hooks):
+                stack.enter_context(hook())
+            with torch.no_grad():
+                tmp = p.grad.float() * 2  # an update temporary, kept alive into the peak
+                p.sub_(tmp.to(p.dtype))
+            return tmp
+
+    def step(self, closure=None):
+        pass
+
+
+def test_updates_are_attributed_through_the_update_hook():
+    model = torch.nn.Linear(512, 1024, bias=False).to(torch.bfloat16)
+    opt = _HookedOptimizer(model.parameters())
+    x = torch.randn(4, 512, dtype=torch.bfloat16)
+    n = 512 * 1024
+    tracker = MemoryTracker(model, opt)
+    tracker.register_inputs(x)
+    with tracker:
+        with tracker.phase("forward"):
+            loss = model(x).float().pow(2).sum()
+        with tracker.phase("backward"):
+            loss.backward()
+            del loss
+            tmp = opt.apply_now(model.weight)
+            model.weight.grad = None
+            del tmp
+    r = tracker.result()
+    parts = r.phases["backward"]["breakdown"].rest_parts
+    assert parts["update_temporaries"] >= 4 * n  # the fp32 temporaries, made in backward by the update
+    assert parts["backward_temporaries"] < 4 * n
+    assert opt.hooks == []  # the tracker removed its hook on exit
+
+
+def test_fusedopt_updates_in_backward_are_the_updates():
+    """fused=True updates inside backward: their temporaries are update temporaries, seen
+    through the optimizer's public hook; the optimizer is left unpatched."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024, bias=False).to(torch.bfloat16)
+    opt = fusedopt.AdamW(model.parameters(), lr=1e-3, fused=True)
+    x = torch.randn(1, 1024, dtype=torch.bfloat16)
+    model(x).float().sum().backward()  # state exists before the tracked step
+    opt.step()
+    tracker = MemoryTracker(model, opt)
+    tracker.register_inputs(x)
+    with tracker:
+        with tracker.phase("forward"):
+            loss = model(x).float().sum()
+        with tracker.phase("backward"):
+            loss.backward()
+            del loss
+        with tracker.phase("update"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    r = tracker.result()
+    assert r.peak_phase == "backward"
+    assert r.peak_breakdown.rest_parts["update_temporaries"] >= 4 * 1024 * 1024  # at least one fp32 copy
+    assert not {"update_param", "queue_update", "flush_updates"} & set(vars(opt))
+
+
+def test_profiler_reads_no_private_optimizer_attribute():
+    """The profiler uses optimizers' public API only, so renaming their internals cannot break it."""
+    import ast
+    import pathlib
+
+    names = {"opt", "optimizer"}
+    found = []
+    for path in pathlib.Path(fusedopt.profile.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.endswith("__"):
+                continue
+            owner = node.value
+            owner_name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", None)
+            if owner_name in names:
+                found.append(f"{path.name}:{node.lineno} {owner_name}.{node.attr}")
+    assert found == []
+
+
 def test_views_of_existing_memory_are_not_charged():
     data = torch.zeros(16 * MB, dtype=torch.uint8)  # exists before tracking
     tracker = MemoryTracker()
@@ -171,7 +269,7 @@ def test_rss_reader_sees_touched_memory():
     # reused, so a new allocation need not raise the RSS (seen once in CI).
     script = (
         "import torch\n"
-        "from fusedopt.profiler_memory import RssReader\n"
+        "from fusedopt.profile.memory import RssReader\n"
         "rss = RssReader()\n"
         "before = rss.current()\n"
         "block = torch.ones(64 * 2**20, dtype=torch.uint8)\n"

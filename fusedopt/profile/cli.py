@@ -1,6 +1,6 @@
 """The command line of ``fusedopt-profile`` (``python -m fusedopt.profile``): its two parsers, the
 profiler run and the planner (``plan``), and their exit codes. The work itself is
-``fusedopt.profile.run_profile`` and ``fusedopt.profile.plan``."""
+``run.run_profile`` and ``planner.plan``."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import math
 import os
 import sys
 
-from fusedopt.profile import DEFAULT_CONFIGS, parse_config, plan, run_profile
-from fusedopt.profiler_models import PRESETS, ModelSpec, UserError, dtype_name, parse_dtype
-from fusedopt.profiler_plan import GIB, format_plan
+from fusedopt.profile.configs import DEFAULT_CONFIGS, parse_config
+from fusedopt.profile.models import PRESETS, ModelSpec, UserError, dtype_name, parse_dtype
+from fusedopt.profile.planner import GIB, format_plan, plan
+from fusedopt.profile.run import run_profile, worker_main
 
 
 def _parse_count(text: str) -> int:
@@ -247,3 +248,11 @@ def run_command(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("fusedopt-profile: interrupted", file=sys.stderr)
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``fusedopt-profile`` / ``python -m fusedopt.profile``; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:  # one configuration, in the fresh process run_profile started
+        return worker_main(argv[1], argv[2])
+    return run_command(argv)

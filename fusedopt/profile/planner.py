@@ -14,10 +14,18 @@ The peak of a training step is modelled as ``bytes_per_param * num_params + acti
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
 import torch
+
+import fusedopt
+from fusedopt.buckets import bucket_budget
+from fusedopt.profile.competitors import lookup
+from fusedopt.profile.configs import DEFAULT_CONFIGS, parse_config
+from fusedopt.profile.memory import CORRECTION_KEY
+from fusedopt.profile.models import ModelSpec, UserError, parse_dtype
 
 GIB = 1 << 30
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
@@ -61,8 +69,6 @@ class PerParam:
 
 def byte_model(optimizer: str, kwargs: dict, dtype: torch.dtype) -> PerParam:
     """DESIGN.md section 4, per parameter (small-tensor exceptions ignored)."""
-    from fusedopt.profiler_competitors import lookup
-
     p = DTYPE_BYTES[dtype]
     fused = _releases(optimizer, kwargs) or bool(kwargs.get("release", False))  # or another library's release
     competitor = lookup(optimizer)
@@ -91,8 +97,6 @@ def held_gradients(config, num_params: int, dtype: torch.dtype) -> int:
     buckets: ``FUSEDOPT_BUCKET_MB`` (``fusedopt.buckets``), at most one full set."""
     if not _releases(config.optimizer, config.kwargs):
         return 0
-    from fusedopt.buckets import bucket_budget
-
     return min(bucket_budget(), num_params * DTYPE_BYTES[dtype])
 
 
@@ -100,9 +104,6 @@ def layout_model(optimizer: str, kwargs: dict, dtype: torch.dtype, shapes: list[
     """Exact state bytes from a fusedopt optimizer built on meta tensors (None if unavailable)."""
     if not optimizer.startswith("fusedopt") or not shapes:
         return None
-    import fusedopt
-    from fusedopt.profiler_memory import CORRECTION_KEY
-
     cls = getattr(fusedopt, optimizer.split(".")[1])
     params = [torch.nn.Parameter(torch.empty(s, device="meta", dtype=dtype)) for s in shapes]
     options = {k: v for k, v in kwargs.items() if k not in ("fused", "accumulation_steps")}
@@ -173,7 +174,7 @@ def measured_per_param(result: dict) -> PerParam | None:
     )
 
 
-def plan(
+def plan_configs(
     num_params: int,
     memory_bytes: int,
     configs: list,
@@ -232,6 +233,41 @@ def plan(
         fits = peak <= memory_bytes if act is not None else (None if persistent + grads <= memory_bytes else False)
         rows.append(PlanRow(config.label, per, persistent, grads, act, act_source, peak, fits))
     return rows
+
+
+def plan(
+    num_params: int | None = None,
+    memory_gib: float = 24.0,
+    configs: list | None = None,
+    *,
+    model: ModelSpec | str | None = None,
+    dtype: str = "bf16",
+    batch: int = 1,
+    seq_len: int = 1024,
+    measurements: list[dict] | None = None,
+    activations_gib: float | None = None,
+):
+    """Which configurations fit in ``memory_gib``; returns :class:`PlanRow`s."""
+    spec = ModelSpec.from_args(model, None, None) if isinstance(model, str) else model
+    if num_params is None:
+        if spec is None:
+            raise UserError("give a parameter count or a model")
+        num_params = spec.num_params()
+    configs = [parse_config(c) if isinstance(c, str) else c for c in (configs or DEFAULT_CONFIGS)]
+    return plan_configs(
+        int(num_params),
+        int(memory_gib * GIB),
+        configs,
+        dtype=parse_dtype(dtype),
+        shapes=spec.param_shapes() if spec is not None else None,
+        model_shape=spec.model_shape() if spec is not None else None,
+        model_key=json.dumps(spec.to_dict(), sort_keys=True) if spec is not None else None,
+        batch=batch,
+        seq_len=seq_len,
+        checkpointing=spec.checkpointing if spec is not None else True,
+        measurements=measurements,
+        activations=int(activations_gib * GIB) if activations_gib is not None else None,
+    )
 
 
 def format_plan(rows: list[PlanRow], *, num_params: int, memory_bytes: int, header: str = "") -> str:

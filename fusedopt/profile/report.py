@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fusedopt.profiler_memory import CATEGORIES, CATEGORY_LABELS, PHASES
+from fusedopt.profile.memory import CATEGORIES, CATEGORY_LABELS, PHASES
 
 MIB = 1 << 20
 GIB = 1 << 30
