@@ -19,7 +19,7 @@ import torch
 
 import fusedopt
 from fusedopt.buckets import bucket_budget
-from fusedopt.profile import MemoryTracker, OptimizerConfig, main, parse_config, plan
+from fusedopt.profile import MemoryTracker, OptimizerConfig, main, parse_config, plan, recommend
 from fusedopt.profile.cli import _parse_gib
 from fusedopt.profile.memory import CATEGORIES, cpu_allocator_trace
 from fusedopt.profile.models import PRESETS, ModelSpec, UserError, parse_shape
@@ -438,12 +438,15 @@ def test_plan_from_byte_model_and_layout(capsys):
     rows = plan(7_000_000_000, 24.0, ["torch.AdamW", "fusedopt.AdamW:fused=True"], dtype="bf16")
     torch_row, fo_row = rows
     assert torch_row.per_param.source.startswith("byte model") and torch_row.per_param.at_peak == 8.0
-    assert torch_row.activations is None and torch_row.fits is False
+    assert torch_row.description == "torch AdamW, pure bf16"
+    # a bare parameter count: activations estimated with the shape of the preset nearest in size
+    assert torch_row.activation_source.startswith("estimate for the 7b preset") and torch_row.activations > 0
+    assert torch_row.fits is False
     assert fo_row.per_param.grads_at_peak == 0 and fo_row.per_param.persistent < torch_row.per_param.persistent
     assert fo_row.grads == bucket_budget()  # release may hold that much to launch updates in buckets
     assert main(["plan", "--model", "1b", "--gpu-memory", "16", "--config", "torch", "--config", "fusedopt"]) == 0
     text = capsys.readouterr().out
-    assert "1,100,048,384 parameters" in text and "fits" in text and "activations: estimate" in text
+    assert "1,100,048,384 parameters" in text and "fits" in text and "GiB, estimate" in text
 
 
 def test_plan_counts_what_release_holds(monkeypatch):
@@ -563,8 +566,72 @@ def test_plan_counts_autocast_configurations_as_fp32_parameters(capsys):
     """torch.AdamW under autocast trains fp32 parameters (16 B/param with its state and gradients)."""
     argv = ["plan", "--model", "1b", "--gpu-memory", "24", "--config", "torch:autocast='bf16'", "--config", "torch"]
     assert main(argv) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("torch.AdamW")]
-    assert [row[1] for row in rows] == ["16.00", "8.00"]
+    lines = capsys.readouterr().out.splitlines()
+    autocast = next(line for line in lines if line.startswith("torch AdamW, fp32 master + bf16 autocast "))
+    pure = next(line for line in lines if line.startswith("torch AdamW, pure bf16 "))
+    assert autocast.split()[7] == "16.00" and pure.split()[4] == "8.00"
+
+
+def _plan_output(capsys, *argv) -> str:
+    assert main(["plan", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def test_plan_recommends_what_fits_7b_in_24_gib(capsys):
+    """The issue: 7e9 parameters in 24 GiB. Only 4-bit state without correction and with gradient
+    release fits; the planner must say so, and list nothing that does not fit."""
+    rec = recommend(7_000_000_000, 24.0)
+    assert [r.config for r in rec.fitting] == [parse_config("fusedopt:state_bits=4,master_weight_bits=None,fused=True")]
+    assert rec.choice is rec.fitting[0] and rec.choice.margin > 0 and rec.choice.activations > 0
+    assert all(r.peak <= 24 * 2**30 for r in rec.fitting)
+    text = _plan_output(capsys, "--params", "7e9", "--gpu-memory", "24")
+    use = next(line for line in text.splitlines() if line.startswith("Use: "))
+    assert "state_bits=4,master_weight_bits=None,fused=True" in use
+    assert "+0.26%" in text  # its measured quality cost
+    listed = [line for line in text.splitlines() if line.startswith((" * ", "   fusedopt"))]
+    assert len(listed) == 1
+    # the baselines say what they are
+    assert "torch AdamW, pure bf16" in text and "torch AdamW, fp32 master + bf16 autocast" in text
+
+
+def test_plan_recommends_the_default_where_it_fits(capsys):
+    rec = recommend(7_000_000_000, 80.0)
+    assert rec.choice.config == parse_config("fusedopt:state_bits=8,master_weight_bits=24")
+    fitting = [r.config for r in rec.fitting]
+    # best quality first: the default before every leaner format that fits
+    assert fitting.index(rec.choice.config) < fitting.index(
+        parse_config("fusedopt:state_bits=4,master_weight_bits=None")
+    )
+    text = _plan_output(capsys, "--params", "7e9", "--gpu-memory", "80")
+    assert 'Use: fusedopt AdamW, 8-bit state, 24-bit master (default) (--config "fusedopt:state_bits=8' in text
+
+
+def test_plan_with_nothing_that_fits_says_so(capsys):
+    rec = recommend(70_000_000_000, 8.0)
+    assert rec.choice is None and rec.fitting == []
+    assert "No fusedopt AdamW configuration fits" in _plan_output(capsys, "--params", "70e9", "--gpu-memory", "8")
+
+
+def test_plan_says_when_results_of_another_dtype_are_not_used(embedded_run, capsys):
+    """The embedded run measured fp32 parameters; a bf16 plan cannot use them and must say so."""
+    path = str(embedded_run["out"] / "results.json")
+    text = _plan_output(capsys, "--model", "tiny", "--gpu-memory", "1", "--results", path)
+    assert "--results holds fp32 measurements and this plan is for bf16" in text
+    text = _plan_output(
+        capsys, "--params", "7e9", "--gpu-memory", "80", "--dtype", "fp32", "--results", path, "--config", "torch"
+    )
+    assert "measured on cpu with" in text and "scaled to 7,000,000,000" in text
+
+
+def test_plan_help_and_output_cite_no_missing_document(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--batch" in help_text and "micro-batch size for the activation estimate" in help_text
+    assert "tokens per sequence for the activation estimate" in help_text
+    text = _plan_output(capsys, "--params", "7e9", "--gpu-memory", "24")
+    for output in (help_text, text):
+        assert "DESIGN" not in output
 
 
 def test_a_diverging_run_writes_strict_json_and_warns(capsys, tmp_path):

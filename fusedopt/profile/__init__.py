@@ -31,7 +31,7 @@ from fusedopt.profile.cli import main
 from fusedopt.profile.configs import DEFAULT_CONFIGS, OPTIMIZERS, OptimizerConfig, parse_config
 from fusedopt.profile.memory import MemoryTracker, StepMemory
 from fusedopt.profile.models import ModelSpec, UserError
-from fusedopt.profile.planner import PlanRow, plan
+from fusedopt.profile.planner import PlanRow, Recommendation, plan, recommend
 from fusedopt.profile.run import ProfileReport, profile_step, run_profile
 
 __all__ = [
@@ -48,5 +48,7 @@ __all__ = [
     "profile_step",
     "run_profile",
     "plan",
+    "recommend",
+    "Recommendation",
     "main",
 ]
