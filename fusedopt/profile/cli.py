@@ -88,7 +88,7 @@ def _run_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     g = p.add_argument_group("workload")
     g.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
-    g.add_argument("--dtype", help="parameter dtype: fp32, bf16, fp16 (default: bf16 on CUDA, fp32 on CPU)")
+    g.add_argument("--dtype", help="parameter dtype: fp32, bf16, fp16 (default bf16)")
     g.add_argument("--batch", type=_positive_int, default=1, help="micro-batch size (default 1)")
     g.add_argument("--seq-len", type=_positive_int, help="tokens per sequence (default 1024 on CUDA, 256 on CPU)")
     g.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per optimizer step")
@@ -262,6 +262,16 @@ def _main_run(argv) -> int:
     if plot_path is not None:
         why_not = report.plot(plot_path)
         print(f"plot: {plot_path}" if why_not is None else f"plot: not written ({why_not})")
+    model_args = "".join(
+        f"--{flag} {value} "
+        for flag, value in (("model", args.model), ("shape", args.shape), ("hf-config", args.hf_config))
+        if value
+    )
+    print(
+        "which configuration fits your GPU, and which to use: "
+        f"fusedopt-profile plan --params {report.settings['num_params']} --gpu-memory GIB"
+        f" (or plan {model_args}--gpu-memory GIB --results {json_path})"
+    )
     ok = [r for r in report.results if r.get("ok")]
     if not ok and report.results and all(r.get("error_kind") == "does_not_fit" for r in report.results):
         print("error: the model does not fit this device with any configuration", file=sys.stderr)

@@ -330,7 +330,7 @@ def run_profile(
     else:
         spec = model
     torch_device = torch.device(device)
-    dtype = dtype or ("bf16" if torch_device.type == "cuda" else "fp32")
+    dtype = dtype or "bf16"  # on CPU too: bf16 parameters are where master-weight corrections show
     torch_dtype = parse_dtype(dtype)
     seq_len = seq_len or (1024 if torch_device.type == "cuda" else 256)
     steps = steps or (8 if torch_device.type == "cuda" else 4)
