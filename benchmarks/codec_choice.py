@@ -48,7 +48,7 @@ import fusedopt  # noqa: E402
 from fusedopt import rng  # noqa: E402
 from fusedopt.codecs import BF16, FP32  # noqa: E402
 from fusedopt.codecs.blockwise import BlockCodec, MinifloatLevels, PowerLevels, _pow2  # noqa: E402
-from fusedopt.profiler_models import stdlib_source_bytes  # noqa: E402
+from fusedopt.profile.models import stdlib_source_bytes  # noqa: E402
 
 
 class FloatLevels:

@@ -6,7 +6,7 @@ fine-tunes within a 24 GiB and an 80 GiB memory budget, per optimizer of the lin
     python benchmarks/compare_fit.py --budgets-mib 2 --shape d_model=64,heads=2,kv_heads=2,ffn=192,vocab=256 \
         --seq-len 16 --only B,FO --out fit.json          # CPU smoke test (tensor bytes, no cap)
 
-A trial builds the profiler's embedded Llama-style model (``fusedopt.profiler_models``, preset
+A trial builds the profiler's embedded Llama-style model (``fusedopt.profile.models``, preset
 ``1b`` with ``layers`` = L; bf16 parameters, fp32 for key A with bf16 autocast), activation
 checkpointing, micro-batch 1 x 1024 random tokens, and runs ``--steps`` full training steps
 with the optimizer (default 2: the second runs with the state and the gradients alive); it fits
@@ -37,8 +37,8 @@ import compare_io
 import torch
 from competitors import select
 
-from fusedopt.profiler_models import PRESETS, TinyLM, parse_shape, random_batch
-from fusedopt.profiler_plan import byte_model
+from fusedopt.profile.models import PRESETS, TinyLM, parse_shape, random_batch
+from fusedopt.profile.planner import byte_model
 
 GIB, MIB = 1 << 30, 1 << 20
 BASE = "1b"
@@ -95,7 +95,7 @@ def largest(fits, guess: int, resolution: int, max_trials: int) -> int:
 
 def _tensor_bytes(model, opt, device: str) -> int:
     """Parameters, gradients and optimizer state held now (the CPU stand-in for an allocator cap)."""
-    from fusedopt.profiler_memory import state_storages
+    from fusedopt.profile.memory import state_storages
 
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     held += sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)

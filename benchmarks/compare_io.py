@@ -35,7 +35,7 @@ def environment() -> dict:
     env = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version()}
     env["versions"] = library_versions()
     env["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    from fusedopt.profiler_competitors import COMPETITORS
+    from fusedopt.profile.competitors import COMPETITORS
 
     env["usage"] = {name: c.how for name, c in COMPETITORS.items()}  # how each library was used
     return env

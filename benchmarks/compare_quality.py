@@ -17,7 +17,7 @@ it is there already, and ``--budget-s`` starts no run that the time already spen
 would not finish in time (so a device call never dies mid-run). The file records the corpus
 hash: runs on another corpus (another Python version) are refused, not mixed.
 
-Same for every optimizer and seed s: the model (``fusedopt.profiler_models.TinyLM``, no
+Same for every optimizer and seed s: the model (``fusedopt.profile.models.TinyLM``, no
 checkpointing) is initialised in fp32 from seed s, then cast to bf16 for every configuration but
 A (fp32 parameters, bf16 autocast); the batches (random 256-byte windows of the training files,
 batch 16) come from seed s; the schedule is ``--warmup`` linear steps then cosine to 0 of peak
@@ -46,7 +46,7 @@ import compare_io
 import torch
 from competitors import HPARAMS, REFERENCE, select
 
-from fusedopt.profiler_models import PRESETS, TinyLM, parse_shape
+from fusedopt.profile.models import PRESETS, TinyLM, parse_shape
 
 DEFAULT_SHAPE = "vocab=256,d_model=512,layers=8,heads=8,kv_heads=8,ffn=1408"
 EVAL_SEQS = 256

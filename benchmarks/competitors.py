@@ -1,6 +1,6 @@
 """The line-up of issue 6: every optimizer configuration the head-to-head benchmarks compare.
 
-Each entry is a ``fusedopt-profile --config`` string (see ``fusedopt/profiler_competitors.py``
+Each entry is a ``fusedopt-profile --config`` string (see ``fusedopt/profile/competitors.py``
 for how each library is built, as its own documentation recommends) plus what the benchmarks
 need to know about it. The keys A..I follow ``shared/research/anchors_measured.md``; the FO*
 keys are fusedopt. Every entry gets the same hyperparameters (:data:`HPARAMS`, overriding the
@@ -151,9 +151,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     print("\n".join(status_lines(args.device)))
     print(library_versions())
-    from fusedopt.profiler_competitors import COMPETITORS
+    from fusedopt.profile.competitors import COMPETITORS
 
-    print("\nHow each library is used (fusedopt/profiler_competitors.py):")
+    print("\nHow each library is used (fusedopt/profile/competitors.py):")
     for name, c in COMPETITORS.items():
         print(f"  {name}: {c.how}")
     return 0

@@ -25,7 +25,7 @@ import time
 import torch
 
 import fusedopt
-from fusedopt.profiler_models import PRESETS, TinyLM, random_batch
+from fusedopt.profile.models import PRESETS, TinyLM, random_batch
 
 
 def _python_work(n: int) -> None:

@@ -35,7 +35,7 @@ import torch
 
 import fusedopt
 import fusedopt.optimizer
-from fusedopt.profiler_models import PRESETS, TinyLM, random_batch
+from fusedopt.profile.models import PRESETS, TinyLM, random_batch
 
 
 class TorchInBackward:

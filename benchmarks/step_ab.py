@@ -18,7 +18,7 @@ with the 8 tensors in one bucketed launch pair (``kernels/bucket.py`` launches t
 alone since the ninth sitting; a prepared update decides once, at its first step, whether it
 can join a bucket).
 
-``--model 1b`` times the parameters of a Llama-style model instead (``fusedopt.profiler_models``:
+``--model 1b`` times the parameters of a Llama-style model instead (``fusedopt.profile.models``:
 201 bf16 tensors, 1.1e9 elements, most of them joining bucketed launches); the variant
 ``unbucketed`` shows what the buckets do there.
 
@@ -68,8 +68,8 @@ def kernel_times(opt, steps: int = 3) -> tuple[list[tuple[str, int, float]], flo
 
 
 def model_shapes(preset: str) -> list[tuple[int, ...]]:
-    """The parameter shapes of ``fusedopt.profiler_models``' Llama-style model ``preset`` (built on the meta device)."""
-    from fusedopt.profiler_models import PRESETS, TinyLM
+    """The parameter shapes of ``fusedopt.profile.models``' Llama-style model ``preset`` (built on the meta device)."""
+    from fusedopt.profile.models import PRESETS, TinyLM
 
     return [tuple(p.shape) for p in TinyLM(PRESETS[preset], device="meta").parameters()]
 
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--kernels", action="store_true", help="then each configuration's kernel times per step")
     parser.add_argument(
-        "--model", help="the parameters of this profiler_models preset (e.g. 1b) instead of 8 large tensors"
+        "--model", help="the parameters of this fusedopt.profile.models preset (e.g. 1b) instead of 8 large tensors"
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)

@@ -30,7 +30,7 @@ import torch
 
 import fusedopt
 from fusedopt.profile import MemoryTracker
-from fusedopt.profiler_models import enable_hf_checkpointing, stdlib_source_bytes
+from fusedopt.profile.models import enable_hf_checkpointing, stdlib_source_bytes
 
 
 def llama_config(tiny: bool):

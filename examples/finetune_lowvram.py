@@ -34,7 +34,7 @@ import torch
 
 import fusedopt
 from fusedopt.profile import MemoryTracker, StepMemory
-from fusedopt.profiler_models import PRESETS, TinyLM, UserError, parse_dtype, parse_shape, stdlib_source_bytes
+from fusedopt.profile.models import PRESETS, TinyLM, UserError, parse_dtype, parse_shape, stdlib_source_bytes
 
 
 def load_corpus() -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Moment storage inside the update kernel: decode to fp32 in registers, encode back.
 
-Device-side twins of the PyTorch codecs (``fusedopt.codecs`` and ``fusedopt.codec_blockwise``):
+Device-side twins of the PyTorch codecs (``fusedopt.codecs``, ``fusedopt.codecs.blockwise``):
 
 * ``FMT = 0``: no moment (SGD without momentum).
 * ``FMT = 32``: fp32.  ``FMT = 16``: bf16 with stochastic rounding (the draw's top 16 bits
@@ -8,7 +8,7 @@ Device-side twins of the PyTorch codecs (``fusedopt.codecs`` and ``fusedopt.code
   fp32->bf16 conversion is involved and CPU interpreter and GPU agree bit for bit).
 * ``FMT = 8 / 4``: blocks of ``QBLOCK`` elements, one E8M0 byte scale per block, sign-magnitude
   codes; levels ``q**POWER`` (POWER 1 or 2) or, for ``POWER = -M``, shifted minifloat levels with
-  M mantissa bits (``fusedopt.codec_blockwise.MinifloatLevels``); 4-bit codes packed two per
+  M mantissa bits (``fusedopt.codecs.blockwise.MinifloatLevels``); 4-bit codes packed two per
   byte (element ``2i`` in the low nibble). Scales are computed from the block's new values, in
   the same pass.
 

@@ -12,9 +12,9 @@ import torch
 
 import fusedopt.profile
 from fusedopt.profile import parse_config
-from fusedopt.profiler_competitors import COMPETITORS, Competitor, torch_adamw_in_backward
-from fusedopt.profiler_memory import state_storages, state_tensors
-from fusedopt.profiler_models import UserError
+from fusedopt.profile.competitors import COMPETITORS, Competitor, torch_adamw_in_backward
+from fusedopt.profile.memory import state_storages, state_tensors
+from fusedopt.profile.models import UserError
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
@@ -42,7 +42,7 @@ def test_competitor_configs_parse_with_loop_options():
 def test_missing_library_is_reported_not_raised(monkeypatch):
     ghost = Competitor("ghost.AdamW", "no_such_module_fusedopt_test", "ghost-optim", None, "test entry")
     monkeypatch.setitem(COMPETITORS, "ghost.AdamW", ghost)
-    monkeypatch.setattr("fusedopt.profiler_competitors._BY_LOWER", {**{k.lower(): k for k in COMPETITORS}})
+    monkeypatch.setattr("fusedopt.profile.competitors._BY_LOWER", {**{k.lower(): k for k in COMPETITORS}})
     assert ghost.missing("cpu") == "not installed: pip install ghost-optim"
     report = fusedopt.profile.run_profile(
         "tiny", ["ghost.AdamW"], device="cpu", seq_len=8, steps=1, isolate=False, progress=False

@@ -11,7 +11,7 @@ import math
 import torch
 
 import fusedopt
-from fusedopt.profiler_models import stdlib_source_bytes
+from fusedopt.profile.models import stdlib_source_bytes
 
 CONTEXT, STEPS, BATCH = 12, 250, 32
 

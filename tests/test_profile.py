@@ -19,10 +19,10 @@ import torch
 
 import fusedopt
 from fusedopt.dispatch import bucket_budget
-from fusedopt.profile import MemoryTracker, OptimizerConfig, main, parse_config, plan
-from fusedopt.profiler_cli import _parse_gib
-from fusedopt.profiler_memory import CATEGORIES, cpu_allocator_trace
-from fusedopt.profiler_models import PRESETS, ModelSpec, UserError, parse_shape
+from fusedopt.profile import MemoryTracker, OptimizerConfig, main, parse_config, plan, recommend
+from fusedopt.profile.cli import _parse_gib
+from fusedopt.profile.memory import CATEGORIES, cpu_allocator_trace
+from fusedopt.profile.models import PRESETS, ModelSpec, UserError, parse_shape
 
 MB = 1 << 20
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -139,6 +139,104 @@ def test_categories_by_hand():
     assert _sums_to_total(r.peak_breakdown)
 
 
+class _HookedOptimizer(torch.optim.Optimizer):
+    """The update-hook protocol of fusedopt's optimizers under other method names: the tracker
+    must find updates through ``register_update_hook``, not by what the methods are called."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+        self.hooks = []
+
+    def register_update_hook(self, hook):
+        self.hooks.append(hook)
+        hooks = self.hooks
+
+        class Handle:
+            def remove(self):
+                hooks.remove(hook)
+
+        return Handle()
+
+    def apply_now(self, p):  # an update inside backward, as fusedopt's fused=True runs them
+        with contextlib.ExitStack() as stack:
+            for hook in list(self.hooks):
+                stack.enter_context(hook())
+            with torch.no_grad():
+                tmp = p.grad.float() * 2  # an update temporary, kept alive into the peak
+                p.sub_(tmp.to(p.dtype))
+            return tmp
+
+    def step(self, closure=None):
+        pass
+
+
+def test_updates_are_attributed_through_the_update_hook():
+    model = torch.nn.Linear(512, 1024, bias=False).to(torch.bfloat16)
+    opt = _HookedOptimizer(model.parameters())
+    x = torch.randn(4, 512, dtype=torch.bfloat16)
+    n = 512 * 1024
+    tracker = MemoryTracker(model, opt)
+    tracker.register_inputs(x)
+    with tracker:
+        with tracker.phase("forward"):
+            loss = model(x).float().pow(2).sum()
+        with tracker.phase("backward"):
+            loss.backward()
+            del loss
+            tmp = opt.apply_now(model.weight)
+            model.weight.grad = None
+            del tmp
+    r = tracker.result()
+    parts = r.phases["backward"]["breakdown"].rest_parts
+    assert parts["update_temporaries"] >= 4 * n  # the fp32 temporaries, made in backward by the update
+    assert parts["backward_temporaries"] < 4 * n
+    assert opt.hooks == []  # the tracker removed its hook on exit
+
+
+def test_fusedopt_updates_in_backward_are_the_updates():
+    """fused=True updates inside backward: their temporaries are update temporaries, seen
+    through the optimizer's public hook; the optimizer is left unpatched."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024, bias=False).to(torch.bfloat16)
+    opt = fusedopt.AdamW(model.parameters(), lr=1e-3, fused=True)
+    x = torch.randn(1, 1024, dtype=torch.bfloat16)
+    model(x).float().sum().backward()  # state exists before the tracked step
+    opt.step()
+    tracker = MemoryTracker(model, opt)
+    tracker.register_inputs(x)
+    with tracker:
+        with tracker.phase("forward"):
+            loss = model(x).float().sum()
+        with tracker.phase("backward"):
+            loss.backward()
+            del loss
+        with tracker.phase("update"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    r = tracker.result()
+    assert r.peak_phase == "backward"
+    assert r.peak_breakdown.rest_parts["update_temporaries"] >= 4 * 1024 * 1024  # at least one fp32 copy
+    assert not {"update_param", "queue_update", "flush_updates"} & set(vars(opt))
+
+
+def test_profiler_reads_no_private_optimizer_attribute():
+    """The profiler uses optimizers' public API only, so renaming their internals cannot break it."""
+    import ast
+    import pathlib
+
+    names = {"opt", "optimizer"}
+    found = []
+    for path in pathlib.Path(fusedopt.profile.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.endswith("__"):
+                continue
+            owner = node.value
+            owner_name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", None)
+            if owner_name in names:
+                found.append(f"{path.name}:{node.lineno} {owner_name}.{node.attr}")
+    assert found == []
+
+
 def test_views_of_existing_memory_are_not_charged():
     data = torch.zeros(16 * MB, dtype=torch.uint8)  # exists before tracking
     tracker = MemoryTracker()
@@ -171,7 +269,7 @@ def test_rss_reader_sees_touched_memory():
     # reused, so a new allocation need not raise the RSS (seen once in CI).
     script = (
         "import torch\n"
-        "from fusedopt.profiler_memory import RssReader\n"
+        "from fusedopt.profile.memory import RssReader\n"
         "rss = RssReader()\n"
         "before = rss.current()\n"
         "block = torch.ones(64 * 2**20, dtype=torch.uint8)\n"
@@ -223,6 +321,11 @@ def test_command_runs_and_prints_table(embedded_run):
     for label in embedded_run["labels"]:
         assert label in text
     assert "Breakdown of each peak" in text and "How each figure was measured" in text
+    assert "fusedopt-profile plan" in text  # the run ends with a pointer to the recommendation
+    results = embedded_run["data"]["results"]
+    assert embedded_run["data"]["settings"]["dtype"] == "bf16"  # the default, on CPU too
+    # master-weight splitting shows: fusedopt's default keeps a correction per bf16 parameter
+    assert results[1]["memory"]["persistent_breakdown"]["categories"]["corrections"] > 0
     plot = embedded_run["out"] / "memory.png"
     try:
         import matplotlib  # noqa: F401
@@ -254,14 +357,21 @@ def test_categories_sum_to_total(embedded_run):
 
 def test_fusedopt_peak_below_torch_adamw(embedded_run):
     torch_r, unfused, fused = embedded_run["data"]["results"]
-    assert unfused["memory"]["peak"] < torch_r["memory"]["peak"]
+
+    def without_reference_temporaries(r):
+        # on CPU fusedopt runs its PyTorch reference update, whose fp32 temporaries the GPU kernel
+        # does not make; against torch's bf16 state they outweigh the bytes the formats save
+        m = r["memory"]
+        return m["peak"] - m["peak_breakdown"]["rest_parts"]["update_temporaries"]
+
+    assert without_reference_temporaries(unfused) < without_reference_temporaries(torch_r)
     assert fused["memory"]["peak"] < unfused["memory"]["peak"]
     assert unfused["memory"]["persistent"] < torch_r["memory"]["persistent"]
 
 
 def test_release_saves_about_one_set_of_gradients(embedded_run):
     _, unfused, fused = embedded_run["data"]["results"]
-    grads = unfused["param_bytes"]  # fp32 gradients: one per parameter, as large as the parameters
+    grads = unfused["param_bytes"]  # gradients: one per parameter, as large as the parameters
     saved = unfused["memory"]["peak"] - fused["memory"]["peak"]
     # Not exactly one set: the two peaks fall at different moments (fused=False at the end of
     # backward or in the update, fused=True early in backward with a few gradients in flight).
@@ -292,14 +402,14 @@ def test_planner_uses_measured_figures(embedded_run):
     results = embedded_run["data"]["results"]
     labels = embedded_run["configs"]
     spec = ModelSpec.from_args("tiny", None, None)
-    rows = plan(None, 1.0, labels, model=spec, dtype="fp32", batch=1, seq_len=64, measurements=results)
+    rows = plan(None, 1.0, labels, model=spec, dtype="bf16", batch=1, seq_len=64, measurements=results)
     for row, r in zip(rows, results):
         assert row.per_param.source.startswith("measured")
         assert row.activation_source == "measured"
         assert row.peak == pytest.approx(r["memory"]["peak"], rel=1e-6, abs=64)
         assert row.fits is True
     # a bigger model: measured per-parameter costs, estimated activations
-    rows = plan(None, 16.0, labels, model="1b", dtype="fp32", measurements=results)
+    rows = plan(None, 16.0, labels, model="1b", dtype="bf16", measurements=results)
     assert all(r.per_param.source.startswith("measured") and r.activation_source == "estimate" for r in rows)
 
 
@@ -340,12 +450,15 @@ def test_plan_from_byte_model_and_layout(capsys):
     rows = plan(7_000_000_000, 24.0, ["torch.AdamW", "fusedopt.AdamW:fused=True"], dtype="bf16")
     torch_row, fo_row = rows
     assert torch_row.per_param.source.startswith("byte model") and torch_row.per_param.at_peak == 8.0
-    assert torch_row.activations is None and torch_row.fits is False
+    assert torch_row.description == "torch AdamW, pure bf16"
+    # a bare parameter count: activations estimated with the shape of the preset nearest in size
+    assert torch_row.activation_source.startswith("estimate for the 7b preset") and torch_row.activations > 0
+    assert torch_row.fits is False
     assert fo_row.per_param.grads_at_peak == 0 and fo_row.per_param.persistent < torch_row.per_param.persistent
     assert fo_row.grads == bucket_budget()  # release may hold that much to launch updates in buckets
     assert main(["plan", "--model", "1b", "--gpu-memory", "16", "--config", "torch", "--config", "fusedopt"]) == 0
     text = capsys.readouterr().out
-    assert "1,100,048,384 parameters" in text and "fits" in text and "activations: estimate" in text
+    assert "1,100,048,384 parameters" in text and "fits" in text and "GiB, estimate" in text
 
 
 def test_plan_counts_what_release_holds(monkeypatch):
@@ -465,8 +578,70 @@ def test_plan_counts_autocast_configurations_as_fp32_parameters(capsys):
     """torch.AdamW under autocast trains fp32 parameters (16 B/param with its state and gradients)."""
     argv = ["plan", "--model", "1b", "--gpu-memory", "24", "--config", "torch:autocast='bf16'", "--config", "torch"]
     assert main(argv) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("torch.AdamW")]
-    assert [row[1] for row in rows] == ["16.00", "8.00"]
+    lines = capsys.readouterr().out.splitlines()
+    autocast = next(line for line in lines if line.startswith("torch AdamW, fp32 master + bf16 autocast "))
+    pure = next(line for line in lines if line.startswith("torch AdamW, pure bf16 "))
+    assert autocast.split()[7] == "16.00" and pure.split()[4] == "8.00"
+
+
+def _plan_output(capsys, *argv) -> str:
+    assert main(["plan", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def test_plan_recommends_what_fits_7b_in_24_gib(capsys):
+    """The issue: 7e9 parameters in 24 GiB. Only 4-bit state without correction and with gradient
+    release fits; the planner must say so, and list nothing that does not fit."""
+    rec = recommend(7_000_000_000, 24.0)
+    assert [r.config for r in rec.fitting] == [parse_config("fusedopt:state_bits=4,master_weight_bits=None,fused=True")]
+    assert rec.choice is rec.fitting[0] and rec.choice.margin > 0 and rec.choice.activations > 0
+    assert all(r.peak <= 24 * 2**30 for r in rec.fitting)
+    text = _plan_output(capsys, "--params", "7e9", "--gpu-memory", "24")
+    use = next(line for line in text.splitlines() if line.startswith("Use: "))
+    assert "state_bits=4,master_weight_bits=None,fused=True" in use
+    assert "+0.26%" in text  # its measured quality cost
+    listed = [line for line in text.splitlines() if line.startswith((" * ", "   fusedopt"))]
+    assert len(listed) == 1
+    # the baselines say what they are
+    assert "torch AdamW, pure bf16" in text and "torch AdamW, fp32 master + bf16 autocast" in text
+
+
+def test_plan_recommends_the_default_where_it_fits(capsys):
+    rec = recommend(7_000_000_000, 80.0)
+    assert rec.choice.config == parse_config("fusedopt:state_bits=8,master_weight_bits=24")
+    fitting = [r.config for r in rec.fitting]
+    # best quality first: the default before every leaner format that fits
+    assert fitting.index(rec.choice.config) < fitting.index(
+        parse_config("fusedopt:state_bits=4,master_weight_bits=None")
+    )
+    text = _plan_output(capsys, "--params", "7e9", "--gpu-memory", "80")
+    assert 'Use: fusedopt AdamW, 8-bit state, 24-bit master (default) (--config "fusedopt:state_bits=8' in text
+
+
+def test_plan_with_nothing_that_fits_says_so(capsys):
+    rec = recommend(70_000_000_000, 8.0)
+    assert rec.choice is None and rec.fitting == []
+    assert "No fusedopt AdamW configuration fits" in _plan_output(capsys, "--params", "70e9", "--gpu-memory", "8")
+
+
+def test_plan_says_when_results_of_another_dtype_are_not_used(embedded_run, capsys):
+    """The embedded run measured bf16 parameters; an fp32 plan cannot use them and must say so."""
+    path = str(embedded_run["out"] / "results.json")
+    text = _plan_output(capsys, "--model", "tiny", "--gpu-memory", "1", "--dtype", "fp32", "--results", path)
+    assert "--results holds bf16 measurements and this plan is for fp32" in text
+    text = _plan_output(capsys, "--params", "7e9", "--gpu-memory", "80", "--results", path, "--config", "torch")
+    assert "measured on cpu with" in text and "scaled to 7,000,000,000" in text
+
+
+def test_plan_help_and_output_cite_no_missing_document(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--batch" in help_text and "micro-batch size for the activation estimate" in help_text
+    assert "tokens per sequence for the activation estimate" in help_text
+    text = _plan_output(capsys, "--params", "7e9", "--gpu-memory", "24")
+    for output in (help_text, text):
+        assert "DESIGN" not in output
 
 
 def test_a_diverging_run_writes_strict_json_and_warns(capsys, tmp_path):

@@ -40,7 +40,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from fusedopt.profiler_competitors import correction_keys
+from fusedopt.profile.competitors import correction_keys
 
 CATEGORIES = ("parameters", "corrections", "optimizer_state", "gradients", "activations", "rest")
 CATEGORY_LABELS = {
@@ -312,7 +312,6 @@ class MemoryTracker(TorchDispatchMode):
         self._state_len = 0
         self._dirty = True
         self._in_update = 0
-        self._patched_update = False
         self._rss = RssReader() if not self.cuda else None
         self._result: StepMemory | None = None
         self._active = False
@@ -403,10 +402,8 @@ class MemoryTracker(TorchDispatchMode):
         for p in self.params:
             if p.grad is not None:
                 add("gradients", p.grad)
-        release = getattr(opt, "_release", None) if opt is not None else None
-        for buffer in release.buffered_gradients() if release is not None else ():
-            add("gradients", buffer)
-        for grad in release.held_gradients() if release is not None else ():  # held until their bucketed update
+        # accumulation buffers and gradients held for a bucketed update (fusedopt optimizers)
+        for grad in opt.held_gradients() if hasattr(opt, "held_gradients") else ():
             add("gradients", grad)
         return out
 
@@ -552,13 +549,9 @@ class MemoryTracker(TorchDispatchMode):
             # always_call: checkpoint recomputation stops a forward early by raising.
             torch.nn.modules.module.register_module_forward_hook(self._post_forward, always_call=True),
         ]
-        methods = ("update_param", "queue_update", "flush_updates")  # the last two launch bucketed updates
-        optimizer = self.optimizer
-        if all(getattr(optimizer, name, None) is not None and name not in vars(optimizer) for name in methods):
+        if hasattr(self.optimizer, "register_update_hook"):
             # A fusedopt optimizer: mark its updates (also those inside backward, with fused=True).
-            for name in methods:
-                setattr(self.optimizer, name, self._tracked(getattr(self.optimizer, name)))
-            self._patched_update = True
+            self._hooks.append(self.optimizer.register_update_hook(self._update_context))
         # Gradients and optimizer state change without an op of their own (autograd assigns
         # p.grad, optimizers store state): re-classify after each. These hooks run after any
         # registered earlier, e.g. a fusedopt optimizer's gradient release.
@@ -578,17 +571,14 @@ class MemoryTracker(TorchDispatchMode):
         self._active = True
         return super().__enter__()
 
-    def _tracked(self, method):
-        """``method`` marking the allocations it makes as the update's."""
-
-        def tracked(*args, **kwargs):
-            self._in_update += 1
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self._in_update -= 1
-
-        return tracked
+    @contextlib.contextmanager
+    def _update_context(self):
+        """Around one parameter update of the optimizer: what it allocates is the update's (may nest)."""
+        self._in_update += 1
+        try:
+            yield
+        finally:
+            self._in_update -= 1
 
     def __exit__(self, exc_type, exc, tb):
         try:
@@ -598,9 +588,6 @@ class MemoryTracker(TorchDispatchMode):
             for h in self._hooks:
                 h.remove()
             self._hooks = []
-            if self._patched_update:
-                del self.optimizer.update_param, self.optimizer.queue_update, self.optimizer.flush_updates
-                self._patched_update = False
         if self.cuda:
             torch.cuda.synchronize(self.device)
             persistent = self._allocator()[0]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fusedopt.profiler_memory import CATEGORIES, CATEGORY_LABELS, PHASES
+from fusedopt.profile.memory import CATEGORIES, CATEGORY_LABELS, PHASES
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -152,7 +152,9 @@ def plot_timelines(report, path: str) -> str | None:
     if not ok:
         return "no configuration has a timeline"
     unit, scale = _unit(report)
-    fig, axes = plt.subplots(len(ok), 1, figsize=(11, 2.8 * len(ok) + 0.6), sharey=True, squeeze=False)
+    # One time axis for every panel: the same length on the page is the same time.
+    end = max(r["memory"]["timeline"][-1][0] for r in ok) or 1.0
+    fig, axes = plt.subplots(len(ok), 1, figsize=(11, 2.6 * len(ok) + 1.4), sharex=True, sharey=True, squeeze=False)
     for ax, r in zip(axes[:, 0], ok):
         m = r["memory"]
         tl = m["timeline"]
@@ -168,12 +170,7 @@ def plot_timelines(report, path: str) -> str | None:
             if alloc:
                 level = (m["persistent"] + alloc["peak"]) / scale
                 ax.axhline(level, color="black", ls=":", lw=0.8, label="CPU allocator peak (profiler pass)")
-        previous = None
-        for s in tl:
-            if s[1] != previous:
-                ax.axvline(s[0], color="grey", lw=0.6, ls="--")
-                ax.text(s[0], 1.0, f" {s[1]}", transform=ax.get_xaxis_transform(), va="top", fontsize=7, color="grey")
-                previous = s[1]
+        _phase_labels(ax, tl, end)
         peak_sample = max(tl, key=lambda s: s[2])
         ax.plot([peak_sample[0]], [peak_sample[2] / scale], "kv", ms=5)
         ax.set_title(
@@ -182,15 +179,47 @@ def plot_timelines(report, path: str) -> str | None:
             fontsize=9,
         )
         ax.set_ylabel(unit)
-        ax.margins(x=0)
+        ax.set_xlim(0, end)
+        ax.set_ylim(0, None)
+    ax = axes[0, 0]
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.12)  # headroom for the phase labels (the y-axis is shared)
     axes[-1, 0].set_xlabel("ms into the tracked step (op-level tracking slows it down)")
-    axes[0, 0].legend(loc="upper left", fontsize=7, ncol=4)
+    handles, names = axes[0, 0].get_legend_handles_labels()
     s = report.settings
     fig.suptitle(
         f"{s['model']}\n{s['num_params']:,} params, {s['dtype']}, batch {s['batch']} x {s['seq_len']}, {s['device']}",
         fontsize=9,
     )
-    fig.tight_layout()
+    # The legend below the panels, where it covers no data and no phase label.
+    fig.legend(handles, names, loc="lower center", ncol=4, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
+
+
+def _phase_labels(ax, timeline, end: float) -> None:
+    """A dashed line where each phase starts, its name at the top inside the axes: right-aligned
+    near the right edge, one row lower when it would run into the previous name."""
+    starts, previous = [], None
+    for sample in timeline:
+        if sample[1] != previous:
+            starts.append((sample[0], sample[1]))
+            previous = sample[1]
+    last_x, row = None, 0
+    for x, name in starts:
+        ax.axvline(x, color="grey", lw=0.6, ls="--")
+        row = row + 1 if last_x is not None and (x - last_x) < 0.09 * end and row < 2 else 0
+        right = x > 0.9 * end
+        ax.text(
+            x,
+            0.98 - 0.1 * row,
+            f" {name} " if not right else f"{name} ",
+            transform=ax.get_xaxis_transform(),
+            ha="right" if right else "left",
+            va="top",
+            fontsize=7,
+            color="dimgrey",
+            clip_on=True,
+        )
+        last_x = x

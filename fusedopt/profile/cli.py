@@ -1,6 +1,6 @@
 """The command line of ``fusedopt-profile`` (``python -m fusedopt.profile``): its two parsers, the
 profiler run and the planner (``plan``), and their exit codes. The work itself is
-``fusedopt.profile.run_profile`` and ``fusedopt.profile.plan``."""
+``run.run_profile`` and ``planner.plan``."""
 
 from __future__ import annotations
 
@@ -10,9 +10,17 @@ import math
 import os
 import sys
 
-from fusedopt.profile import DEFAULT_CONFIGS, parse_config, plan, run_profile
-from fusedopt.profiler_models import PRESETS, ModelSpec, UserError, dtype_name, parse_dtype
-from fusedopt.profiler_plan import GIB, format_plan
+from fusedopt.profile.configs import DEFAULT_CONFIGS, parse_config
+from fusedopt.profile.models import PRESETS, ModelSpec, UserError, dtype_name, parse_dtype
+from fusedopt.profile.planner import (
+    BASELINE_CONFIGS,
+    GIB,
+    format_plan,
+    format_recommendation,
+    plan,
+    recommend,
+)
+from fusedopt.profile.run import run_profile, worker_main
 
 
 def _parse_count(text: str) -> int:
@@ -80,7 +88,7 @@ def _run_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     g = p.add_argument_group("workload")
     g.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
-    g.add_argument("--dtype", help="parameter dtype: fp32, bf16, fp16 (default: bf16 on CUDA, fp32 on CPU)")
+    g.add_argument("--dtype", help="parameter dtype: fp32, bf16, fp16 (default bf16)")
     g.add_argument("--batch", type=_positive_int, default=1, help="micro-batch size (default 1)")
     g.add_argument("--seq-len", type=_positive_int, help="tokens per sequence (default 1024 on CUDA, 256 on CPU)")
     g.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per optimizer step")
@@ -108,16 +116,32 @@ def _run_parser() -> argparse.ArgumentParser:
 def _plan_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fusedopt-profile plan",
-        description="Which optimizer configurations fit in a GPU's memory: from measured per-parameter costs "
-        "and activations (--results), else from the optimizer's state layout or DESIGN.md's byte model.",
+        description="Which optimizer configurations fit in a GPU's memory, and which fusedopt AdamW "
+        "configuration to use: the best-quality one that fits (quality as measured in benchmarks/RESULTS.md). "
+        "Per-parameter bytes come from a profiler measurement (--results), else from the optimizer's state "
+        "layout, else from fusedopt's byte model (the stored bytes of each state format); activations are "
+        "estimated from the model shape at --batch x --seq-len.",
     )
     p.add_argument("--params", type=_parse_count, help="parameter count, e.g. 7e9, 1.1B (or give a model)")
     p.add_argument("--gpu-memory", type=_parse_gib, required=True, metavar="GIB", help="memory size in GiB")
     _add_model_args(p)
     p.add_argument("--dtype", default="bf16", help="parameter dtype (default bf16)")
-    p.add_argument("--batch", type=_positive_int, default=1)
-    p.add_argument("--seq-len", type=_positive_int, default=1024)
-    p.add_argument("--config", action="append", metavar="OPT[:k=v,...]", help="as for the profiler (repeatable)")
+    p.add_argument(
+        "--batch", type=_positive_int, default=1, help="micro-batch size for the activation estimate (default 1)"
+    )
+    p.add_argument(
+        "--seq-len",
+        type=_positive_int,
+        default=1024,
+        help="tokens per sequence for the activation estimate (default 1024)",
+    )
+    p.add_argument(
+        "--config",
+        action="append",
+        metavar="OPT[:k=v,...]",
+        help="a configuration to show in the table, as for the profiler (repeatable; default: torch AdamW "
+        "with fp32 master + autocast, torch AdamW pure bf16, fusedopt's default with and without fused=True)",
+    )
     p.add_argument("--results", help="results.json of a profiler run: use its measured figures")
     p.add_argument("--activations", type=_parse_gib, metavar="GIB", help="activation memory to assume, in GiB")
     return p
@@ -139,13 +163,10 @@ def _main_plan(argv) -> int:
                 raise ValueError("its 'results' is not a list of the profiler's results")
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UserError(f"cannot read profiler results {args.results!r}: {exc}") from None
-    configs = [parse_config(c) for c in (args.config or DEFAULT_CONFIGS)]
+    configs = [parse_config(c) for c in (args.config or BASELINE_CONFIGS)]
     for config in configs:
         config.check()  # as the profiler does: an option the optimizer refuses is an error, not a row
-    rows = plan(
-        args.params,
-        args.gpu_memory,
-        configs,
+    common = dict(
         model=spec,
         dtype=args.dtype,
         batch=args.batch,
@@ -153,10 +174,23 @@ def _main_plan(argv) -> int:
         measurements=measurements,
         activations_gib=args.activations,
     )
+    rows = plan(args.params, args.gpu_memory, configs, **common)
+    rec = recommend(args.params, args.gpu_memory, **common)
     n = args.params or spec.num_params()
-    header = f"fusedopt plan: {spec.describe() if spec else 'a model'}, {dtype_name(parse_dtype(args.dtype))}, "
-    header += f"batch {args.batch} x {args.seq_len}"
-    print(format_plan(rows, num_params=n, memory_bytes=int(args.gpu_memory * GIB), header=header))
+    dtype = dtype_name(parse_dtype(args.dtype))
+    model = spec.describe() if spec else "a model"
+    ckpt = "" if spec else ", activation checkpointing"
+    header = f"fusedopt plan: {model}, {dtype} parameters, micro-batch {args.batch} x {args.seq_len}{ckpt}"
+    memory = int(args.gpu_memory * GIB)
+    print(format_plan(rows, num_params=n, memory_bytes=memory, header=header))
+    measured = sorted({r["dtype"] for r in measurements or () if r.get("ok")})
+    if measured and measured != [dtype]:
+        print(
+            f"note: --results holds {'/'.join(measured)} measurements and this plan is for {dtype} parameters: "
+            f"only {dtype} measurements are used (profile with --dtype {dtype} for measured figures)"
+        )
+    print()
+    print(format_recommendation(rec, memory_bytes=memory))
     return 0
 
 
@@ -228,6 +262,16 @@ def _main_run(argv) -> int:
     if plot_path is not None:
         why_not = report.plot(plot_path)
         print(f"plot: {plot_path}" if why_not is None else f"plot: not written ({why_not})")
+    model_args = "".join(
+        f"--{flag} {value} "
+        for flag, value in (("model", args.model), ("shape", args.shape), ("hf-config", args.hf_config))
+        if value
+    )
+    print(
+        "which configuration fits your GPU, and which to use: "
+        f"fusedopt-profile plan --params {report.settings['num_params']} --gpu-memory GIB"
+        f" (or plan {model_args}--gpu-memory GIB --results {json_path})"
+    )
     ok = [r for r in report.results if r.get("ok")]
     if not ok and report.results and all(r.get("error_kind") == "does_not_fit" for r in report.results):
         print("error: the model does not fit this device with any configuration", file=sys.stderr)
@@ -247,3 +291,11 @@ def run_command(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("fusedopt-profile: interrupted", file=sys.stderr)
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``fusedopt-profile`` / ``python -m fusedopt.profile``; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:  # one configuration, in the fresh process run_profile started
+        return worker_main(argv[1], argv[2])
+    return run_command(argv)

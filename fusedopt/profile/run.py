@@ -1,30 +1,9 @@
-"""``fusedopt.profile``: what a training step costs in memory, per optimizer configuration.
-
-Command line (``python -m fusedopt.profile`` or ``fusedopt-profile``)::
-
-    fusedopt-profile                                  # embedded LM; torch.optim.AdamW vs fusedopt defaults
-    fusedopt-profile --model 1b --batch 1 --seq-len 1024 --dtype bf16
-    fusedopt-profile --shape layers=4,d_model=256,heads=4 --config torch --config fusedopt:fused=True
-    fusedopt-profile --hf-config path/to/config.json  # a transformers model, built from its config
-    fusedopt-profile plan --params 7e9 --gpu-memory 24 --dtype bf16
-    fusedopt-profile plan --model 1b --gpu-memory 16 --results out/fusedopt-profile/results.json
-
-Each configuration runs real training steps (forward, backward, update) of the same model in
-a fresh process, so figures cannot leak from one configuration into the next. One step is
-tracked: its peak, the memory that persists between steps, the breakdown of the peak into
-parameters, master-weight corrections, optimizer state, gradients, activations and the rest,
-and which phase (forward, backward, update) holds the peak. The output says which method
-produced each figure (see ``fusedopt.profiler_memory``). A table goes to the terminal, a
-memory-over-time plot to a PNG when matplotlib is installed, and everything to JSON.
-
-Python API: :func:`run_profile` (what the command runs), :class:`MemoryTracker` (track any
-step in-process), :func:`profile_step` (one tracked step of your own model and optimizer),
-:func:`plan` (which configurations fit).
-"""
+"""The profiler's run: each optimizer configuration trains the same model in a fresh process
+(:func:`run_profile`); one step of each is tracked (:func:`profile_step`, ``memory.py``) and the
+figures come back as a :class:`ProfileReport` (table and plot: ``report.py``)."""
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
 import json
@@ -35,235 +14,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+import traceback
+from dataclasses import dataclass
 
+import psutil
 import torch
 
-from fusedopt.profiler_competitors import COMPETITORS, LOOP_OPTIONS, correction_keys, torch_adamw_in_backward
-from fusedopt.profiler_competitors import lookup as lookup_competitor
-from fusedopt.profiler_memory import (
-    MemoryTracker,
-    StepMemory,
-    cpu_allocator_trace,
-    state_storages,
-)
-from fusedopt.profiler_models import (
-    ModelSpec,
-    UserError,
-    dtype_name,
-    parse_dtype,
-    random_batch,
-)
-from fusedopt.profiler_plan import GIB, activation_estimate, byte_model
-from fusedopt.profiler_plan import plan as _plan
-
-__all__ = [
-    "MemoryTracker",
-    "StepMemory",
-    "OptimizerConfig",
-    "ModelSpec",
-    "ProfileReport",
-    "UserError",
-    "DEFAULT_CONFIGS",
-    "parse_config",
-    "profile_step",
-    "run_profile",
-    "plan",
-    "main",
-]
-
-# --- optimizer configurations --------------------------------------------------------------------
-
-_BUILTIN = ("torch.AdamW", "torch.SGD", "fusedopt.AdamW", "fusedopt.SGD", "fusedopt.Lion")
-# Other libraries' optimizers (fusedopt.profiler_competitors), built as their documentation says.
-OPTIMIZERS = _BUILTIN + tuple(COMPETITORS)
-_ALIASES = {"torch": "torch.AdamW", "fusedopt": "fusedopt.AdamW", "adamw": "torch.AdamW"}
-# The no-argument comparison: torch.optim.AdamW against fusedopt's defaults, without and with
-# gradient release. Override with --config (CLI) or configs= (API).
-DEFAULT_CONFIGS = ("torch.AdamW", "fusedopt.AdamW", "fusedopt.AdamW:fused=True")
-AUTOCAST_DTYPES = ("bf16", "fp16")
-
-
-@dataclass
-class OptimizerConfig:
-    """An optimizer (one of ``OPTIMIZERS``) and its keyword arguments.
-
-    ``kwargs`` may hold the loop options of ``profiler_competitors.LOOP_OPTIONS``: ``release``
-    (gradient release by the library's own mechanism; torch.AdamW: one optimizer per parameter
-    stepped in a hook) and ``autocast`` (fp32 parameters, forward under ``torch.autocast``).
-    """
-
-    optimizer: str
-    kwargs: dict = field(default_factory=dict)
-
-    @property
-    def label(self) -> str:
-        if not self.kwargs:
-            return self.optimizer
-        return f"{self.optimizer}({', '.join(f'{k}={v!r}' for k, v in self.kwargs.items())})"
-
-    @property
-    def is_fusedopt(self) -> bool:
-        return self.optimizer.startswith("fusedopt.")
-
-    @property
-    def competitor(self):
-        return lookup_competitor(self.optimizer)
-
-    @property
-    def fused(self) -> bool:
-        return self.is_fusedopt and bool(self.kwargs.get("fused", False))
-
-    @property
-    def release(self) -> bool:
-        """Gradients are freed inside backward (fusedopt's fused=True or a release loop option)."""
-        return self.fused or bool(self.kwargs.get("release", False))
-
-    @property
-    def autocast(self) -> str | None:
-        return self.kwargs.get("autocast")
-
-    @property
-    def constructor_kwargs(self) -> dict:
-        return {k: v for k, v in self.kwargs.items() if k not in LOOP_OPTIONS}
-
-    def param_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The parameter dtype this configuration trains in, given the profiler's ``dtype``."""
-        return torch.float32 if self.autocast else dtype
-
-    def optimizer_class(self):
-        module, name = self.optimizer.split(".")
-        if module == "torch":
-            return getattr(torch.optim, name)
-        import fusedopt
-
-        return getattr(fusedopt, name)
-
-    def build(self, params, accumulation_steps: int = 1, *, model=None, device_type: str | None = None):
-        """The optimizer over ``params``; release configurations also hook into ``model``."""
-        kwargs = self.constructor_kwargs
-        params = list(params)
-        if device_type is None:
-            device_type = params[0].device.type if params and isinstance(params[0], torch.Tensor) else "cpu"
-        if self.competitor is not None:
-            return self.competitor.build(params, kwargs, device_type, release=self.release, model=model)
-        if self.release and not self.is_fusedopt:
-            return torch_adamw_in_backward(params, kwargs)
-        if self.fused and accumulation_steps > 1:
-            kwargs.setdefault("accumulation_steps", accumulation_steps)
-        return self.optimizer_class()(params, **kwargs)
-
-    def unavailable(self, device_type: str) -> str | None:
-        """Why this configuration cannot run on ``device_type`` (a library missing, CUDA needed), or None."""
-        return self.competitor.missing(device_type) if self.competitor is not None else None
-
-    def check(self) -> str | None:
-        """One update of a small tensor: raise UserError for bad options; a message if it cannot run.
-
-        Another library's optimizer is only constructed (no trial step: some compile for a minute),
-        and not even that when it needs CUDA (see :meth:`unavailable` for the device)."""
-        if self.competitor is not None:
-            why = self.competitor.missing("cuda")
-            if why or self.competitor.cuda_only:
-                return why
-        model = torch.nn.Linear(128, 64, bias=False)
-        try:
-            opt = self.build(model.parameters(), model=model, device_type="cpu")
-        except NotImplementedError as exc:
-            return f"not implemented yet: {exc}"
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise UserError(f"optimizer configuration {self.label}: {exc}") from None
-        if self.competitor is not None:
-            return None  # constructed: options accepted
-        try:
-            if hasattr(opt, "remove_hooks"):
-                opt.remove_hooks()
-            model.weight.grad = torch.ones_like(model.weight)
-            opt.step()
-        except NotImplementedError as exc:
-            return f"not implemented yet: {exc}"
-        return None
-
-    def to_dict(self) -> dict:
-        return {"optimizer": self.optimizer, "kwargs": {k: _jsonable(v) for k, v in self.kwargs.items()}}
-
-
-class AutocastLM(torch.nn.Module):
-    """``model(input_ids, labels)`` with the forward under ``torch.autocast`` (fp32 parameters)."""
-
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
-        super().__init__()
-        self.model = model
-        self.dtype = dtype
-
-    def forward(self, input_ids, labels=None):
-        with torch.autocast(input_ids.device.type, dtype=self.dtype):
-            return self.model(input_ids, labels)
-
-
-def _jsonable(value):
-    return list(value) if isinstance(value, tuple) else value
-
-
-def _split_top_level(text: str) -> list[str]:
-    parts, depth, current = [], 0, []
-    for ch in text:
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        if ch == "," and depth == 0:
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(ch)
-    parts.append("".join(current))
-    return [p.strip() for p in parts if p.strip()]
-
-
-def parse_config(text: str) -> OptimizerConfig:
-    """``"fusedopt:fused=True,state_bits=16,master_weight_bits=None"`` -> OptimizerConfig.
-
-    The name is one of ``torch.AdamW``, ``torch.SGD``, ``fusedopt.AdamW``, ``fusedopt.SGD``,
-    ``fusedopt.Lion`` or another library's optimizer (``bnb.AdamW8bit``, see
-    ``fusedopt.profiler_competitors``), case-insensitive; ``torch`` and ``fusedopt`` mean the
-    AdamWs. Values are Python literals (``True``, ``None``, ``16``, ``(0.9, 0.95)``);
-    ``release=True`` and ``autocast='bf16'`` are loop options (see :class:`OptimizerConfig`).
-    """
-    name, _, args = text.strip().partition(":")
-    name = _ALIASES.get(name.strip().lower(), name.strip())
-    match = next((o for o in _BUILTIN if o.lower() == name.lower()), None)
-    if match is None and lookup_competitor(name) is not None:
-        match = lookup_competitor(name).name
-    if match is None:
-        raise UserError(f"unknown optimizer {name!r} in --config {text!r} (choose from {', '.join(OPTIMIZERS)})")
-    kwargs = {}
-    for item in _split_top_level(args):
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip().isidentifier():
-            raise UserError(f"malformed --config {text!r}: expected NAME[:key=value,...], got {item!r}")
-        try:
-            kwargs[key.strip()] = ast.literal_eval(raw.strip())
-        except (ValueError, SyntaxError):
-            message = f"malformed --config {text!r}: {key.strip()}={raw.strip()} is not a Python literal"
-            raise UserError(message) from None
-    config = OptimizerConfig(match, kwargs)
-    _check_loop_options(config, text)
-    return config
-
-
-def _check_loop_options(config: OptimizerConfig, text: str) -> None:
-    if "release" in config.kwargs:
-        if config.is_fusedopt:
-            raise UserError(f"--config {text!r}: fusedopt releases gradients with fused=True, not release=")
-        competitor = config.competitor
-        if config.optimizer != "torch.AdamW" and (competitor is None or competitor.release is None):
-            raise UserError(f"--config {text!r}: {config.optimizer} has no gradient release")
-        if not isinstance(config.kwargs["release"], bool):
-            raise UserError(f"--config {text!r}: release must be True or False")
-    if "autocast" in config.kwargs and config.kwargs["autocast"] not in AUTOCAST_DTYPES:
-        raise UserError(f"--config {text!r}: autocast must be one of {', '.join(map(repr, AUTOCAST_DTYPES))}")
-
+from fusedopt.profile.competitors import correction_keys
+from fusedopt.profile.configs import DEFAULT_CONFIGS, AutocastLM, OptimizerConfig, parse_config
+from fusedopt.profile.memory import MemoryTracker, RssReader, StepMemory, cpu_allocator_trace, state_storages
+from fusedopt.profile.models import ModelSpec, UserError, dtype_name, parse_dtype, random_batch
+from fusedopt.profile.planner import GIB, activation_estimate, byte_model
+from fusedopt.profile.report import format_table, plot_timelines
 
 # --- one configuration (runs in the worker process) -----------------------------------------------
 
@@ -323,8 +85,6 @@ def _fits_check(job: dict, spec: ModelSpec, config: OptimizerConfig, device: tor
         free, total = torch.cuda.mem_get_info(device)
         capacity, what = free, f"{free / GIB:.1f} GiB free of {total / GIB:.1f} GiB on {device}"
     else:
-        import psutil
-
         capacity = psutil.virtual_memory().available
         what = f"{capacity / GIB:.1f} GiB of RAM available"
     n = job["num_params"]
@@ -385,8 +145,6 @@ def measure_config(job: dict) -> dict:
     if message:
         out.update(error=message, error_kind="does_not_fit")
         return out
-    from fusedopt.profiler_memory import RssReader
-
     rss = RssReader()
     out["rss_before_model"] = rss.current()
     try:
@@ -472,7 +230,7 @@ def measure_config(job: dict) -> dict:
     return out
 
 
-def _worker_main(job_path: str, result_path: str) -> int:
+def worker_main(job_path: str, result_path: str) -> int:
     with open(job_path) as f:
         job = json.load(f)
     try:
@@ -480,8 +238,6 @@ def _worker_main(job_path: str, result_path: str) -> int:
     except UserError as exc:
         result = {"label": job.get("tag"), "ok": False, "error": str(exc), "error_kind": "user"}
     except Exception as exc:  # reported in the table; the traceback goes to stderr for debugging
-        import traceback
-
         traceback.print_exc()
         result = {"label": job.get("tag"), "ok": False, "error": f"{type(exc).__name__}: {exc}", "error_kind": "error"}
     with open(result_path, "w") as f:
@@ -495,7 +251,7 @@ def _run_in_subprocess(job: dict) -> dict:
         with open(job_path, "w") as f:
             json.dump(job, f)
         env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         cmd = [sys.executable, "-m", "fusedopt.profile", "--worker", job_path, result_path]
         proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL)
@@ -523,14 +279,10 @@ class ProfileReport:
         return {"settings": self.settings, "results": self.results}
 
     def table(self) -> str:
-        from fusedopt.profiler_report import format_table
-
         return format_table(self)
 
     def plot(self, path: str) -> str | None:
         """Write the memory-over-time PNG; returns None, or why no plot was written."""
-        from fusedopt.profiler_report import plot_timelines
-
         return plot_timelines(self, path)
 
     @property
@@ -578,7 +330,7 @@ def run_profile(
     else:
         spec = model
     torch_device = torch.device(device)
-    dtype = dtype or ("bf16" if torch_device.type == "cuda" else "fp32")
+    dtype = dtype or "bf16"  # on CPU too: bf16 parameters are where master-weight corrections show
     torch_dtype = parse_dtype(dtype)
     seq_len = seq_len or (1024 if torch_device.type == "cuda" else 256)
     steps = steps or (8 if torch_device.type == "cuda" else 4)
@@ -609,8 +361,6 @@ def run_profile(
     # what cannot run here, and why; bad options raise UserError here
     missing = {config.label: config.unavailable(torch_device.type) or config.check() for config in configs}
     if torch_device.type == "cpu":
-        import psutil
-
         available = psutil.virtual_memory().available
         act = activation_estimate(
             spec.model_shape(), batch=batch, seq_len=seq_len, dtype=torch_dtype, checkpointing=spec.checkpointing
@@ -671,52 +421,3 @@ def run_profile(
         _progress(progress, f"[{tag}] {state} ({time.perf_counter() - t0:.1f}s)")
         results.append(result)
     return ProfileReport(settings, results)
-
-
-def plan(
-    num_params: int | None = None,
-    memory_gib: float = 24.0,
-    configs: list | None = None,
-    *,
-    model: ModelSpec | str | None = None,
-    dtype: str = "bf16",
-    batch: int = 1,
-    seq_len: int = 1024,
-    measurements: list[dict] | None = None,
-    activations_gib: float | None = None,
-):
-    """Which configurations fit in ``memory_gib``; returns ``profiler_plan.PlanRow``s."""
-    spec = ModelSpec.from_args(model, None, None) if isinstance(model, str) else model
-    if num_params is None:
-        if spec is None:
-            raise UserError("give a parameter count or a model")
-        num_params = spec.num_params()
-    configs = [parse_config(c) if isinstance(c, str) else c for c in (configs or DEFAULT_CONFIGS)]
-    return _plan(
-        int(num_params),
-        int(memory_gib * GIB),
-        configs,
-        dtype=parse_dtype(dtype),
-        shapes=spec.param_shapes() if spec is not None else None,
-        model_shape=spec.model_shape() if spec is not None else None,
-        model_key=json.dumps(spec.to_dict(), sort_keys=True) if spec is not None else None,
-        batch=batch,
-        seq_len=seq_len,
-        checkpointing=spec.checkpointing if spec is not None else True,
-        measurements=measurements,
-        activations=int(activations_gib * GIB) if activations_gib is not None else None,
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``fusedopt-profile`` / ``python -m fusedopt.profile``; returns the exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--worker"]:  # one configuration, in the fresh process run_profile started
-        return _worker_main(argv[1], argv[2])
-    from fusedopt.profiler_cli import run_command  # the parsers, only when the command line is used
-
-    return run_command(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

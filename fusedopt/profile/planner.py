@@ -1,0 +1,540 @@
+"""The planner of ``fusedopt.profile``: which optimizer configurations fit in a given memory.
+
+The peak of a training step is modelled as ``bytes_per_param * num_params + activations``:
+
+* ``bytes_per_param`` is what scales with the model: parameters, master-weight corrections,
+  optimizer state and the gradients alive at the peak. It comes, in order of preference, from
+  a profiler measurement of the same configuration and parameter dtype (``measured``), from
+  the optimizer's own state layout built on meta tensors (``layout``: exact state bytes, no
+  memory used), or from fusedopt's byte model (``byte model``: the stored bytes of each
+  format, :data:`MOMENT_BYTES` and :data:`CORRECTION_BYTES`, times the moments the algorithm keeps).
+* ``activations`` is everything else at the peak (activations, loss-head buffers, temporaries).
+  It is taken from a measurement of the same model and batch when there is one (``measured``),
+  else estimated from the model shape (``estimate``; with a bare parameter count, the shape of
+  the preset nearest in size), else left out (and the output says so).
+
+:func:`recommend` evaluates every fusedopt AdamW format (``state_bits`` x ``master_weight_bits``,
+with and without ``fused=True``) and picks the best-quality one that fits, quality being the
+project's measured loss against fp32 AdamW (:data:`QUALITY`).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+
+import fusedopt
+from fusedopt.codecs import STATE_BITS_FORMATS, codec_named
+from fusedopt.dispatch import bucket_budget
+from fusedopt.profile.competitors import lookup
+from fusedopt.profile.configs import DEFAULT_CONFIGS, parse_config
+from fusedopt.profile.memory import CORRECTION_KEY
+from fusedopt.profile.models import PRESETS, ModelSpec, UserError, parse_dtype
+
+GIB = 1 << 30
+DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+# The byte model: bytes per element of one stored moment of a large matrix, from each state_bits
+# format's own layout (block scales included), and of one master-weight correction.
+_LARGE = torch.Size([4096, 4096])
+MOMENT_BYTES = {
+    bits: codec_named(name, True, _LARGE).bytes_per_element(_LARGE) for bits, name in STATE_BITS_FORMATS.items()
+}
+CORRECTION_BYTES = {None: 0, 24: 1, 32: 2}
+FUSEDOPT_DEFAULTS = {"state_bits": 8, "master_weight_bits": 24, "fused": False}
+
+
+def moments_of(optimizer: str, kwargs: dict) -> int:
+    """How many moment tensors the algorithm keeps per parameter."""
+    algo = optimizer.split(".")[-1].lower()
+    cls = {"adamw": fusedopt.AdamW, "adam": fusedopt.AdamW, "lion": fusedopt.Lion, "sgd": fusedopt.SGD}.get(algo)
+    if cls is None:
+        raise ValueError(f"no byte model for {optimizer}")
+    if cls is fusedopt.SGD and not kwargs.get("momentum", 0):
+        return 0  # plain SGD keeps no moment
+    return len(cls.slots)
+
+
+@dataclass
+class PerParam:
+    """Bytes per parameter: persistent (params + corrections + state) and gradients at the peak."""
+
+    params: float
+    corrections: float
+    state: float
+    grads_at_peak: float
+    source: str
+
+    @property
+    def persistent(self) -> float:
+        return self.params + self.corrections + self.state
+
+    @property
+    def at_peak(self) -> float:
+        return self.persistent + self.grads_at_peak
+
+
+def byte_model(optimizer: str, kwargs: dict, dtype: torch.dtype) -> PerParam:
+    """Bytes per parameter from the byte model: the parameter, its correction, its moments in their
+    stored format and its gradient unless released in backward (small-tensor exceptions ignored)."""
+    p = DTYPE_BYTES[dtype]
+    fused = _releases(optimizer, kwargs) or bool(kwargs.get("release", False))  # or another library's release
+    competitor = lookup(optimizer)
+    if competitor is not None:  # its documented state layout (bf16 parameters)
+        corrections = 0.0 if dtype == torch.float32 else competitor.correction_bytes
+        return PerParam(p, corrections, competitor.state_bytes, 0.0 if fused else p, "state layout of the library")
+    if optimizer.startswith("torch"):
+        state = moments_of(optimizer, kwargs) * p  # torch keeps state in the parameter dtype
+        corrections = 0.0
+    else:
+        options = {**FUSEDOPT_DEFAULTS, **kwargs}
+        state = moments_of(optimizer, kwargs) * MOMENT_BYTES.get(options["state_bits"], 4.0)
+        corrections = 0.0 if dtype == torch.float32 else CORRECTION_BYTES.get(options["master_weight_bits"], 0)
+    return PerParam(p, corrections, state, 0.0 if fused else p, "byte model")
+
+
+def _releases(optimizer: str, kwargs: dict) -> bool:
+    """Whether a fusedopt configuration frees each gradient in backward: ``fused=True`` without
+    accumulation (with it, the optimizer's buffers hold every gradient until the k-th backward)."""
+    fused = optimizer.startswith("fusedopt") and bool(kwargs.get("fused", False))
+    return fused and int(kwargs.get("accumulation_steps", 1)) <= 1
+
+
+def held_gradients(config, num_params: int, dtype: torch.dtype) -> int:
+    """Gradient bytes that fusedopt's release may hold at once to launch their updates in
+    buckets: ``FUSEDOPT_BUCKET_MB`` (``fusedopt.dispatch``), at most one full set."""
+    if not _releases(config.optimizer, config.kwargs):
+        return 0
+    return min(bucket_budget(), num_params * DTYPE_BYTES[dtype])
+
+
+def layout_model(optimizer: str, kwargs: dict, dtype: torch.dtype, shapes: list[tuple[int, ...]]) -> PerParam | None:
+    """Exact state bytes from a fusedopt optimizer built on meta tensors (None if unavailable)."""
+    if not optimizer.startswith("fusedopt") or not shapes:
+        return None
+    options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in ("fused", "accumulation_steps")))
+    counts = collections.Counter(tuple(s) for s in shapes)
+    try:
+        found = _state_bytes(optimizer, options, dtype, tuple(sorted(counts)))
+    except TypeError:  # an option value that cannot be a cache key: build without the cache
+        found = _state_bytes.__wrapped__(optimizer, options, dtype, tuple(sorted(counts)))
+    if found is None:
+        return None
+    corrections = sum(found[s][0] * c for s, c in counts.items())
+    state = sum(found[s][1] * c for s, c in counts.items())
+    n = sum(math.prod(s) * c for s, c in counts.items())
+    p_bytes = DTYPE_BYTES[dtype]
+    fused = _releases(optimizer, kwargs)
+    return PerParam(p_bytes, corrections / n, state / n, 0.0 if fused else p_bytes, "layout (optimizer state on meta)")
+
+
+@functools.lru_cache(maxsize=256)
+def _state_bytes(optimizer: str, options: tuple, dtype: torch.dtype, shapes: tuple) -> dict | None:
+    """shape -> (correction bytes, other state bytes) of one parameter of that shape. A parameter's
+    state depends on its own shape only, so each distinct shape is built once (meta tensors are slow)."""
+    cls = getattr(fusedopt, optimizer.split(".")[1])
+    params = [torch.nn.Parameter(torch.empty(s, device="meta", dtype=dtype)) for s in shapes]
+    try:
+        opt = cls(params, **dict(options))
+        for p in params:
+            opt.ensure_state(p)
+    except (NotImplementedError, AttributeError, TypeError, ValueError):
+        return None
+    found = {}
+    for shape, p in zip(shapes, params):
+        corrections = state = 0
+        for key, value in opt.state[p].items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                nbytes = value.numel() * value.element_size()
+                if key.startswith(CORRECTION_KEY):
+                    corrections += nbytes
+                else:
+                    state += nbytes
+        found[shape] = (corrections, state)
+    return found
+
+
+def activation_estimate(
+    shape, *, batch: int, seq_len: int, dtype: torch.dtype, checkpointing: bool = True
+) -> int | None:
+    """Rough bytes at the peak beyond weights, state and gradients for the embedded LM shape.
+
+    Saved block inputs (checkpointing) or all block activations, one block's recomputation,
+    and the loss head (logits in the model dtype, fp32 logits and their gradient).
+    """
+    if shape is None:
+        return None
+    s = DTYPE_BYTES[dtype]
+    tokens = batch * seq_len
+    per_block = tokens * (10 * shape.d_model + 3 * shape.ffn) * s + batch * shape.heads * seq_len * seq_len * s
+    blocks = shape.layers * tokens * shape.d_model * s + per_block if checkpointing else shape.layers * per_block
+    head = tokens * shape.vocab * (s + 8)
+    return int(blocks + head)
+
+
+# Quality of fusedopt AdamW's formats on bf16 parameters, (state_bits, master_weight_bits) -> held-out
+# loss against fp32 AdamW + autocast, 26M byte-level Llama, 2000 steps (benchmarks/RESULTS.md, issue 6 part 4).
+QUALITY = {
+    (8, 24): "-0.28% (3 seeds; fp32 AdamW's own 3 seeds span 1.4%)",
+    (8, None): "-0.00% (3 seeds)",
+    (4, 24): "+0.78% (3 seeds; one seed alone +1.64%)",
+    (4, None): "+0.26% (3 seeds; one seed alone +0.60%)",
+}
+# Candidate formats, best quality first: more state bits, then more master bits (32, 24, no correction).
+STATE_BITS = (32, 16, 8, 4)
+MASTER_BITS = (32, 24, None)
+DEFAULT_FORMAT = (FUSEDOPT_DEFAULTS["state_bits"], FUSEDOPT_DEFAULTS["master_weight_bits"])
+# The rows the planner shows besides its recommendation: torch.optim.AdamW as people run it and fusedopt's
+# default without and with gradient release.
+BASELINE_CONFIGS = ("torch.AdamW:autocast='bf16'", "torch.AdamW", "fusedopt.AdamW", "fusedopt.AdamW:fused=True")
+
+
+def _bits(value) -> str:
+    return "no correction" if value is None else f"{value}-bit master"
+
+
+def describe(config, dtype: torch.dtype) -> str:
+    """What a configuration is, in words: the parameter dtype it trains in and its state format."""
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    kwargs = config.kwargs
+    if config.optimizer == "torch.AdamW":
+        if config.autocast:
+            what = f"torch AdamW, fp32 master + {config.autocast} autocast"
+        else:
+            what = f"torch AdamW, pure {names[dtype]}" if dtype != torch.float32 else "torch AdamW, fp32"
+        return what + (", step in backward" if kwargs.get("release") else "")
+    if config.optimizer == "fusedopt.AdamW":
+        options = {**FUSEDOPT_DEFAULTS, **kwargs}
+        parts = [f"{options['state_bits']}-bit state"]
+        if config.param_dtype(dtype) != torch.float32:
+            parts.append(_bits(options["master_weight_bits"]))
+        if options["fused"]:
+            parts.append("fused=True")
+        default = all(options[k] == v for k, v in FUSEDOPT_DEFAULTS.items())
+        return "fusedopt AdamW, " + ", ".join(parts) + (" (default)" if default else "")
+    return config.label
+
+
+@dataclass
+class PlanRow:
+    label: str
+    per_param: PerParam
+    persistent: int
+    grads: int
+    activations: int | None
+    activation_source: str
+    peak: int
+    fits: bool | None
+    note: str = ""
+    config: object = None  # the OptimizerConfig
+    description: str = ""  # describe(config, dtype)
+    margin: int = 0  # memory minus peak, bytes (negative: does not fit)
+    quality: str = ""  # QUALITY's figure, or "not measured"
+
+
+def measured_per_param(result: dict) -> PerParam | None:
+    """Per-parameter costs from one profiler result (``ProfileReport.to_dict()['results'][i]``)."""
+    if not result.get("ok"):
+        return None
+    n = result["num_params"]
+    cats = result["memory"]["peak_breakdown"]["categories"]
+    return PerParam(
+        params=cats["parameters"] / n,
+        corrections=cats["corrections"] / n,
+        state=cats["optimizer_state"] / n,
+        grads_at_peak=cats["gradients"] / n,
+        source=f"measured ({result['device']}, {result['model']})",
+    )
+
+
+def plan_configs(
+    num_params: int,
+    memory_bytes: int,
+    configs: list,
+    *,
+    dtype: torch.dtype,
+    shapes: list[tuple[int, ...]] | None = None,
+    model_shape=None,
+    model_key: str | None = None,
+    batch: int = 1,
+    seq_len: int = 1024,
+    checkpointing: bool = True,
+    measurements: list[dict] | None = None,
+    activations: int | None = None,
+    activation_source: str = "estimate",
+) -> list[PlanRow]:
+    """One row per configuration: estimated peak and whether it fits in ``memory_bytes``.
+
+    ``configs`` are ``OptimizerConfig``s. ``measurements`` are profiler results; one whose
+    configuration label and parameter dtype match is used for the per-parameter costs, and its
+    activation figure (activations + rest at the peak) when ``model_key``, batch and sequence
+    length match too; one of another dtype is not used, and the row's ``note`` says so.
+    ``activations`` (bytes) overrides every activation figure.
+    """
+    rows = []
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    for config in configs:
+        param_dtype = config.param_dtype(dtype)  # fp32 under autocast, as the profiler trains it
+        match, other_dtypes, notes = None, set(), []
+        for result in measurements or ():
+            if result.get("ok") and result["label"] == config.label:
+                if result["dtype"] == names[param_dtype]:
+                    match = result
+                else:
+                    other_dtypes.add(result["dtype"])
+        if match is None and other_dtypes:
+            notes.append(
+                f"--results measured it with {'/'.join(sorted(other_dtypes))} parameters, this plan is for "
+                f"{names[param_dtype]}: not used"
+            )
+        per = measured_per_param(match) if match else None
+        if per is not None and (match["device"] == "cpu" or match["num_params"] * 10 < num_params):
+            notes.append(
+                f"measured on {match['device']} with {match['num_params']:,} parameters, scaled to {num_params:,}: "
+                "a rough guide (CPU runs the reference update; small models' fixed costs scale), "
+                "measure at size on the GPU"
+            )
+        if per is None:
+            per = layout_model(config.optimizer, config.kwargs, param_dtype, shapes or []) or byte_model(
+                config.optimizer, config.kwargs, param_dtype
+            )
+        act, act_source = activations, "given"
+        if act is None and match is not None:
+            same = (
+                match["model_key"] == model_key
+                and match["batch"] == batch
+                and match["seq_len"] == seq_len
+                and model_key is not None
+            )
+            if same:
+                cats = match["memory"]["peak_breakdown"]["categories"]
+                act, act_source = cats["activations"] + cats["rest"], "measured"
+        if act is None:
+            act = activation_estimate(
+                model_shape, batch=batch, seq_len=seq_len, dtype=dtype, checkpointing=checkpointing
+            )
+            act_source = activation_source if act is not None else "not included"
+        persistent = int(per.persistent * num_params)
+        grads = int(per.grads_at_peak * num_params)
+        if match is None:  # a measurement saw what release held; a model adds its bound
+            grads += held_gradients(config, num_params, param_dtype)
+        peak = persistent + grads + (act or 0)
+        fits = peak <= memory_bytes if act is not None else (None if persistent + grads <= memory_bytes else False)
+        rows.append(
+            PlanRow(
+                config.label,
+                per,
+                persistent,
+                grads,
+                act,
+                act_source,
+                peak,
+                fits,
+                note="; ".join(notes),
+                config=config,
+                description=describe(config, dtype),
+                margin=memory_bytes - peak,
+                quality=_quality(config, param_dtype),
+            )
+        )
+    return rows
+
+
+def _quality(config, param_dtype: torch.dtype) -> str:
+    if config.optimizer == "torch.AdamW" and config.autocast:
+        return "the reference (fp32 AdamW)"
+    if config.optimizer != "fusedopt.AdamW" or param_dtype != torch.bfloat16:
+        return "not measured"
+    options = {**FUSEDOPT_DEFAULTS, **config.kwargs}
+    return QUALITY.get((options["state_bits"], options["master_weight_bits"]), "not measured")
+
+
+def candidate_configs(dtype: torch.dtype) -> list:
+    """fusedopt AdamW's formats, best quality first, each without and with ``fused=True`` (same update,
+    gradients released in backward; without it the step is faster at small micro-batches)."""
+    configs = []
+    masters = MASTER_BITS if dtype != torch.float32 else (None,)  # fp32 parameters need no correction
+    for state_bits in STATE_BITS:
+        for master in masters:
+            for fused in (False, True):
+                text = f"fusedopt.AdamW:state_bits={state_bits},master_weight_bits={master}"
+                configs.append(parse_config(text + (",fused=True" if fused else "")))
+    return configs
+
+
+def nearest_preset(num_params: int) -> str:
+    """The preset whose parameter count is nearest ``num_params`` (by ratio)."""
+    return min(PRESETS, key=lambda k: abs(math.log(PRESETS[k].num_params() / num_params)))
+
+
+def _inputs(num_params, model, dtype, batch, seq_len, activations_gib):
+    """The planner's common inputs: (num_params, spec, shape, activation source, keyword arguments)."""
+    spec = ModelSpec.from_args(model, None, None) if isinstance(model, str) else model
+    if num_params is None:
+        if spec is None:
+            raise UserError("give a parameter count or a model")
+        num_params = spec.num_params()
+    num_params = int(num_params)
+    if num_params < 1:
+        raise UserError(f"impossible parameter count: {num_params}")
+    shape, source = (spec.model_shape(), "estimate") if spec is not None else (None, "estimate")
+    if spec is None:
+        preset = nearest_preset(num_params)
+        shape = PRESETS[preset]
+        source = f"estimate for the {preset} preset's shape ({PRESETS[preset].num_params():,} params)"
+    kwargs = dict(
+        dtype=parse_dtype(dtype),
+        shapes=spec.param_shapes() if spec is not None else None,
+        model_shape=shape,
+        model_key=json.dumps(spec.to_dict(), sort_keys=True) if spec is not None else None,
+        batch=batch,
+        seq_len=seq_len,
+        checkpointing=spec.checkpointing if spec is not None else True,
+        activations=int(activations_gib * GIB) if activations_gib is not None else None,
+        activation_source=source,
+    )
+    return num_params, kwargs
+
+
+def plan(
+    num_params: int | None = None,
+    memory_gib: float = 24.0,
+    configs: list | None = None,
+    *,
+    model: ModelSpec | str | None = None,
+    dtype: str = "bf16",
+    batch: int = 1,
+    seq_len: int = 1024,
+    measurements: list[dict] | None = None,
+    activations_gib: float | None = None,
+) -> list[PlanRow]:
+    """Which configurations fit in ``memory_gib``; one :class:`PlanRow` per configuration."""
+    num_params, kwargs = _inputs(num_params, model, dtype, batch, seq_len, activations_gib)
+    configs = [parse_config(c) if isinstance(c, str) else c for c in (configs or DEFAULT_CONFIGS)]
+    return plan_configs(num_params, int(memory_gib * GIB), configs, measurements=measurements, **kwargs)
+
+
+@dataclass
+class Recommendation:
+    """Every candidate format (best quality first) and the one to use (None: nothing fits)."""
+
+    rows: list[PlanRow]
+    choice: PlanRow | None
+
+    @property
+    def fitting(self) -> list[PlanRow]:
+        return [r for r in self.rows if r.fits]
+
+
+def recommend(
+    num_params: int | None = None,
+    memory_gib: float = 24.0,
+    *,
+    model: ModelSpec | str | None = None,
+    dtype: str = "bf16",
+    batch: int = 1,
+    seq_len: int = 1024,
+    measurements: list[dict] | None = None,
+    activations_gib: float | None = None,
+) -> Recommendation:
+    """The fusedopt AdamW configurations that fit in ``memory_gib``, and which one to use.
+
+    The choice is the first that fits from the default format down: formats with more bits than
+    the default cost memory and were not measured better (the default is within noise of fp32
+    AdamW, :data:`QUALITY`); among equals, ``fused=False`` (a faster step) before ``fused=True``.
+    """
+    num_params, kwargs = _inputs(num_params, model, dtype, batch, seq_len, activations_gib)
+    configs = candidate_configs(kwargs["dtype"])
+    rows = plan_configs(num_params, int(memory_gib * GIB), configs, measurements=measurements, **kwargs)
+    start = next((i for i, r in enumerate(rows) if _format(r.config) == DEFAULT_FORMAT), 0)
+    choice = next((r for r in rows[start:] if r.fits), None) or next((r for r in rows if r.fits), None)
+    return Recommendation(rows, choice)
+
+
+def _format(config) -> tuple:
+    options = {**FUSEDOPT_DEFAULTS, **config.kwargs}
+    return options["state_bits"], options["master_weight_bits"]
+
+
+def config_string(config) -> str:
+    """The ``--config`` string of a configuration (what the profiler takes)."""
+    name = config.optimizer.replace("fusedopt.AdamW", "fusedopt").replace("torch.AdamW", "torch")
+    return name + (":" + ",".join(f"{k}={v!r}" for k, v in config.kwargs.items()) if config.kwargs else "")
+
+
+def _gib(b) -> str:
+    return f"{b / GIB:.2f}"
+
+
+def format_plan(rows: list[PlanRow], *, num_params: int, memory_bytes: int, header: str = "") -> str:
+    lines = []
+    if header:
+        lines.append(header)
+    lines.append(f"{num_params:,} parameters; memory {memory_bytes / GIB:.2f} GiB")
+    sources = {(r.activations, r.activation_source) for r in rows}
+    one_source = len(sources) == 1 and rows[0].activations is not None
+    if one_source:
+        lines.append(f"activations: {_gib(rows[0].activations)} GiB, {rows[0].activation_source}")
+    width = max(len("config"), *(len(r.description) for r in rows))
+    head = (
+        f"{'config':<{width}}  {'B/param':>7}  {'persist GiB':>11}  {'grads GiB':>9}  {'activ GiB':>9}  "
+        f"{'peak GiB':>8}  {'margin GiB':>10}  {'fits':>4}  bytes per parameter from"
+    )
+    lines += [head, "-" * len(head)]
+    for r in rows:
+        fits = {True: "yes", False: "no", None: "?"}[r.fits]
+        act = _gib(r.activations) if r.activations is not None else "n/a"
+        peak = _gib(r.peak) + ("+" if r.activations is None else "")
+        margin = f"{r.margin / GIB:+.2f}" if r.activations is not None else "n/a"
+        lines.append(
+            f"{r.description:<{width}}  {r.per_param.at_peak:>7.2f}  {_gib(r.persistent):>11}  {_gib(r.grads):>9}  "
+            f"{act:>9}  {peak:>8}  {margin:>10}  {fits:>4}  {r.per_param.source}"
+            + ("" if one_source else f"; activations: {r.activation_source}")
+        )
+    lines += [f"note: {r.description}: {r.note}" for r in rows if r.note]
+    if any(r.activations is None for r in rows):
+        lines.append(
+            "activations not included ('+'): give --model/--shape/--hf-config, --activations, or a measurement"
+        )
+    lines.append(
+        "B/param = parameter + master-weight correction + optimizer state + gradient alive at the peak (none with "
+        "fused=True: each gradient is applied and freed in backward), per parameter; peak = B/param x parameters "
+        "+ activations"
+    )
+    return "\n".join(lines)
+
+
+def format_recommendation(rec: Recommendation, *, memory_bytes: int) -> str:
+    fitting = rec.fitting
+    lines = []
+    if not fitting:
+        leanest = min(rec.rows, key=lambda r: r.peak)
+        lines.append(
+            f"No fusedopt AdamW configuration fits in {memory_bytes / GIB:.2f} GiB: the leanest, "
+            f"{leanest.description}, needs {_gib(leanest.peak)} GiB. Try a smaller --batch or --seq-len, "
+            "activation checkpointing, or more GPU memory."
+        )
+        return "\n".join(lines)
+    lines.append(
+        f"fusedopt AdamW configurations that fit in {memory_bytes / GIB:.2f} GiB, best quality first "
+        "(quality: held-out loss against fp32 AdamW, benchmarks/RESULTS.md):"
+    )
+    width = max(len(r.description) for r in fitting)
+    for r in fitting:
+        mark = "*" if r is rec.choice else " "
+        lines.append(
+            f" {mark} {r.description:<{width}}  peak {_gib(r.peak)} GiB  margin {r.margin / GIB:+.2f} GiB  "
+            f"quality {r.quality}"
+        )
+    c = rec.choice
+    lines.append(
+        f'Use: {c.description} (--config "{config_string(c.config)}"), peak {_gib(c.peak)} GiB, '
+        f"margin {c.margin / GIB:.2f} GiB."
+    )
+    if _format(c.config) != _format(fitting[0].config):
+        lines.append("  (rows above it keep more bits than the default: more memory for no measured gain)")
+    return "\n".join(lines)
