@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -29,12 +30,34 @@ def _standin_args() -> list[str]:
         return ["--state-bits", "16", "--master-weight-bits", "none"]
 
 
-def _run(script: str, args: list[str], cwd) -> subprocess.CompletedProcess:
+def _run(script: str, args: list[str], cwd, returncode: int = 0) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     cmd = [sys.executable, os.path.join(EXAMPLES, script), "--device", "cpu", *_standin_args(), *args]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == returncode, proc.stdout + proc.stderr
     return proc
+
+
+def _load_example(name: str, monkeypatch):
+    """Import an example as a module (its directory on sys.path, as when it runs as a script)."""
+    monkeypatch.syspath_prepend(EXAMPLES)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _summary(path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _assert_small_sizes_readable(stdout: str):
+    """A tiny model's memory summary prints KiB/MiB figures on a few lines, never '0.003 GiB'."""
+    block = stdout[stdout.index("memory of the last step") :].splitlines()[:4]
+    assert re.fullmatch(r"  peak +\d+(\.\d+)? (KiB|MiB) in backward .*", block[1]), block
+    assert block[2].startswith("  at the peak ") and block[3].startswith("  persistent "), block
+    assert all(len(line) <= 160 for line in block), block
+    assert "GiB" not in "\n".join(block), block
 
 
 def test_finetune_lowvram_trains_saves_resumes_and_reports_memory(tmp_path):
@@ -44,6 +67,7 @@ def test_finetune_lowvram_trains_saves_resumes_and_reports_memory(tmp_path):
         "finetune_lowvram.py", [*common, "--save-every", "2", "--out", str(a), "--summary-json", "a.json"], tmp_path
     )
     assert "memory of the last step" in proc.stdout and "bytes per parameter" in proc.stdout
+    _assert_small_sizes_readable(proc.stdout)
     summary = json.loads((tmp_path / "a.json").read_text())
     assert len(summary["losses"]) == 3 and all(x == x and x < 10 for x in summary["losses"])
     memory = summary["memory"]
@@ -63,10 +87,74 @@ def test_finetune_lowvram_trains_saves_resumes_and_reports_memory(tmp_path):
         assert torch.equal(tensor, final_b["model"][name]), name
 
 
-def test_finetune_lowvram_rejects_bad_input(capsys):
-    spec = importlib.util.spec_from_file_location("finetune_lowvram", os.path.join(EXAMPLES, "finetune_lowvram.py"))
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+def test_finetune_lowvram_resume_follows_the_saved_schedule(tmp_path, monkeypatch, capsys):
+    """N steps then a resume to M > N steps: the LR (and loss) of every step is the uninterrupted run's."""
+    base = ["--seq-len", "32", "--no-profile", "--lr", "1e-3", "--warmup", "2", "--min-lr-ratio", "0.2"]
+
+    # The schedule defaults to the first run's --steps (3); resuming to 6 must not stretch it to 6.
+    _run("finetune_lowvram.py", [*base, "--steps", "3", "--out", "a", "--summary-json", "a.json"], tmp_path)
+    resume = ["--seq-len", "32", "--no-profile", "--resume", "a/checkpoint.pt"]
+    proc = _run("finetune_lowvram.py", [*resume, "--steps", "6", "--out", "b", "--summary-json", "b.json"], tmp_path)
+    assert "cosine to 0.2 x peak at step 3" in proc.stdout
+    _run(
+        "finetune_lowvram.py",
+        [*base, "--steps", "6", "--total-steps", "3", "--out", "c", "--summary-json", "c.json"],
+        tmp_path,
+    )
+    a, b, c = (_summary(tmp_path / f"{x}.json") for x in "abc")
+    assert len(c["lrs"]) == 6 and len(set(c["lrs"])) >= 3  # warm-up, decay, the floor: a real schedule
+    assert a["lrs"] + b["lrs"] == c["lrs"]
+    assert a["losses"] + b["losses"] == c["losses"]
+
+    # Planned ahead: --total-steps 6 from the start, resumed to 6 = one 6-step run.
+    _run(
+        "finetune_lowvram.py",
+        [*base, "--steps", "3", "--total-steps", "6", "--out", "d", "--summary-json", "d.json"],
+        tmp_path,
+    )
+    _run(
+        "finetune_lowvram.py",
+        [*resume[:-1], "d/checkpoint.pt", "--steps", "6", "--out", "e", "--summary-json", "e.json"],
+        tmp_path,
+    )
+    _run("finetune_lowvram.py", [*base, "--steps", "6", "--out", "f", "--summary-json", "f.json"], tmp_path)
+    d, e, f = (_summary(tmp_path / f"{x}.json") for x in "def")
+    assert d["lrs"] + e["lrs"] == f["lrs"] and d["losses"] + e["losses"] == f["losses"]
+    assert f["lrs"][3:] != c["lrs"][3:]  # the two schedules differ where the runs were resumed
+
+    # A schedule option on resume that contradicts the checkpoint is refused, naming both values.
+    example = _load_example("finetune_lowvram", monkeypatch)
+    ckpt = str(tmp_path / "a" / "checkpoint.pt")
+    for option, value in (("--total-steps", "6"), ("--warmup", "1"), ("--lr", "3e-4"), ("--min-lr-ratio", "0.1")):
+        capsys.readouterr()
+        assert example.main(["--device", "cpu", "--resume", ckpt, "--steps", "6", option, value]) == 2
+        err = capsys.readouterr().err
+        assert f"{option} {float(value) if '.' in value or 'e' in value else int(value)}" in err, err
+        assert "the checkpoint's schedule has" in err, err
+    # the same value as saved is no conflict; --steps not past the checkpoint is refused
+    assert example.main(["--device", "cpu", "--resume", ckpt, "--steps", "3", "--total-steps", "3"]) == 2
+    assert "the checkpoint is at step 3" in capsys.readouterr().err
+
+
+def test_format_bytes(monkeypatch):
+    monkeypatch.syspath_prepend(EXAMPLES)
+    from memory_summary import format_bytes
+
+    assert format_bytes(0) == "0 B"
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(1023) == "1023 B"
+    assert format_bytes(1024) == "1.00 KiB"
+    assert format_bytes(3072) == "3.00 KiB"
+    assert format_bytes(2.5 * 2**20) == "2.50 MiB"
+    assert format_bytes(15.5 * 2**20) == "15.5 MiB"
+    assert format_bytes(123.4 * 2**20) == "123 MiB"
+    assert format_bytes(1.2 * 2**30) == "1.20 GiB"
+    assert format_bytes(62.76 * 2**30) == "62.8 GiB"
+    assert format_bytes(-3 * 2**20) == "-3.00 MiB"
+
+
+def test_finetune_lowvram_rejects_bad_input(capsys, monkeypatch):
+    example = _load_example("finetune_lowvram", monkeypatch)
     assert example.main(["--device", "cpu", "--preset", "huge"]) == 2
     assert "unknown preset 'huge'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
@@ -81,7 +169,31 @@ def test_finetune_hf(tmp_path):
         "finetune_hf.py", ["--steps", "2", "--out", str(out), "--summary-json", str(tmp_path / "s.json")], tmp_path
     )
     assert "memory of the last step" in proc.stdout
+    _assert_small_sizes_readable(proc.stdout)
     summary = json.loads((tmp_path / "s.json").read_text())
     assert len(summary["losses"]) == 2
     assert sum(summary["memory"]["peak_breakdown"]["categories"].values()) == summary["memory"]["peak"]
     assert (out / "config.json").exists() and (out / "optimizer.pt").exists()
+
+
+def test_finetune_hf_resume_follows_the_saved_schedule(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    base = ["--seq-len", "32", "--lr", "1e-3", "--min-lr-ratio", "0.3", "--total-steps", "3"]
+    _run("finetune_hf.py", [*base, "--steps", "2", "--out", "a", "--summary-json", "a.json"], tmp_path)
+    proc = _run(
+        "finetune_hf.py",
+        ["--seq-len", "32", "--steps", "4", "--resume", "a", "--out", "b", "--summary-json", "b.json"],
+        tmp_path,
+    )
+    assert "resumed from a at step 2" in proc.stdout
+    _run("finetune_hf.py", [*base, "--steps", "4", "--out", "c", "--summary-json", "c.json"], tmp_path)
+    a, b, c = (_summary(tmp_path / f"{x}.json") for x in "abc")
+    assert len(c["lrs"]) == 4 and len(set(c["lrs"])) >= 3
+    assert a["lrs"] + b["lrs"] == c["lrs"]
+    assert a["losses"] + b["losses"] == c["losses"]
+
+    example = _load_example("finetune_hf", monkeypatch)
+    capsys.readouterr()
+    assert example.main(["--device", "cpu", "--resume", str(tmp_path / "a"), "--steps", "4", "--total-steps", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--total-steps 4 (the checkpoint's schedule has 3)" in err, err
