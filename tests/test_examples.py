@@ -89,50 +89,45 @@ def test_finetune_lowvram_trains_saves_resumes_and_reports_memory(tmp_path):
 
 def test_finetune_lowvram_resume_follows_the_saved_schedule(tmp_path, monkeypatch, capsys):
     """N steps then a resume to M > N steps: the LR (and loss) of every step is the uninterrupted run's."""
-    base = ["--seq-len", "32", "--no-profile", "--lr", "1e-3", "--warmup", "2", "--min-lr-ratio", "0.2"]
+    example = _load_example("finetune_lowvram", monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    base = ["--device", "cpu", *_standin_args(), "--shape", "layers=2", "--seq-len", "16", "--micro-batch", "1"]
+    base += ["--no-profile"]
+    schedule = ["--lr", "1e-3", "--warmup", "2", "--min-lr-ratio", "0.2"]
+
+    def run(name, *args):
+        assert example.main([*base, *args, "--out", name, "--summary-json", f"{name}.json"]) == 0
+        return _summary(tmp_path / f"{name}.json")
 
     # The schedule defaults to the first run's --steps (3); resuming to 6 must not stretch it to 6.
-    _run("finetune_lowvram.py", [*base, "--steps", "3", "--out", "a", "--summary-json", "a.json"], tmp_path)
-    resume = ["--seq-len", "32", "--no-profile", "--resume", "a/checkpoint.pt"]
-    proc = _run("finetune_lowvram.py", [*resume, "--steps", "6", "--out", "b", "--summary-json", "b.json"], tmp_path)
-    assert "cosine to 0.2 x peak at step 3" in proc.stdout
-    _run(
-        "finetune_lowvram.py",
-        [*base, "--steps", "6", "--total-steps", "3", "--out", "c", "--summary-json", "c.json"],
-        tmp_path,
-    )
-    a, b, c = (_summary(tmp_path / f"{x}.json") for x in "abc")
+    a = run("a", *schedule, "--steps", "3")
+    b = run("b", "--resume", "a/checkpoint.pt", "--steps", "6")
+    assert "cosine to 0.2 x peak at step 3" in capsys.readouterr().out
+    c = run("c", *schedule, "--steps", "6", "--total-steps", "3")
     assert len(c["lrs"]) == 6 and len(set(c["lrs"])) >= 3  # warm-up, decay, the floor: a real schedule
     assert a["lrs"] + b["lrs"] == c["lrs"]
     assert a["losses"] + b["losses"] == c["losses"]
 
     # Planned ahead: --total-steps 6 from the start, resumed to 6 = one 6-step run.
-    _run(
-        "finetune_lowvram.py",
-        [*base, "--steps", "3", "--total-steps", "6", "--out", "d", "--summary-json", "d.json"],
-        tmp_path,
-    )
-    _run(
-        "finetune_lowvram.py",
-        [*resume[:-1], "d/checkpoint.pt", "--steps", "6", "--out", "e", "--summary-json", "e.json"],
-        tmp_path,
-    )
-    _run("finetune_lowvram.py", [*base, "--steps", "6", "--out", "f", "--summary-json", "f.json"], tmp_path)
-    d, e, f = (_summary(tmp_path / f"{x}.json") for x in "def")
+    d = run("d", *schedule, "--steps", "3", "--total-steps", "6")
+    e = run("e", "--resume", "d/checkpoint.pt", "--steps", "6")
+    f = run("f", *schedule, "--steps", "6")
     assert d["lrs"] + e["lrs"] == f["lrs"] and d["losses"] + e["losses"] == f["losses"]
     assert f["lrs"][3:] != c["lrs"][3:]  # the two schedules differ where the runs were resumed
 
     # A schedule option on resume that contradicts the checkpoint is refused, naming both values.
-    example = _load_example("finetune_lowvram", monkeypatch)
-    ckpt = str(tmp_path / "a" / "checkpoint.pt")
-    for option, value in (("--total-steps", "6"), ("--warmup", "1"), ("--lr", "3e-4"), ("--min-lr-ratio", "0.1")):
+    for option, value, shown in (
+        ("--total-steps", "6", "6"),
+        ("--warmup", "1", "1"),
+        ("--lr", "3e-4", "0.0003"),
+        ("--min-lr-ratio", "0.1", "0.1"),
+    ):
         capsys.readouterr()
-        assert example.main(["--device", "cpu", "--resume", ckpt, "--steps", "6", option, value]) == 2
+        assert example.main([*base, "--resume", "a/checkpoint.pt", "--steps", "6", option, value]) == 2
         err = capsys.readouterr().err
-        assert f"{option} {float(value) if '.' in value or 'e' in value else int(value)}" in err, err
-        assert "the checkpoint's schedule has" in err, err
-    # the same value as saved is no conflict; --steps not past the checkpoint is refused
-    assert example.main(["--device", "cpu", "--resume", ckpt, "--steps", "3", "--total-steps", "3"]) == 2
+        assert f"{option} {shown} (the checkpoint's schedule has " in err, err
+    # the saved value itself is no conflict; --steps not past the checkpoint is refused
+    assert example.main([*base, "--resume", "a/checkpoint.pt", "--steps", "3", "--total-steps", "3"]) == 2
     assert "the checkpoint is at step 3" in capsys.readouterr().err
 
 
@@ -178,22 +173,23 @@ def test_finetune_hf(tmp_path):
 
 def test_finetune_hf_resume_follows_the_saved_schedule(tmp_path, monkeypatch, capsys):
     pytest.importorskip("transformers")
-    base = ["--seq-len", "32", "--lr", "1e-3", "--min-lr-ratio", "0.3", "--total-steps", "3"]
-    _run("finetune_hf.py", [*base, "--steps", "2", "--out", "a", "--summary-json", "a.json"], tmp_path)
-    proc = _run(
-        "finetune_hf.py",
-        ["--seq-len", "32", "--steps", "4", "--resume", "a", "--out", "b", "--summary-json", "b.json"],
-        tmp_path,
-    )
-    assert "resumed from a at step 2" in proc.stdout
-    _run("finetune_hf.py", [*base, "--steps", "4", "--out", "c", "--summary-json", "c.json"], tmp_path)
-    a, b, c = (_summary(tmp_path / f"{x}.json") for x in "abc")
+    example = _load_example("finetune_hf", monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    base = ["--device", "cpu", *_standin_args(), "--seq-len", "16", "--micro-batch", "1"]
+    schedule = ["--lr", "1e-3", "--min-lr-ratio", "0.3", "--total-steps", "3"]
+
+    def run(name, *args):
+        assert example.main([*base, *args, "--out", name, "--summary-json", f"{name}.json"]) == 0
+        return _summary(tmp_path / f"{name}.json")
+
+    a = run("a", *schedule, "--steps", "2")
+    b = run("b", "--resume", "a", "--steps", "4")
+    assert "resumed from a at step 2" in capsys.readouterr().out
+    c = run("c", *schedule, "--steps", "4")
     assert len(c["lrs"]) == 4 and len(set(c["lrs"])) >= 3
     assert a["lrs"] + b["lrs"] == c["lrs"]
     assert a["losses"] + b["losses"] == c["losses"]
 
-    example = _load_example("finetune_hf", monkeypatch)
-    capsys.readouterr()
-    assert example.main(["--device", "cpu", "--resume", str(tmp_path / "a"), "--steps", "4", "--total-steps", "4"]) == 2
+    assert example.main([*base, "--resume", "a", "--steps", "4", "--total-steps", "4"]) == 2
     err = capsys.readouterr().err
     assert "--total-steps 4 (the checkpoint's schedule has 3)" in err, err
