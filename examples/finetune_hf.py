@@ -6,12 +6,21 @@ CPU, the TinyLlama 1.1B shape on a GPU), or any ``config.json`` given with ``--c
 trained in bf16 with gradient checkpointing and ``fusedopt.AdamW(fused=True)`` (the update runs
 inside backward and frees each gradient), gradient accumulation through
 ``accumulation_steps``, a warm-up + cosine schedule, on byte-level text from the Python
-standard library. At the end it saves the model with ``save_pretrained`` plus the optimizer
-state, and prints the memory of the last step measured by ``fusedopt.profile``.
+standard library. At the end it saves the model with ``save_pretrained`` plus the optimizer,
+scheduler and step (``optimizer.pt``), and prints the memory of the last step measured by
+``fusedopt.profile``.
 
     python examples/finetune_hf.py                          # CPU: tiny Llama, a few steps
-    python examples/finetune_hf.py --steps 200              # GPU: 1.1B Llama shape, bf16
+    python examples/finetune_hf.py --steps 200 --total-steps 400   # GPU: 1.1B Llama shape, bf16
+    python examples/finetune_hf.py --steps 400 --resume out/finetune_hf   # continue it to step 400
     python examples/finetune_hf.py --config my_model/config.json --init my_model/
+
+The LR schedule (warm-up, then cosine to ``lr * min_lr_ratio`` at ``--total-steps``, default
+``--steps``; constant after that) is fixed when a run starts and saved in ``optimizer.pt``. A
+resumed run follows the saved schedule, so its LR at every step is what an uninterrupted run
+would have had; a schedule option given on resume that differs from the saved one is an error
+(exit code 2). To train longer than the first ``--steps`` with a full decay, pass the final
+``--total-steps`` when the run starts.
 
 Needs ``pip install transformers``.
 """
@@ -27,10 +36,14 @@ import sys
 import time
 
 import torch
+from memory_summary import summarize  # examples/memory_summary.py: sizes in B/KiB/MiB/GiB
 
 import fusedopt
 from fusedopt.profile import MemoryTracker
 from fusedopt.profile.models import enable_hf_checkpointing, stdlib_source_bytes
+
+SCHEDULE_KEYS = ("total_steps", "warmup", "lr", "min_lr_ratio")  # what defines the LR at every step
+SCHEDULE_DEFAULTS = {"lr": 2e-4, "min_lr_ratio": 0.1}
 
 
 def llama_config(tiny: bool):
@@ -70,18 +83,63 @@ def get_batch(corpus, step, micro, args, device):
     return torch.stack([corpus[s : s + args.seq_len] for s in starts.tolist()]).long().to(device)
 
 
+def lr_lambda(args):
+    def fn(step: int) -> float:
+        if step < args.warmup:
+            return (step + 1) / args.warmup
+        progress = min(1.0, (step - args.warmup) / max(1, args.total_steps - args.warmup))
+        return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return fn
+
+
+def resolve_schedule(args, saved: dict | None) -> str | None:
+    """Fill ``args``' schedule: the checkpoint's values on resume, else the options and defaults.
+
+    Returns an error message when an option given on resume contradicts the saved schedule.
+    """
+    if saved is not None:
+        conflicts = [
+            f"--{k.replace('_', '-')} {getattr(args, k)} (the checkpoint's schedule has {saved[k]})"
+            for k in SCHEDULE_KEYS
+            if getattr(args, k) is not None and getattr(args, k) != saved[k]
+        ]
+        if conflicts:
+            return (
+                "the checkpoint's LR schedule differs from "
+                + "; ".join(conflicts)
+                + ": a resumed run keeps the schedule it started with. Leave the option out to continue it"
+                " (pass the final --total-steps when a run starts to decay over a longer run)"
+            )
+        for k in SCHEDULE_KEYS:
+            setattr(args, k, saved[k])
+        return None
+    for k, value in SCHEDULE_DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, value)
+    if args.total_steps is None:
+        args.total_steps = args.steps
+    if args.warmup is None:
+        args.warmup = max(1, args.total_steps // 10)
+    return None
+
+
 def parse_args(argv=None):
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--config", help="a transformers config.json (default: a Llama config, tiny on CPU)")
     p.add_argument("--init", help="a directory saved with save_pretrained: start from its weights")
+    p.add_argument("--resume", help="a directory this example saved (--out): continue its run to --steps")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 200 on CUDA, 4 on CPU)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps to reach (default 200 CUDA, 4 CPU)")
+    p.add_argument("--total-steps", type=int, default=None, help="length of the LR schedule (default: --steps)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: total steps / 10)")
+    p.add_argument("--min-lr-ratio", type=float, default=None, help="final LR / peak LR (default 0.1)")
     p.add_argument("--micro-batch", type=int, default=None)
     p.add_argument("--accum", type=int, default=None, help="micro-batches per step (accumulation_steps)")
     p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-4)")
     p.add_argument("--state-bits", type=int, default=None, help="override fusedopt's default state_bits")
     p.add_argument("--master-weight-bits", default=None, help="override the default master_weight_bits (24, 32, none)")
     p.add_argument("--out", default="out/finetune_hf")
@@ -94,8 +152,8 @@ def parse_args(argv=None):
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    for name in ("steps", "micro_batch", "accum", "seq_len"):
-        if getattr(args, name) < 1:
+    for name in ("steps", "micro_batch", "accum", "seq_len", "total_steps", "warmup"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
 
@@ -109,7 +167,28 @@ def main(argv=None) -> int:
         return 2
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    if args.config:
+    ckpt = None
+    if args.resume:
+        if args.init or args.config:
+            print("error: --resume takes the model from its directory; leave out --init and --config", file=sys.stderr)
+            return 2
+        ckpt = torch.load(os.path.join(args.resume, "optimizer.pt"), map_location=device, weights_only=True)
+        if "schedule" not in ckpt:  # written by an older version of this example
+            print(
+                f"note: {args.resume} has no saved LR schedule; using the options given "
+                "(pass the --total-steps, --warmup, --lr and --min-lr-ratio the run started with)",
+                file=sys.stderr,
+            )
+        if args.steps <= ckpt["step"]:
+            print(f"error: the checkpoint is at step {ckpt['step']}; pass --steps above it", file=sys.stderr)
+            return 2
+    error = resolve_schedule(args, ckpt.get("schedule") if ckpt is not None else None)
+    if error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.resume:
+        config = transformers.AutoConfig.from_pretrained(args.resume, local_files_only=True)
+    elif args.config:
         config = transformers.AutoConfig.from_pretrained(args.config, local_files_only=True)
     else:
         config = llama_config(tiny=device.type == "cpu")
@@ -118,8 +197,8 @@ def main(argv=None) -> int:
         return 2
     config.use_cache = False
     torch.manual_seed(args.seed)
-    if args.init:
-        model = transformers.AutoModelForCausalLM.from_pretrained(args.init, local_files_only=True)
+    if args.init or args.resume:
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.init or args.resume, local_files_only=True)
     else:
         model = transformers.AutoModelForCausalLM.from_config(config)
     model.to(device=device, dtype=dtype)
@@ -132,9 +211,17 @@ def main(argv=None) -> int:
     if args.master_weight_bits is not None:
         kwargs["master_weight_bits"] = None if args.master_weight_bits == "none" else int(args.master_weight_bits)
     optimizer = fusedopt.AdamW(model.parameters(), **kwargs)
-    warmup = max(1, args.steps // 10)
-    schedule = lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / args.steps))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args))
+    start = 0
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        start = ckpt["step"]
+        print(f"resumed from {args.resume} at step {start}")
+    print(
+        f"LR schedule: peak {args.lr:g}, {args.warmup} warm-up steps, cosine to {args.min_lr_ratio:g} x peak"
+        f" at step {args.total_steps}"
+    )
 
     corpus = load_corpus()
     num_params = sum(p.numel() for p in model.parameters())
@@ -142,8 +229,9 @@ def main(argv=None) -> int:
         f"{config.model_type}: {num_params:,} parameters, {args.dtype} on {device}, "
         f"micro-batch {args.micro_batch} x {args.seq_len}, {args.accum} micro-batches per step"
     )
-    losses, memory, t0 = [], None, time.perf_counter()
-    for step in range(args.steps):
+    losses, lrs, memory, t0 = [], [], None, time.perf_counter()
+    for step in range(start, args.steps):
+        lr = optimizer.param_groups[0]["lr"]  # the LR this step's update uses
         tracker = MemoryTracker(model, optimizer, device=device) if step == args.steps - 1 else None
         phase = tracker.phase if tracker else (lambda name: contextlib.nullcontext())
         with tracker or contextlib.nullcontext():
@@ -163,7 +251,9 @@ def main(argv=None) -> int:
         if tracker:
             memory = tracker.result()
         losses.append(total)
-        print(f"step {step + 1}/{args.steps}  loss {total:.4f}  {time.perf_counter() - t0:.1f}s", flush=True)
+        lrs.append(lr)
+        elapsed = time.perf_counter() - t0
+        print(f"step {step + 1}/{args.steps}  loss {total:.4f}  lr {lr:.2e}  {elapsed:.1f}s", flush=True)
         if not math.isfinite(total):
             print("non-finite loss; stopping", file=sys.stderr)
             return 1
@@ -171,20 +261,19 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     model.save_pretrained(args.out)
     torch.save(
-        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": args.steps},
+        {
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "step": args.steps,
+            "schedule": {k: getattr(args, k) for k in SCHEDULE_KEYS},
+        },
         os.path.join(args.out, "optimizer.pt"),
     )
     print(f"saved to {args.out}")
-    gib = lambda b: f"{b / 2**30:.3f} GiB"
-    cats = memory.peak_breakdown.categories
-    print(
-        f"memory of the last step ({memory.method['peak']}): peak {gib(memory.peak)} in {memory.peak_phase}; "
-        + ", ".join(f"{k.replace('_', ' ')} {gib(v)}" for k, v in cats.items())
-        + f"; persistent {gib(memory.persistent)}"
-    )
+    print(summarize(memory, num_params))
     if args.summary_json:
         with open(args.summary_json, "w") as f:
-            json.dump({"losses": losses, "num_params": num_params, "memory": memory.to_dict()}, f)
+            json.dump({"losses": losses, "lrs": lrs, "num_params": num_params, "memory": memory.to_dict()}, f)
     return 0
 
 

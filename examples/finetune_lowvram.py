@@ -12,9 +12,18 @@ checkpoint save and exact resume (model, optimizer, scheduler, step; data order 
 function of the step), and a memory summary of the last step from ``fusedopt.profile``.
 
     python examples/finetune_lowvram.py                       # CPU: tiny model, a few steps
-    python examples/finetune_lowvram.py --preset 1b --steps 200 --seq-len 1024   # on a GPU
-    python examples/finetune_lowvram.py --resume out/finetune_lowvram/checkpoint.pt --steps 400
+    python examples/finetune_lowvram.py --preset 1b --steps 200 --total-steps 400 --seq-len 1024   # GPU
+    python examples/finetune_lowvram.py --preset 1b --seq-len 1024 --steps 400 \
+        --resume out/finetune_lowvram/checkpoint.pt          # continue the same run to step 400
     python examples/finetune_lowvram.py --init weights.pt     # start from your own weights
+
+The LR schedule is fixed when a run starts and saved in its checkpoints: ``--total-steps``
+(default: ``--steps``), ``--warmup``, ``--lr``, ``--min-lr-ratio``. A resumed run follows the
+saved schedule, so its LR at every step is what an uninterrupted run would have had; past
+``--total-steps`` the LR stays at ``lr * min_lr_ratio``. To train longer than the first
+``--steps`` with a full cosine decay, pass the final ``--total-steps`` when the run starts.
+Passing a schedule option on resume that differs from the saved one is an error (exit code 2):
+it would change the LR mid-run; leave it out to continue the saved schedule.
 
 Defaults: on CUDA the 1.1B TinyLlama shape, micro-batch 1 x 1024, 4 micro-batches per step;
 on CPU the ``tiny`` preset, micro-batch 2 x 64, 2 micro-batches per step, 6 steps.
@@ -31,9 +40,10 @@ import sys
 import time
 
 import torch
+from memory_summary import summarize  # examples/memory_summary.py: sizes in B/KiB/MiB/GiB
 
 import fusedopt
-from fusedopt.profile import MemoryTracker, StepMemory
+from fusedopt.profile import MemoryTracker
 from fusedopt.profile.models import PRESETS, TinyLM, UserError, parse_dtype, parse_shape, stdlib_source_bytes
 
 
@@ -98,6 +108,41 @@ def evaluate(model, corpus, args, device, batches: int = 2) -> float:
     return sum(losses) / len(losses)
 
 
+SCHEDULE_KEYS = ("total_steps", "warmup", "lr", "min_lr_ratio")  # what defines the LR at every step
+SCHEDULE_DEFAULTS = {"lr": 3e-4, "min_lr_ratio": 0.1}
+
+
+def resolve_schedule(args, saved: dict | None) -> str | None:
+    """Fill ``args``' schedule: the checkpoint's values on resume, else the options and defaults.
+
+    Returns an error message when an option given on resume contradicts the saved schedule.
+    """
+    if saved is not None:
+        conflicts = [
+            f"--{k.replace('_', '-')} {getattr(args, k)} (the checkpoint's schedule has {saved[k]})"
+            for k in SCHEDULE_KEYS
+            if getattr(args, k) is not None and getattr(args, k) != saved[k]
+        ]
+        if conflicts:
+            return (
+                "the checkpoint's LR schedule differs from "
+                + "; ".join(conflicts)
+                + ": a resumed run keeps the schedule it started with. Leave the option out to continue it"
+                " (pass the final --total-steps when a run starts to decay over a longer run)"
+            )
+        for k in SCHEDULE_KEYS:
+            setattr(args, k, saved[k])
+        return None
+    for k, value in SCHEDULE_DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, value)
+    if args.total_steps is None:
+        args.total_steps = args.steps
+    if args.warmup is None:
+        args.warmup = max(1, args.total_steps // 10)
+    return None
+
+
 def save_checkpoint(path, model, optimizer, scheduler, step, args):
     tmp = path + ".tmp"
     torch.save(
@@ -106,26 +151,12 @@ def save_checkpoint(path, model, optimizer, scheduler, step, args):
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "step": step,
+            "schedule": {k: getattr(args, k) for k in SCHEDULE_KEYS},
             "shape": vars(model.shape),
         },
         tmp,
     )
     os.replace(tmp, path)  # never leave a half-written checkpoint behind
-
-
-def summarize(memory: StepMemory, num_params: int) -> str:
-    gib = lambda b: f"{b / 2**30:.3f} GiB"
-    cats = memory.peak_breakdown.categories
-    parts = ", ".join(f"{k.replace('_', ' ')} {gib(v)}" for k, v in cats.items())
-    return "\n".join(
-        [
-            f"memory of the last step ({memory.method['peak']}):",
-            f"  peak {gib(memory.peak)} in {memory.peak_phase} (largest part: {memory.dominant.replace('_', ' ')})",
-            f"  at the peak: {parts}",
-            f"  persistent between steps {gib(memory.persistent)} = "
-            f"{memory.persistent / num_params:.2f} bytes per parameter",
-        ]
-    )
 
 
 def parse_args(argv=None):
@@ -137,13 +168,15 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--init", help="initial weights: a state dict saved with torch.save (fine-tune from it)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps to reach (default: 200 CUDA, 6 CPU)")
-    p.add_argument("--total-steps", type=int, default=None, help="length of the LR schedule (default: --steps)")
+    p.add_argument(
+        "--total-steps", type=int, default=None, help="length of the LR schedule (default: --steps; saved on resume)"
+    )
     p.add_argument("--micro-batch", type=int, default=None)
     p.add_argument("--accum", type=int, default=None, help="micro-batches per optimizer step (accumulation_steps)")
     p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-4; saved on resume)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: total steps / 10)")
+    p.add_argument("--min-lr-ratio", type=float, default=None, help="final LR / peak LR (default 0.1)")
     p.add_argument("--state-bits", type=int, default=None, help="override fusedopt's default state_bits")
     p.add_argument("--master-weight-bits", default=None, help="override the default master_weight_bits (24, 32, none)")
     p.add_argument("--eval-every", type=int, default=0)
@@ -161,11 +194,8 @@ def parse_args(argv=None):
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.total_steps is None:
-        args.total_steps = args.steps
-    args.warmup = args.warmup if args.warmup is not None else max(1, args.total_steps // 10)
-    for name in ("steps", "micro_batch", "accum", "seq_len", "total_steps"):
-        if getattr(args, name) < 1:
+    for name in ("steps", "micro_batch", "accum", "seq_len", "total_steps", "warmup"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
 
@@ -188,6 +218,20 @@ def main(argv=None) -> int:
     if shape.vocab < 256:
         print("error: byte-level data needs vocab >= 256", file=sys.stderr)
         return 2
+    ckpt = torch.load(args.resume, map_location=device, weights_only=True) if args.resume else None
+    if ckpt is not None and "schedule" not in ckpt:  # written by an older version of this example
+        print(
+            f"note: {args.resume} has no saved LR schedule; using the options given "
+            "(pass the --total-steps, --warmup, --lr and --min-lr-ratio the run started with)",
+            file=sys.stderr,
+        )
+    error = resolve_schedule(args, ckpt.get("schedule") if ckpt is not None else None)
+    if error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if ckpt is not None and args.steps <= ckpt["step"]:
+        print(f"error: the checkpoint is at step {ckpt['step']}; pass --steps above it to continue", file=sys.stderr)
+        return 2
     torch.manual_seed(args.seed)
     model = TinyLM(shape, checkpointing=True, device=device, dtype=dtype)
     if args.init:
@@ -195,13 +239,16 @@ def main(argv=None) -> int:
     optimizer = build_optimizer(model, args)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args))
     start = 0
-    if args.resume:
-        ckpt = torch.load(args.resume, map_location=device, weights_only=True)
+    if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         start = ckpt["step"]
         print(f"resumed from {args.resume} at step {start}")
+    print(
+        f"LR schedule: peak {args.lr:g}, {args.warmup} warm-up steps, cosine to {args.min_lr_ratio:g} x peak"
+        f" at step {args.total_steps}"
+    )
     corpus = load_corpus()
     num_params = sum(p.numel() for p in model.parameters())
     print(
@@ -210,9 +257,10 @@ def main(argv=None) -> int:
     )
     os.makedirs(args.out, exist_ok=True)
     ckpt_path = os.path.join(args.out, "checkpoint.pt")
-    losses, memory, t0 = [], None, time.perf_counter()
+    losses, lrs, memory, t0 = [], [], None, time.perf_counter()
     for step in range(start, args.steps):
         last = step == args.steps - 1
+        lr = optimizer.param_groups[0]["lr"]  # the LR this step's update uses
         if last and not args.no_profile:
             tracker = MemoryTracker(model, optimizer, device=device)
             with tracker:
@@ -221,10 +269,10 @@ def main(argv=None) -> int:
         else:
             loss = train_step(model, optimizer, scheduler, corpus, step, args, device)
         losses.append(loss)
+        lrs.append(lr)
         if not math.isfinite(loss):
             print(f"step {step + 1}: loss is {loss}; stopping", file=sys.stderr)
             return 1
-        lr = scheduler.get_last_lr()[0]
         elapsed = time.perf_counter() - t0
         print(f"step {step + 1}/{args.steps}  loss {loss:.4f}  lr {lr:.2e}  {elapsed:.1f}s", flush=True)
         if args.eval_every and (step + 1) % args.eval_every == 0:
@@ -242,6 +290,7 @@ def main(argv=None) -> int:
             json.dump(
                 {
                     "losses": losses,
+                    "lrs": lrs,  # the LR of each step run here (steps start+1 .. --steps)
                     "eval_loss": eval_loss,
                     "num_params": num_params,
                     "memory": memory.to_dict() if memory is not None else None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -29,12 +30,34 @@ def _standin_args() -> list[str]:
         return ["--state-bits", "16", "--master-weight-bits", "none"]
 
 
-def _run(script: str, args: list[str], cwd) -> subprocess.CompletedProcess:
+def _run(script: str, args: list[str], cwd, returncode: int = 0) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     cmd = [sys.executable, os.path.join(EXAMPLES, script), "--device", "cpu", *_standin_args(), *args]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == returncode, proc.stdout + proc.stderr
     return proc
+
+
+def _load_example(name: str, monkeypatch):
+    """Import an example as a module (its directory on sys.path, as when it runs as a script)."""
+    monkeypatch.syspath_prepend(EXAMPLES)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _summary(path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _assert_small_sizes_readable(stdout: str):
+    """A tiny model's memory summary prints KiB/MiB figures on a few lines, never '0.003 GiB'."""
+    block = stdout[stdout.index("memory of the last step") :].splitlines()[:4]
+    assert re.fullmatch(r"  peak +\d+(\.\d+)? (KiB|MiB) in backward .*", block[1]), block
+    assert block[2].startswith("  at the peak ") and block[3].startswith("  persistent "), block
+    assert all(len(line) <= 160 for line in block), block
+    assert "GiB" not in "\n".join(block), block
 
 
 def test_finetune_lowvram_trains_saves_resumes_and_reports_memory(tmp_path):
@@ -44,6 +67,7 @@ def test_finetune_lowvram_trains_saves_resumes_and_reports_memory(tmp_path):
         "finetune_lowvram.py", [*common, "--save-every", "2", "--out", str(a), "--summary-json", "a.json"], tmp_path
     )
     assert "memory of the last step" in proc.stdout and "bytes per parameter" in proc.stdout
+    _assert_small_sizes_readable(proc.stdout)
     summary = json.loads((tmp_path / "a.json").read_text())
     assert len(summary["losses"]) == 3 and all(x == x and x < 10 for x in summary["losses"])
     memory = summary["memory"]
@@ -63,10 +87,69 @@ def test_finetune_lowvram_trains_saves_resumes_and_reports_memory(tmp_path):
         assert torch.equal(tensor, final_b["model"][name]), name
 
 
-def test_finetune_lowvram_rejects_bad_input(capsys):
-    spec = importlib.util.spec_from_file_location("finetune_lowvram", os.path.join(EXAMPLES, "finetune_lowvram.py"))
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+def test_finetune_lowvram_resume_follows_the_saved_schedule(tmp_path, monkeypatch, capsys):
+    """N steps then a resume to M > N steps: the LR (and loss) of every step is the uninterrupted run's."""
+    example = _load_example("finetune_lowvram", monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    base = ["--device", "cpu", *_standin_args(), "--shape", "layers=2", "--seq-len", "16", "--micro-batch", "1"]
+    base += ["--no-profile"]
+    schedule = ["--lr", "1e-3", "--warmup", "2", "--min-lr-ratio", "0.2"]
+
+    def run(name, *args):
+        assert example.main([*base, *args, "--out", name, "--summary-json", f"{name}.json"]) == 0
+        return _summary(tmp_path / f"{name}.json")
+
+    # The schedule defaults to the first run's --steps (3); resuming to 6 must not stretch it to 6.
+    a = run("a", *schedule, "--steps", "3")
+    b = run("b", "--resume", "a/checkpoint.pt", "--steps", "6")
+    assert "cosine to 0.2 x peak at step 3" in capsys.readouterr().out
+    c = run("c", *schedule, "--steps", "6", "--total-steps", "3")
+    assert len(c["lrs"]) == 6 and len(set(c["lrs"])) >= 3  # warm-up, decay, the floor: a real schedule
+    assert a["lrs"] + b["lrs"] == c["lrs"]
+    assert a["losses"] + b["losses"] == c["losses"]
+
+    # Planned ahead: --total-steps 6 from the start, resumed to 6 = one 6-step run.
+    d = run("d", *schedule, "--steps", "3", "--total-steps", "6")
+    e = run("e", "--resume", "d/checkpoint.pt", "--steps", "6")
+    f = run("f", *schedule, "--steps", "6")
+    assert d["lrs"] + e["lrs"] == f["lrs"] and d["losses"] + e["losses"] == f["losses"]
+    assert f["lrs"][3:] != c["lrs"][3:]  # the two schedules differ where the runs were resumed
+
+    # A schedule option on resume that contradicts the checkpoint is refused, naming both values.
+    for option, value, shown in (
+        ("--total-steps", "6", "6"),
+        ("--warmup", "1", "1"),
+        ("--lr", "3e-4", "0.0003"),
+        ("--min-lr-ratio", "0.1", "0.1"),
+    ):
+        capsys.readouterr()
+        assert example.main([*base, "--resume", "a/checkpoint.pt", "--steps", "6", option, value]) == 2
+        err = capsys.readouterr().err
+        assert f"{option} {shown} (the checkpoint's schedule has " in err, err
+    # the saved value itself is no conflict; --steps not past the checkpoint is refused
+    assert example.main([*base, "--resume", "a/checkpoint.pt", "--steps", "3", "--total-steps", "3"]) == 2
+    assert "the checkpoint is at step 3" in capsys.readouterr().err
+
+
+def test_format_bytes(monkeypatch):
+    monkeypatch.syspath_prepend(EXAMPLES)
+    from memory_summary import format_bytes
+
+    assert format_bytes(0) == "0 B"
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(1023) == "1023 B"
+    assert format_bytes(1024) == "1.00 KiB"
+    assert format_bytes(3072) == "3.00 KiB"
+    assert format_bytes(2.5 * 2**20) == "2.50 MiB"
+    assert format_bytes(15.5 * 2**20) == "15.5 MiB"
+    assert format_bytes(123.4 * 2**20) == "123 MiB"
+    assert format_bytes(1.2 * 2**30) == "1.20 GiB"
+    assert format_bytes(62.76 * 2**30) == "62.8 GiB"
+    assert format_bytes(-3 * 2**20) == "-3.00 MiB"
+
+
+def test_finetune_lowvram_rejects_bad_input(capsys, monkeypatch):
+    example = _load_example("finetune_lowvram", monkeypatch)
     assert example.main(["--device", "cpu", "--preset", "huge"]) == 2
     assert "unknown preset 'huge'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
@@ -81,7 +164,32 @@ def test_finetune_hf(tmp_path):
         "finetune_hf.py", ["--steps", "2", "--out", str(out), "--summary-json", str(tmp_path / "s.json")], tmp_path
     )
     assert "memory of the last step" in proc.stdout
+    _assert_small_sizes_readable(proc.stdout)
     summary = json.loads((tmp_path / "s.json").read_text())
     assert len(summary["losses"]) == 2
     assert sum(summary["memory"]["peak_breakdown"]["categories"].values()) == summary["memory"]["peak"]
     assert (out / "config.json").exists() and (out / "optimizer.pt").exists()
+
+
+def test_finetune_hf_resume_follows_the_saved_schedule(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    example = _load_example("finetune_hf", monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    base = ["--device", "cpu", *_standin_args(), "--seq-len", "16", "--micro-batch", "1"]
+    schedule = ["--lr", "1e-3", "--min-lr-ratio", "0.3", "--total-steps", "3"]
+
+    def run(name, *args):
+        assert example.main([*base, *args, "--out", name, "--summary-json", f"{name}.json"]) == 0
+        return _summary(tmp_path / f"{name}.json")
+
+    a = run("a", *schedule, "--steps", "2")
+    b = run("b", "--resume", "a", "--steps", "4")
+    assert "resumed from a at step 2" in capsys.readouterr().out
+    c = run("c", *schedule, "--steps", "4")
+    assert len(c["lrs"]) == 4 and len(set(c["lrs"])) >= 3
+    assert a["lrs"] + b["lrs"] == c["lrs"]
+    assert a["losses"] + b["losses"] == c["losses"]
+
+    assert example.main([*base, "--resume", "a", "--steps", "4", "--total-steps", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--total-steps 4 (the checkpoint's schedule has 3)" in err, err
