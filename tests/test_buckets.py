@@ -55,6 +55,8 @@ def _train(
         opt.zero_grad()
     if built is not None:
         built.extend(len(b.members) for b in opt._dispatch._built.values())
+    # every parameter was updated (two runs that both skipped updates would be "identical" too)
+    assert all(not torch.equal(p.detach().cpu(), p0.cpu()) for p, p0 in zip(params, _params(device, dtype, shapes)))
     return [p.detach().cpu() for p in params], [{k: v.cpu() for k, v in opt.state[p].items()} for p in params], opt
 
 

@@ -66,6 +66,12 @@ def assert_param_parity(ref: torch.Tensor, got: torch.Tensor) -> None:
         assert ((got.float() - ref.float()).abs() <= _ulp(ref)).all()
 
 
+def assert_moments_nonzero(state: dict) -> None:
+    """Every moment holds something: parity of two paths that both skipped the update proves nothing."""
+    moments = {k: v for k, v in state.items() if k not in ("step", "master_correction") and not k.endswith(".scales")}
+    assert all(v.any() for v in moments.values()), {k: bool(v.any()) for k, v in moments.items()}
+
+
 def assert_codes_close(key: str, ref: torch.Tensor, got: torch.Tensor, codec, numel: int) -> None:
     """Block codes: the same level, or (rarely) a neighbouring one.
 
@@ -108,7 +114,10 @@ def test_kernel_matches_reference(monkeypatch, device, algo, fmt, dtype, shape):
     kwargs = algo.options(**fmt.kwargs)
     ref_w, ref_state, ref_opt = _run("reference", monkeypatch, device, algo.cls, kwargs, w0, grads)
     got_w, got_state, _ = _run("triton", monkeypatch, device, algo.cls, kwargs, w0, grads)
-    assert w0.numel() == 1 or not torch.equal(ref_w, w0)  # (one bf16 element may round back)
+    # the update ran: the parameter moved (one bf16 element may round back) and every step counted
+    assert w0.numel() == 1 or not torch.equal(ref_w, w0)
+    assert float(ref_state["step"]) == len(grads)
+    assert_moments_nonzero(ref_state)
     assert_param_parity(ref_w, got_w)
     assert_state_parity(ref_state, got_state, _codecs(ref_opt), w0.numel())
 
@@ -125,6 +134,8 @@ def test_kernel_master_weight_splitting(monkeypatch, device, algo, dtype, master
     kwargs = algo.options(state_bits=8, master_weight_bits=master_weight_bits)
     ref_w, ref_state, ref_opt = _run("reference", monkeypatch, device, algo.cls, kwargs, w0, grads)
     got_w, got_state, got_opt = _run("triton", monkeypatch, device, algo.cls, kwargs, w0, grads)
+    assert not torch.equal(ref_w, w0)
+    assert_moments_nonzero(ref_state)
     assert_param_parity(ref_w, got_w)
     assert_state_parity(ref_state, got_state, _codecs(ref_opt), w0.numel())
     (ref_p,), (got_p,) = ref_opt.param_groups[0]["params"], got_opt.param_groups[0]["params"]
@@ -152,6 +163,8 @@ def test_kernel_options(monkeypatch, device, algo):
     kwargs = algo.options(state_bits=8, **options)
     ref_w, ref_state, ref_opt = _run("reference", monkeypatch, device, opt_cls, kwargs, w0, grads)
     got_w, got_state, _ = _run("triton", monkeypatch, device, opt_cls, kwargs, w0, grads)
+    assert not torch.equal(ref_w, w0)
+    assert_moments_nonzero(ref_state)
     assert_param_parity(ref_w, got_w)
     assert_state_parity(ref_state, got_state, _codecs(ref_opt), w0.numel())
 
@@ -163,6 +176,7 @@ def test_sgd_without_momentum_and_dampening(monkeypatch, device):
     for kwargs in (dict(state_bits=32), dict(state_bits=16, momentum=0.5, dampening=0.3, weight_decay=0.01)):
         ref = _run("reference", monkeypatch, device, fusedopt.SGD, kwargs, w0, grads)
         got = _run("triton", monkeypatch, device, fusedopt.SGD, kwargs, w0, grads)
+        assert not torch.equal(ref[0], w0)  # (no momentum: the parameter is all there is to compare)
         assert_param_parity(ref[0], got[0])
         assert_state_parity(ref[1], got[1], _codecs(ref[2]), w0.numel())
 
