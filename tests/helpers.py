@@ -71,3 +71,20 @@ def assert_params_close(a, b, rtol=1e-5, atol=1e-7):
 def assert_params_equal(a, b):
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(pa, pb), f"{name} differs: max {(pa.float() - pb.float()).abs().max()}"
+
+
+def code_levels(codes: torch.Tensor, bits: int, signed: bool, numel: int) -> torch.Tensor:
+    """Signed level index of each element of block-quantized codes (fusedopt/codecs/blockwise.py).
+
+    4 bits: two codes a byte, element ``2i`` in the low nibble. Signed moments store sign and
+    magnitude, the sign in the code's top bit: -q for a set sign (so -0 and +0 are both level 0).
+    Neighbouring indices are neighbouring levels of one block, whatever the level map.
+    """
+    c = codes.reshape(-1).to(torch.int32)
+    if bits == 4:
+        c = torch.stack((c & 0xF, c >> 4), dim=1).reshape(-1)
+    c = c[:numel]
+    if not signed:
+        return c
+    sign = 1 << (bits - 1)
+    return torch.where((c & sign) != 0, -(c & (sign - 1)), c & (sign - 1))

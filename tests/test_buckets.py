@@ -8,6 +8,7 @@ is held against, on the same device.
 
 import pytest
 import torch
+from cases import config, config_cases, dtype_cases
 
 import fusedopt
 from fusedopt.kernels import bucket
@@ -54,6 +55,8 @@ def _train(
         opt.zero_grad()
     if built is not None:
         built.extend(len(b.members) for b in opt._dispatch._built.values())
+    # every parameter was updated (two runs that both skipped updates would be "identical" too)
+    assert all(not torch.equal(p.detach().cpu(), p0.cpu()) for p, p0 in zip(params, _params(device, dtype, shapes)))
     return [p.detach().cpu() for p in params], [{k: v.cpu() for k, v in opt.state[p].items()} for p in params], opt
 
 
@@ -66,18 +69,21 @@ def _assert_identical(a, b):
             assert torch.equal(sa[key], sb[key]), key
 
 
-CONFIGS = [
-    (fusedopt.AdamW, dict(state_bits=8, master_weight_bits=24), torch.bfloat16),
-    (fusedopt.AdamW, dict(state_bits=4, master_weight_bits=32), torch.bfloat16),
-    (fusedopt.AdamW, dict(state_bits=32), torch.float32),
-    (fusedopt.SGD, dict(momentum=0.9, nesterov=True, state_bits=16), torch.float16),
-    (fusedopt.Lion, dict(state_bits=8, master_weight_bits=None), torch.bfloat16),
-]
+# Chosen combinations (each takes ~7 s in the interpreter): every kernel branch, state format, dtype
+# and master-weight setting at least once
+CONFIGS = config_cases(
+    config("adamw", 8, torch.bfloat16, 24),
+    config("adamw", 4, torch.bfloat16, 32),
+    config("adamw", 32, torch.float32),
+    config("sgd-nesterov", 16, torch.float16),
+    config("lion", 8, torch.bfloat16, None),
+)
 
 
 @pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("opt_cls,kwargs,dtype", CONFIGS)
-def test_buckets_are_bit_identical_to_one_launch_per_parameter(monkeypatch, device, opt_cls, kwargs, dtype, fused):
+@pytest.mark.parametrize("case", CONFIGS)
+def test_buckets_are_bit_identical_to_one_launch_per_parameter(monkeypatch, device, case, fused):
+    opt_cls, kwargs, dtype = case.cls, case.kwargs, case.dtype
     built = []
     alone = _train(monkeypatch, device, 0, opt_cls, kwargs, dtype, fused)
     together = _train(monkeypatch, device, 64, opt_cls, kwargs, dtype, fused, built=built)
@@ -308,7 +314,8 @@ def test_updates_held_by_a_failed_backward_are_applied_by_step(monkeypatch, devi
     _assert_identical(*results)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# fp32 (held and bucketed) and bf16 (the accumulation buffer, launched alone): fp16 takes bf16's path
+@pytest.mark.parametrize("dtype", dtype_cases(torch.float32, torch.bfloat16))
 def test_release_with_accumulation_and_two_groups(monkeypatch, device, dtype):
     """Two parameter groups (each its own buckets) and accumulation over two backward passes:
     bf16 gradients go through the optimizer's buffer (launched alone), fp32 ones stay in p.grad

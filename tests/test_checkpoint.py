@@ -5,6 +5,7 @@ import io
 
 import pytest
 import torch
+from cases import config, config_cases, formats
 from helpers import assert_params_close, assert_params_equal, groups, inputs, train, twins
 
 import fusedopt
@@ -17,18 +18,21 @@ def _save_load(obj):
     return torch.load(buffer, weights_only=True)
 
 
-CONFIGS = [
-    (fusedopt.AdamW, torch.float32, dict(state_bits=32)),
-    (fusedopt.AdamW, torch.bfloat16, dict(state_bits=16, master_weight_bits=None, min_compress_numel=0)),
-    (fusedopt.AdamW, torch.bfloat16, dict(state_bits=32, master_weight_bits=None)),
-    (fusedopt.SGD, torch.float16, dict(state_bits=16, momentum=0.9, master_weight_bits=None, min_compress_numel=0)),
-    (fusedopt.Lion, torch.float32, dict(state_bits=16, min_compress_numel=0)),
-]
+# Chosen combinations, not the product: each algorithm, each dtype, exact and bf16 state, with and
+# without master weights, and every state format once (8- and 4-bit resumes: test_codecs_quantized)
+CONFIGS = config_cases(
+    config("adamw", 32, torch.float32),
+    config("adamw", 16, torch.bfloat16, None, min_compress_numel=0),
+    config("adamw", 32, torch.bfloat16, None),
+    config("sgd-momentum", 16, torch.float16, None, min_compress_numel=0),
+    config("lion", 16, torch.float32, min_compress_numel=0),
+)
 
 
 @pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("opt_cls,dtype,kwargs", CONFIGS)
-def test_resume_continues_the_same_trajectory_bit_for_bit(opt_cls, dtype, kwargs, fused):
+@pytest.mark.parametrize("case", CONFIGS)
+def test_resume_continues_the_same_trajectory_bit_for_bit(case, fused):
+    opt_cls, dtype, kwargs = case.cls, case.dtype, case.kwargs
     xs = inputs(10, dtype=dtype)
     straight, resumed = twins(dtype=dtype)
     opt = opt_cls(groups(straight, lr=2e-3), lr=1e-2, seed=5, fused=fused, **kwargs)
@@ -293,7 +297,9 @@ def test_four_bit_state_of_another_parameter_with_the_same_size_is_refused():
     assert not swapped.state
 
 
-@pytest.mark.parametrize("state_bits", [32, 16])
+# the float formats: the bound below is for exact and bf16 moments (8- and 4-bit exports decode
+# through the codec, checked in test_codecs_quantized)
+@pytest.mark.parametrize("state_bits", [f.bits for f in formats(quantized=False)])
 def test_export_to_torch_adamw_decodes_the_moments(state_bits):
     a, b = twins()
     opt = fusedopt.AdamW(a.parameters(), lr=1e-2, state_bits=state_bits, min_compress_numel=0)

@@ -8,6 +8,7 @@ compared too, not just the parameters.
 
 import pytest
 import torch
+from cases import algorithm_cases, cross, dtype_cases, format_cases
 from helpers import assert_params_close, groups, inputs, loss_fn, train, twins
 
 import fusedopt
@@ -16,12 +17,17 @@ N_STEPS = 40
 
 
 def _compare_state(ref_opt, opt, keys):
-    for p_ref, p in zip(
-        (p for g in ref_opt.param_groups for p in g["params"]), (p for g in opt.param_groups for p in g["params"])
-    ):
+    pairs = list(
+        zip((p for g in ref_opt.param_groups for p in g["params"]), (p for g in opt.param_groups for p in g["params"]))
+    )
+    assert len(pairs) == 5  # make_model's parameters: none left out of the comparison
+    for p_ref, p in pairs:
         for key in keys:
             torch.testing.assert_close(opt.state[p][key], ref_opt.state[p_ref][key], rtol=1e-5, atol=1e-7)
-        assert float(opt.state[p]["step"]) == float(ref_opt.state[p_ref].get("step", opt.state[p]["step"]))
+        # every step counted (torch.optim.SGD keeps no step: then N_STEPS alone is the reference)
+        assert float(opt.state[p]["step"]) == N_STEPS
+        if "step" in ref_opt.state[p_ref]:
+            assert float(ref_opt.state[p_ref]["step"]) == N_STEPS
 
 
 ADAMW_CASES = [
@@ -126,22 +132,20 @@ def test_lion_maximize_negates_the_gradient():
     assert not torch.equal(a, w0)
 
 
-@pytest.mark.parametrize("opt_cls", [fusedopt.AdamW, fusedopt.SGD, fusedopt.Lion])
-@pytest.mark.parametrize("state_bits", [32, 16])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_fused_and_unfused_are_bit_identical(opt_cls, state_bits, dtype):
+@pytest.mark.parametrize("algo,fmt,dtype", cross(algorithm_cases(), format_cases(), dtype_cases()))
+def test_fused_and_unfused_are_bit_identical(algo, fmt, dtype):
     """One algorithm, one hash: release mode changes when the update runs, not what it computes."""
     a, b = twins(dtype=dtype)
-    kwargs = dict(lr=1e-2, state_bits=state_bits, master_weight_bits=None, min_compress_numel=0, seed=7)
-    if opt_cls is fusedopt.SGD:
-        kwargs["momentum"] = 0.9
-    oa = opt_cls(a.parameters(), fused=False, **kwargs)
-    ob = opt_cls(b.parameters(), fused=True, **kwargs)
+    kwargs = dict(lr=1e-2, master_weight_bits=None, min_compress_numel=0, seed=7, **fmt.kwargs)
+    oa = algo.make(a.parameters(), fused=False, **kwargs)
+    ob = algo.make(b.parameters(), fused=True, **kwargs)
     xs = inputs(8, dtype=dtype)
     train(a, oa, xs)
     train(b, ob, xs)
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
+        assert oa.state[pa].keys() == ob.state[pb].keys()
+        assert {key.split(".")[0] for key in oa.state[pa]} == {"step", *algo.slots}  # the moments compared
         for key in oa.state[pa]:
             assert torch.equal(oa.state[pa][key], ob.state[pb][key]), key
     assert not torch.equal(a[0].weight, twins(dtype=dtype)[0][0].weight)

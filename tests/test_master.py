@@ -8,11 +8,12 @@ import math
 
 import pytest
 import torch
+from cases import LOW_DTYPES, algorithm_cases, cross, dtype_cases, master_cases
 
 import fusedopt
 from fusedopt.master import join_master, split_master
 
-LOW = (torch.bfloat16, torch.float16)
+LOW = dtype_cases(*LOW_DTYPES)  # the dtypes split into a head and a correction
 CORRECTION = {24: torch.int8, 32: torch.int16}
 BF16_MAX_PATTERN = 0x7F7F7FFF  # the largest fp32 that still rounds to a finite bf16
 
@@ -69,8 +70,7 @@ def step_with(opt, params, grads):
 # --- configuration ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bits", [24, 32, None])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype,bits", cross(dtype_cases(), master_cases()))
 def test_valid_master_weight_bits(dtype, bits):
     p = torch.nn.Parameter(torch.randn(3, 5).to(dtype))
     opt = fusedopt.AdamW([p], state_bits=32, master_weight_bits=bits)
@@ -194,7 +194,7 @@ def test_int8_stochastic_rounding_is_unbiased(dtype):
 # --- the optimizer: updates below one ulp ------------------------------------------------------
 
 
-@pytest.mark.parametrize("bits", [24, 32])
+@pytest.mark.parametrize("bits", master_cases(24, 32))
 def test_thousand_tenth_ulp_updates_move_like_fp32(bits):
     shapes = {torch.bfloat16: (37, 3), torch.float16: (129,)}
     params = [torch.nn.Parameter(random_values(s, seed=1, low=0.3, high=3.0).to(d)) for d, s in shapes.items()]
@@ -237,7 +237,7 @@ def test_updates_below_the_24_bit_grid_still_accumulate():
     assert moved.std().item() < 0.1
 
 
-@pytest.mark.parametrize("bits", [24, 32])
+@pytest.mark.parametrize("bits", master_cases(24, 32))
 def test_nonfinite_gradient_leaves_head_and_correction(bits):
     p = torch.nn.Parameter(torch.randn(5, 7, dtype=torch.bfloat16))
     opt = fusedopt.AdamW([p], lr=1e-3, state_bits=32, master_weight_bits=bits)
@@ -251,7 +251,7 @@ def test_nonfinite_gradient_leaves_head_and_correction(bits):
 
 
 @pytest.mark.parametrize("dtype", LOW)
-@pytest.mark.parametrize("bits", [24, 32])
+@pytest.mark.parametrize("bits", master_cases(24, 32))
 def test_top_of_range_saturates_finite(dtype, bits):
     top = torch.finfo(dtype).max
     p = torch.nn.Parameter(torch.tensor([top, -top, 1.0], dtype=dtype))
@@ -408,7 +408,7 @@ def test_master_weight_method():
 
 
 @pytest.mark.parametrize("dtype", LOW)
-@pytest.mark.parametrize("bits", [24, 32])
+@pytest.mark.parametrize("bits", master_cases(24, 32))
 def test_master_state_dict_round_trip(dtype, bits):
     model = Net(dtype)
     opt = fusedopt.AdamW(model.parameters(), lr=1e-2, state_bits=32, master_weight_bits=bits)
@@ -434,7 +434,7 @@ def test_master_state_dict_round_trip(dtype, bits):
 
 
 @pytest.mark.parametrize("dtype", LOW)
-@pytest.mark.parametrize("bits", [24, 32])
+@pytest.mark.parametrize("bits", master_cases(24, 32))
 def test_load_master_state_dict_sets_the_master(dtype, bits):
     model = Net(dtype)
     opt = fusedopt.AdamW(model.parameters(), state_bits=16, master_weight_bits=bits)
@@ -495,7 +495,7 @@ def save_load(obj):
 
 
 @pytest.mark.parametrize("dtype", LOW)
-@pytest.mark.parametrize("bits", [24, 32])
+@pytest.mark.parametrize("bits", master_cases(24, 32))
 def test_checkpoint_round_trip_and_resume(dtype, bits):
     model = Net(dtype)
     opt = fusedopt.AdamW(model.parameters(), lr=1e-2, state_bits=16, master_weight_bits=bits, seed=3)
@@ -595,8 +595,8 @@ def test_checkpoint_correction_conversion():
         fusedopt.AdamW(fp32.parameters(), state_bits=32).load_state_dict(saved)
 
 
-@pytest.mark.parametrize("opt_cls", [fusedopt.AdamW, fusedopt.Lion, fusedopt.SGD])
-def test_gradient_release_matches_step_with_split_masters(opt_cls):
+@pytest.mark.parametrize("algo", algorithm_cases())
+def test_gradient_release_matches_step_with_split_masters(algo):
     runs = []
     for fused in (False, True):
         torch.manual_seed(0)
@@ -607,7 +607,7 @@ def test_gradient_release_matches_step_with_split_masters(opt_cls):
             {"params": list(model.conv.parameters()) + list(model.norm.parameters()), "master_weight_bits": 24},
             {"params": list(model.lin.parameters()), "master_weight_bits": 32},
         ]
-        opt = opt_cls(groups, lr=1e-2, weight_decay=0.1, state_bits=32, fused=fused, seed=9)
+        opt = algo.make(groups, lr=1e-2, weight_decay=0.1, state_bits=32, fused=fused, seed=9)
         gen = torch.Generator().manual_seed(1)
         for _ in range(3):
             model(torch.randn(4, 2, 9, generator=gen)).backward()

@@ -5,6 +5,7 @@ import weakref
 
 import pytest
 import torch
+from cases import LOW_DTYPES, dtype_cases
 from helpers import assert_params_equal, groups, inputs, loss_fn, make_model, train, twins
 
 import fusedopt
@@ -106,7 +107,7 @@ def test_bf16_accumulation_keeps_contributions_below_one_ulp():
     assert applied_gradient(True) == pytest.approx(1.015, rel=2e-3)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", dtype_cases(*LOW_DTYPES))  # the dtypes accumulated by the optimizer
 def test_chunked_accumulation_equals_one_whole_rounding(monkeypatch, dtype):
     """The accumulation runs in chunks (bounded temporaries) and in place, with the same bits as
     rounding the whole tensor at once: element i always draws the hash of index i."""

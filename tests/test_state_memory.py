@@ -5,28 +5,30 @@ import io
 
 import pytest
 import torch
+from cases import config, master_cases
 
 import fusedopt
 from fusedopt.master import correction_zeros
 from fusedopt.state_memory import ALIGN_BYTES
 
 SHAPES = [(), (0,), (1,), (37, 41), (3, 1000)]
+# AdamW on bf16 parameters (two moments, a correction): every state format and master setting once
 CONFIGS = [
-    dict(state_bits=8, master_weight_bits=24),
-    dict(state_bits=4, master_weight_bits=32),
-    dict(state_bits=16, master_weight_bits=None),
-    dict(state_bits=32, master_weight_bits=24),
+    config("adamw", 8, torch.bfloat16, 24),
+    config("adamw", 4, torch.bfloat16, 32),
+    config("adamw", 16, torch.bfloat16, None),
+    config("adamw", 32, torch.bfloat16, 24),
 ]
 
 
-def _fresh(shape, config, dtype=torch.bfloat16):
+def _fresh(shape, config):
     gen = torch.Generator().manual_seed(0)
-    w = torch.nn.Parameter(torch.randn(shape, generator=gen).to(dtype))
-    opt = fusedopt.AdamW([w], min_compress_numel=0, **config)
+    w = torch.nn.Parameter(torch.randn(shape, generator=gen).to(config.dtype))
+    opt = config.make([w], min_compress_numel=0)
     return w, opt
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", CONFIGS, ids=repr)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_fresh_state_equals_separate_zeros_and_shares_one_buffer_per_dtype(shape, config):
     w, opt = _fresh(shape, config)
@@ -47,7 +49,8 @@ def test_fresh_state_equals_separate_zeros_and_shares_one_buffer_per_dtype(shape
     assert all(len(ptrs) == 1 for ptrs in storages.values()), storages
 
 
-@pytest.mark.parametrize("config", CONFIGS[:2])
+# the quantized formats: codes and scales packed in one uint8 storage, which torch.save must keep
+@pytest.mark.parametrize("config", CONFIGS[:2], ids=repr)
 def test_packed_state_survives_torch_save_and_load(config):
     w, opt = _fresh((37, 41), config)
     for _ in range(3):
@@ -58,7 +61,7 @@ def test_packed_state_survives_torch_save_and_load(config):
     buffer.seek(0)
     saved = torch.load(buffer)
     w2 = torch.nn.Parameter(w.detach().clone())
-    opt2 = fusedopt.AdamW([w2], min_compress_numel=0, **config)
+    opt2 = config.make([w2], min_compress_numel=0)
     opt2.load_state_dict(saved)
     for key, t in opt.state[w].items():
         assert torch.equal(opt2.state[w2][key], t), key
@@ -91,7 +94,7 @@ def _correction_storages(opt, params):
     return {opt.state[p]["master_correction"].untyped_storage().data_ptr() for p in params if p in opt.state}
 
 
-@pytest.mark.parametrize("bits", [24, 32])
+@pytest.mark.parametrize("bits", master_cases(24, 32))
 def test_corrections_of_all_trainable_parameters_share_one_buffer(bits):
     params = _model()
     frozen = torch.nn.Parameter(torch.randn(7, 9).to(torch.bfloat16), requires_grad=False)
@@ -111,7 +114,7 @@ def test_corrections_of_all_trainable_parameters_share_one_buffer(bits):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("bits", [24, 32])
+@pytest.mark.parametrize("bits", master_cases(24, 32))
 def test_shared_and_separate_corrections_update_identically(bits, device):
     shared, separate = _model(device=device), _model(device=device)
     opt = fusedopt.AdamW(shared, master_weight_bits=bits, min_compress_numel=0)
@@ -139,7 +142,7 @@ def test_a_state_created_again_starts_from_a_zero_correction():
     assert torch.equal(opt.master_weight(params[0]), params[0].float())
 
 
-@pytest.mark.parametrize("bits_after", [24, 32])
+@pytest.mark.parametrize("bits_after", master_cases(24, 32))
 def test_shared_corrections_survive_a_checkpoint_and_a_failed_load(bits_after):
     params = _model()
     opt = fusedopt.AdamW(params, min_compress_numel=0)

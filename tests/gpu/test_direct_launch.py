@@ -9,8 +9,8 @@ specialisation), and accumulated gradients (another constexpr configuration).
 
 import pytest
 import torch
+from cases import config
 
-import fusedopt
 from fusedopt.kernels import update
 
 pytestmark = [
@@ -18,13 +18,15 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
+# chosen combinations: every kernel family, state format, dtype and master-weight setting at least once
 CONFIGS = [
-    (fusedopt.AdamW, torch.bfloat16, dict(state_bits=8, master_weight_bits=24)),
-    (fusedopt.AdamW, torch.bfloat16, dict(state_bits=4, master_weight_bits=None)),
-    (fusedopt.AdamW, torch.float32, dict(state_bits=32)),
-    (fusedopt.AdamW, torch.float16, dict(state_bits=16, master_weight_bits=32)),
-    (fusedopt.SGD, torch.bfloat16, dict(state_bits=8, momentum=0.9, nesterov=True, master_weight_bits=24)),
-    (fusedopt.Lion, torch.bfloat16, dict(state_bits=8, master_weight_bits=24)),
+    config("adamw", 8, torch.bfloat16, 24),
+    config("adamw", 4, torch.bfloat16, None),
+    config("adamw", 32, torch.float32),
+    config("adamw", 16, torch.float16, 32),
+    config("sgd-nesterov", 8, torch.bfloat16, 24),
+    config("sgd-momentum", 8, torch.bfloat16, 24),
+    config("lion", 8, torch.bfloat16, 24),
 ]
 SHAPES = [(1,), (31,), (4097,), (257, 1031)]
 
@@ -73,13 +75,14 @@ def test_direct_launch_is_usable_here():
     assert update._launch_check.usable and update._launch_update.usable
 
 
-@pytest.mark.parametrize("opt_cls,dtype,kwargs", CONFIGS)
-def test_direct_launch_updates_as_triton_does(opt_cls, dtype, kwargs):
+@pytest.mark.parametrize("case", CONFIGS, ids=repr)
+def test_direct_launch_updates_as_triton_does(case):
+    opt_cls, dtype, kwargs = case.cls, case.dtype, case.kwargs
     _assert_identical(_train(opt_cls, dtype, kwargs, direct=False), _train(opt_cls, dtype, kwargs, direct=True))
 
 
 def test_direct_launch_with_accumulated_gradients():
-    opt_cls, dtype, kwargs = CONFIGS[0]
+    opt_cls, dtype, kwargs = CONFIGS[0].cls, CONFIGS[0].dtype, CONFIGS[0].kwargs
     a = _train(opt_cls, dtype, kwargs, direct=False, accumulation_steps=2)
     b = _train(opt_cls, dtype, kwargs, direct=True, accumulation_steps=2)
     _assert_identical(a, b)

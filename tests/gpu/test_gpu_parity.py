@@ -14,6 +14,8 @@ import os
 
 import pytest
 import torch
+from cases import config
+from helpers import code_levels
 
 import fusedopt
 
@@ -36,11 +38,15 @@ def check_param(ref: torch.Tensor, got: torch.Tensor) -> float:
     return bad.double().mean().item()
 
 
-def check_state(ref: dict, got: dict) -> None:
+def check_state(ref: dict, got: dict, codecs: dict, numel: int) -> None:
+    assert ref.keys() == got.keys()
     for key, r in ref.items():
         g = got[key].cpu()
         if key.endswith(".codes"):
-            a, b = r.to(torch.int32), g.to(torch.int32)
+            # compared as signed level indices (bytes are no distance: packed nibbles, sign bits)
+            codec = codecs[key.removesuffix(".codes")]
+            a = code_levels(r, codec.state_bits, codec.signed, numel)
+            b = code_levels(g, codec.state_bits, codec.signed, numel)
             assert (a != b).double().mean().item() <= 1e-3, key
         elif key.endswith(".scales"):
             assert (r != g).double().mean().item() <= 1e-3, key
@@ -52,13 +58,15 @@ def check_state(ref: dict, got: dict) -> None:
             assert check_param(r, g) <= 1e-3, key
 
 
+# chosen combinations: every algorithm, state format, dtype and master-weight setting at least once
 CONFIGS = [
-    (fusedopt.AdamW, torch.bfloat16, dict(state_bits=8, master_weight_bits=24)),
-    (fusedopt.AdamW, torch.bfloat16, dict(state_bits=4, master_weight_bits=32)),
-    (fusedopt.AdamW, torch.float32, dict(state_bits=32)),
-    (fusedopt.AdamW, torch.float16, dict(state_bits=16, master_weight_bits=None)),
-    (fusedopt.SGD, torch.bfloat16, dict(state_bits=8, momentum=0.9, master_weight_bits=None)),
-    (fusedopt.Lion, torch.bfloat16, dict(state_bits=8, master_weight_bits=24)),
+    config("adamw", 8, torch.bfloat16, 24),
+    config("adamw", 4, torch.bfloat16, 32),
+    config("adamw", 32, torch.float32),
+    config("adamw", 16, torch.float16, None),
+    config("sgd-momentum", 8, torch.bfloat16, None),
+    config("sgd-nesterov", 4, torch.bfloat16, 24),
+    config("lion", 8, torch.bfloat16, 24),
 ]
 
 
@@ -73,24 +81,26 @@ def _one_step(opt_cls, dtype, kwargs, numel, device, seed=0):
     for _ in range(2):
         w.grad = g.to(device)
         opt.step()
-    return w.detach().cpu(), {k: v.cpu() for k, v in opt.state[w].items()}
+    return w.detach().cpu(), {k: v.cpu() for k, v in opt.state[w].items()}, opt.codecs(w, opt.param_groups[0])
 
 
 # every config at small and mid sizes; 1e8 elements for the AdamW configs only (CPU reference time)
-PARITY_CASES = [(*config, numel) for config in CONFIGS for numel in (1, 31, 4097, 1_000_003)]
-PARITY_CASES += [(*config, 100_000_000) for config in CONFIGS if config[0] is fusedopt.AdamW]
+PARITY_CASES = [pytest.param(c, n, id=f"{c!r}-{n}") for c in CONFIGS for n in (1, 31, 4097, 1_000_003)]
+PARITY_CASES += [pytest.param(c, 100_000_000, id=f"{c!r}-100000000") for c in CONFIGS if c.algorithm.id == "adamw"]
 
 
-@pytest.mark.parametrize("opt_cls,dtype,kwargs,numel", PARITY_CASES)
-def test_gpu_matches_cpu_reference(opt_cls, dtype, kwargs, numel):
-    ref_w, ref_state = _one_step(opt_cls, dtype, kwargs, numel, "cpu")
-    got_w, got_state = _one_step(opt_cls, dtype, kwargs, numel, "cuda")
+@pytest.mark.parametrize("case,numel", PARITY_CASES)
+def test_gpu_matches_cpu_reference(case, numel):
+    opt_cls, dtype, kwargs = case.cls, case.dtype, case.kwargs
+    ref_w, ref_state, codecs = _one_step(opt_cls, dtype, kwargs, numel, "cpu")
+    got_w, got_state, _ = _one_step(opt_cls, dtype, kwargs, numel, "cuda")
     assert check_param(ref_w, got_w) <= 1e-3
-    check_state(ref_state, got_state)
+    check_state(ref_state, got_state, codecs, ref_w.numel())
 
 
-@pytest.mark.parametrize("opt_cls,dtype,kwargs", CONFIGS)
-def test_fifty_steps_with_the_same_gradients(opt_cls, dtype, kwargs):
+@pytest.mark.parametrize("case", CONFIGS, ids=repr)
+def test_fifty_steps_with_the_same_gradients(case):
+    opt_cls, dtype, kwargs = case.cls, case.dtype, case.kwargs
     gen = torch.Generator().manual_seed(1)
     w0 = torch.randn(257, 1031, generator=gen).to(dtype)
     grads = [torch.randn(257, 1031, generator=gen).to(dtype) for _ in range(50)]
@@ -103,7 +113,7 @@ def test_fifty_steps_with_the_same_gradients(opt_cls, dtype, kwargs):
             opt.step()
         outs.append((w.detach().cpu(), {k: v.cpu() for k, v in opt.state[w].items()}))
     assert check_param(outs[0][0], outs[1][0]) <= 1e-3
-    check_state(outs[0][1], outs[1][1])
+    check_state(outs[0][1], outs[1][1], opt.codecs(w, opt.param_groups[0]), w0.numel())
 
 
 def test_small_model_trains_alike_on_gpu_and_cpu():
