@@ -45,6 +45,7 @@ BUCKET_MB = "FUSEDOPT_BUCKET_MB"
 DEFAULT_BUCKET_MB = 128
 _MAX_BUILT = 1024  # bucket compositions kept (2 KiB of device memory each); more: it changes every step
 
+_NO_OBSERVER = contextlib.nullcontext()  # reusable: entered once per update when nobody observes
 _DEVICES = "parameter, gradient and optimizer state are on different devices"
 _LAYOUT = "non-contiguous parameter or gradient"
 
@@ -134,16 +135,6 @@ class GroupSettings:
     scalars: tuple | None  # the kernel's packed runtime scalars (None: no kernel branch, or not allowed)
 
 
-@dataclass(slots=True)
-class PreparedEntry:
-    """A parameter's prepared kernel launch and what it was built for."""
-
-    launch: object  # kernels.update.PreparedUpdate
-    structure: tuple  # (dtype, shape, device, data_ptr, group structure)
-    state_keys: tuple
-    state_ids: tuple
-
-
 @dataclass(frozen=True, slots=True)
 class CheckedUpdate:
     """An update ``check_update`` has checked (nothing is checked again before it runs); ``launch`` is
@@ -154,6 +145,17 @@ class CheckedUpdate:
 
 
 NOT_PREPARED = CheckedUpdate(None)
+
+
+@dataclass(slots=True)
+class PreparedEntry:
+    """A parameter's prepared kernel launch and what it was built for."""
+
+    launch: object  # kernels.update.PreparedUpdate
+    structure: tuple  # (dtype, shape, device, data_ptr, group structure)
+    state_keys: tuple
+    state_ids: tuple
+    checked: CheckedUpdate  # CheckedUpdate(launch), made once: check_update returns it every step
 
 
 class _Pending:
@@ -189,7 +191,7 @@ class UpdateDispatcher:
     def observed(self):
         """A context around one piece of update work: every observer's context, entered in order."""
         if not self._observers:
-            return contextlib.nullcontext()
+            return _NO_OBSERVER
         stack = contextlib.ExitStack()
         for hook in list(self._observers.values()):
             stack.enter_context(hook())
@@ -228,17 +230,17 @@ class UpdateDispatcher:
 
     # --- prepared launches -----------------------------------------------------------------
 
-    def prepared_launch(self, p: torch.Tensor, grad, accum, settings: GroupSettings):
+    def check_prepared(self, p: torch.Tensor, grad, accum, settings: GroupSettings) -> CheckedUpdate:
         """``p``'s prepared kernel launch from an earlier step, while nothing it depends on changed:
         the same state tensors (same keys, same objects), the parameter's dtype, shape, device and
         storage (a bucket's table points into it), and its group's structure. The host work per
-        update is then the scalars and two launches. None when the update must go through
-        ``run_update``."""
+        update is then the scalars and two launches (it runs in backward hooks: no allocation
+        here). ``NOT_PREPARED`` when the update must go through ``run_update``."""
         if not settings.kernel_allowed:
-            return None
+            return NOT_PREPARED
         entry = self._prepared.get(p)
         if entry is None or _gradient_problem(p, grad, accum) is not None:
-            return None
+            return NOT_PREPARED
         state = self._opt.state.get(p)
         if (
             state is not None
@@ -246,8 +248,8 @@ class UpdateDispatcher:
             and tuple(state) == entry.state_keys
             and entry.structure == (p.dtype, p.shape, p.device, p.data_ptr(), settings.structure)
         ):
-            return entry.launch
-        return None
+            return entry.checked
+        return NOT_PREPARED
 
     def can_hold(self, p: torch.Tensor) -> bool:
         """Whether gradient release should hold ``p``'s update for a bucket: its last update went
@@ -270,8 +272,8 @@ class UpdateDispatcher:
         if launch is None or not self._buckets_on or accum is not None:
             self.update(p, grad, accum, checked)
             return
-        group_index = self._opt.group_index(p)
-        settings = self.settings(group_index)
+        group_index = self._opt._position[p][0]
+        settings = self._window.get(group_index) or self.settings(group_index)
         if not self._add(launch, grad, settings.scalars, group_index):
             # prepared but not bucketable (size, alignment): alone
             if id(launch) in self._waiting:  # a queued update of p runs first
@@ -285,8 +287,8 @@ class UpdateDispatcher:
         if entry is not None and id(entry.launch) in self._waiting:
             self._opt.flush_updates()  # p's queued update runs first
         opt = self._opt
-        group_index = opt.group_index(p)
-        settings = self.settings(group_index)
+        group_index = opt._position[p][0]
+        settings = self._window.get(group_index) or self.settings(group_index)
         launch = checked.launch
         with self.observed():
             if launch is not None:
@@ -314,7 +316,8 @@ class UpdateDispatcher:
         if launch is not None:
             replaced = self._prepared.get(p)
             structure = (p.dtype, p.shape, p.device, p.data_ptr(), settings.structure)
-            self._prepared[p] = PreparedEntry(launch, structure, tuple(state), tuple(map(id, state.values())))
+            ids = tuple(map(id, state.values()))
+            self._prepared[p] = PreparedEntry(launch, structure, tuple(state), ids, CheckedUpdate(launch))
         else:
             replaced = self._prepared.pop(p, None)
         if replaced is not None:
@@ -363,7 +366,8 @@ class UpdateDispatcher:
         """Queue ``prepared``'s update from ``grad``; False when it cannot join a bucket (the caller
         launches it alone). May launch a full bucket."""
         bucket = _kernels()[1]
-        if not (self._can_join(prepared) and bucket.gradient_bucketable(grad, prepared.head[0].dtype)):
+        joins = prepared.bucketable if prepared.bucketable is not None else self._can_join(prepared)
+        if not (joins and bucket.gradient_bucketable(grad, prepared.head[0].dtype)):
             return False
         key = (prepared.configs[0].key, group_index)
         pending = self._pending.get(key)

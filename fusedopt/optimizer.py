@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint
 from .codecs import SUPPORTED_STATE_BITS, MomentCodec, codec_for, registered_formats
-from .dispatch import NOT_PREPARED, CheckedUpdate, UpdateDispatcher, check_gradient
+from .dispatch import CheckedUpdate, UpdateDispatcher, check_gradient
 from .master import MASTER_CORRECTION, check_master_weight_bits, correction_layout, master_value
 from .reference import UpdateMath
 from .release import GradientRelease
@@ -290,11 +290,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         check_gradient(p, grad, accum, type(self).__name__)
         group_index = self._position[p][0]
         dispatch = self._dispatch
-        launch = dispatch.prepared_launch(p, grad, accum, dispatch.settings(group_index))
-        if launch is None:
+        settings = dispatch._window.get(group_index) or dispatch.settings(group_index)
+        checked = dispatch.check_prepared(p, grad, accum, settings)
+        if checked.launch is None:
             self._check_state(p, self.param_groups[group_index])
-            return NOT_PREPARED
-        return CheckedUpdate(launch)
+        return checked
 
     def update_param(
         self,
@@ -382,7 +382,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             grad = p.grad
             if grad is None:
                 grad, accum = accum, None
-            self.queue_update(p, grad, accum, launch)
+            self._dispatch.queue(p, grad, accum, launch)
             if releasing:
                 p.grad = None
         self.flush_updates()
