@@ -169,3 +169,13 @@ def test_changing_state_bits_of_a_live_group_is_refused():
     assert opt.state[w]["exp_avg_sq"].dtype == torch.float32
     assert torch.equal(opt.state[w]["exp_avg_sq"], decoded)
     opt.step()
+
+
+def test_a_used_up_parameter_generator_is_named():
+    model = torch.nn.Linear(4, 4)
+    params = model.parameters()
+    fusedopt.AdamW(params)  # uses the generator up
+    with pytest.raises(ValueError, match="a generator can be iterated only once"):
+        fusedopt.AdamW(params)
+    with pytest.raises(ValueError, match="empty parameter list"):  # an empty list keeps torch's message
+        fusedopt.AdamW([])
