@@ -7,7 +7,7 @@ loss, loss curves, and the gap to fp32 AdamW (key A) against A's seed-to-seed sp
         --shape layers=2,d_model=64,heads=2,ffn=192 --corpus-limit 2000000 --only A,FO,D     # CPU smoke
 
 By default A (fp32 AdamW) and FO (fusedopt's default) run seeds 0, 1, 2 and every other key
-seed 0; runs go in seed order, so an interrupted sitting has the one-seed comparison first.
+seed 0; runs go in seed order, so an interrupted run has the one-seed comparison first.
 ``--parallel N`` trains N runs at once in worker processes: the model is small and a run is
 host-bound, so the GPU has room (wall times then include the sharing: compare step times from
 part 3, not from here).

@@ -12,7 +12,7 @@ The time a stage costs is the base time minus the variant's. Variants:
   nodecode   codes read as plain values (no scale, level or sign)
   noscale    block scales computed but not stored
   noround    nearest instead of stochastic rounding of the moments (the draw is not used)
-  fastmath   approximate sqrt and division instead of IEEE sqrt_rn / div_rn (fifth sitting:
+  fastmath   approximate sqrt and division instead of IEEE sqrt_rn / div_rn (RESULTS block 5:
              -0.19 ms, but masters then differ from the reference by up to ~1e-5 relative on
              the H200, beyond one update's fp32 round-off: not taken)
   nomaster   parameter written with stochastic rounding instead of head + correction
@@ -21,7 +21,7 @@ The time a stage costs is the base time minus the variant's. Variants:
              (a candidate, not a stand-in: its results are right)
 
 Variants named twice (e.g. base,nohash,base) are timed twice: the spread is the run's noise.
-The fifth sitting's candidates are in the kernels now (benchmarks/RESULTS.md): the 1-D scale
+The RESULTS block 5's candidates are in the kernels now (benchmarks/RESULTS.md): the 1-D scale
 store, the sign or-ed into the decoded bits, square levels without fix-up, and 8-bit minifloat
 levels (which removed the square root: the nosqrt and sqrtround variants went with it). So is
 the masterlean candidate (the bf16 master join on the head's fp32 pattern, branch

@@ -11,7 +11,7 @@ the report back and prints, per launch: time, DRAM throughput, issue-slot use, e
 instructions per element (the dynamic count, which the static SASS count of
 ``kernel_sass.py`` only bounds) and the top warp-stall reasons.
 
-Why: the sittings up to the seventh could only time variants (``kernel_ablation.py``); whether
+Why: the work up to RESULTS block 7 could only time variants (``kernel_ablation.py``); whether
 the default step is bound by instruction issue, by latency or by memory decides what can
 still bring it towards copy bandwidth.
 """

@@ -4,7 +4,7 @@ Usage (CUDA machine, repo root):
   python benchmarks/step_ab.py [--rounds 30] [--reps 5] [--variants [WORD ...]] [--model 1b] [--out ab.json]
 
 ``step_bandwidth.py`` times one configuration after another, and on the H200 the same
-configuration moved by 2-3% between positions in one run (2026-11-30, eighth sitting: the
+configuration moved by 2-3% between positions in one run (2026-11-30, RESULTS block 8: the
 default took 5.615 ms in one run and 5.795 ms in the next, torch 5.777 and 5.761), which is as
 large as the margin being measured. Here every configuration is built once (same shapes as
 ``step_bandwidth.py``: 8 tensors of 8192 x 16384 bf16), and each round times every
@@ -15,7 +15,7 @@ the ratio to torch's fused AdamW, with its median, min and max.
 ``--variants`` adds the default configuration with other tile shapes or register caps (built
 with the module constants set, then restored: a prepared update keeps its launch config), and
 with the 8 tensors in one bucketed launch pair (``kernels/bucket.py`` launches tensors this large
-alone since the ninth sitting; a prepared update decides once, at its first step, whether it
+alone since the RESULTS block 9; a prepared update decides once, at its first step, whether it
 can join a bucket).
 
 ``--model 1b`` times the parameters of a Llama-style model instead (``fusedopt.profile.models``:
@@ -49,7 +49,7 @@ from step_bandwidth import N_TENSORS, SHAPE, _time_ms, launch_constants  # noqa:
 VARIANTS = {  # (elements per program, warps, register cap); the default is 1024, 2, None
     "tile 1024 / 4 warps (default until 2026-11-30)": (1024, 4, None),
     "tile 2048 / 4 warps": (2048, 4, None),
-    "bucketed (one launch pair for the 8 tensors, the default until the ninth sitting)": "bucketed",
+    "bucketed (one launch pair for the 8 tensors, the default until the RESULTS block 9)": "bucketed",
     "unbucketed (FUSEDOPT_BUCKET_MB=0: one launch pair per tensor)": "unbucketed",
 }
 

@@ -1,7 +1,7 @@
 """Exact state (state_bits=32) on fp32 parameters is the torch algorithm itself.
 
 AdamW equals torch.optim.AdamW and SGD equals torch.optim.SGD to fp32 round-off
-(DESIGN.md: rtol 1e-5, atol 1e-7), over many steps, with several parameter groups, in both
+(rtol 1e-5, atol 1e-7, the README's exactness promise), over many steps, with several parameter groups, in both
 ``fused`` modes; Lion equals the published update written out here. Every moment is
 compared too, not just the parameters.
 """

@@ -4,7 +4,7 @@ On the CPU this runs Triton's interpreter (TRITON_INTERPRET=1, set in conftest.p
 GPU it runs the compiled kernel on CUDA tensors. Bounds:
 
 * parameters: within one unit in the last place of their dtype (fp32: 1e-6 + 1e-5 |p|, the
-  DESIGN.md bound). Both paths do the same fp32 operations in the same order; they may
+  documented bound). Both paths do the same fp32 operations in the same order; they may
   still differ by an fp32 rounding where a compiler fuses a multiply-add, and stochastic
   rounding of a bf16/fp16 parameter can then pick the other neighbour.
 * moment codes: equal, or one level apart on at most 0.1% of elements, for the same reason

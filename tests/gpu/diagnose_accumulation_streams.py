@@ -4,7 +4,7 @@
 
 Runs each scenario of ``test_accumulation_buffers_across_streams`` as it is, and again with
 ``ready_on_current_stream`` replaced by the identity (no wait for the buffer's writer, no
-``record_stream``: the code before 2026-11-30's ninth sitting), and prints per scenario how many
+``record_stream``: the code without the stream fix), and prints per scenario how many
 parameter elements differ from the all-default-stream run. The test is meaningful only if the
 second run differs.
 """
