@@ -41,6 +41,7 @@ import time
 
 import torch
 from memory_summary import summarize  # examples/memory_summary.py: sizes in B/KiB/MiB/GiB
+from schedule import lr_lambda, resolve_schedule, saved_schedule  # examples/schedule.py
 
 import fusedopt
 from fusedopt.profile import MemoryTracker
@@ -59,16 +60,6 @@ def get_batch(corpus: torch.Tensor, step: int, micro: int, args, split: str, dev
     gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + micro + (7 if split == "eval" else 0))
     starts = torch.randint(lo, hi - args.seq_len, (args.micro_batch,), generator=gen)
     return torch.stack([corpus[s : s + args.seq_len] for s in starts.tolist()]).long().to(device)
-
-
-def lr_lambda(args):
-    def fn(step: int) -> float:
-        if step < args.warmup:
-            return (step + 1) / args.warmup
-        progress = (step - args.warmup) / max(1, args.total_steps - args.warmup)
-        return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return fn
 
 
 def build_optimizer(model, args):
@@ -108,39 +99,7 @@ def evaluate(model, corpus, args, device, batches: int = 2) -> float:
     return sum(losses) / len(losses)
 
 
-SCHEDULE_KEYS = ("total_steps", "warmup", "lr", "min_lr_ratio")  # what defines the LR at every step
-SCHEDULE_DEFAULTS = {"lr": 3e-4, "min_lr_ratio": 0.1}
-
-
-def resolve_schedule(args, saved: dict | None) -> str | None:
-    """Fill ``args``' schedule: the checkpoint's values on resume, else the options and defaults.
-
-    Returns an error message when an option given on resume contradicts the saved schedule.
-    """
-    if saved is not None:
-        conflicts = [
-            f"--{k.replace('_', '-')} {getattr(args, k)} (the checkpoint's schedule has {saved[k]})"
-            for k in SCHEDULE_KEYS
-            if getattr(args, k) is not None and getattr(args, k) != saved[k]
-        ]
-        if conflicts:
-            return (
-                "the checkpoint's LR schedule differs from "
-                + "; ".join(conflicts)
-                + ": a resumed run keeps the schedule it started with. Leave the option out to continue it"
-                " (pass the final --total-steps when a run starts to decay over a longer run)"
-            )
-        for k in SCHEDULE_KEYS:
-            setattr(args, k, saved[k])
-        return None
-    for k, value in SCHEDULE_DEFAULTS.items():
-        if getattr(args, k) is None:
-            setattr(args, k, value)
-    if args.total_steps is None:
-        args.total_steps = args.steps
-    if args.warmup is None:
-        args.warmup = max(1, args.total_steps // 10)
-    return None
+DEFAULT_LR = 3e-4  # the schedule's peak LR unless --lr or a checkpoint says otherwise
 
 
 def save_checkpoint(path, model, optimizer, scheduler, step, args):
@@ -151,7 +110,7 @@ def save_checkpoint(path, model, optimizer, scheduler, step, args):
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "step": step,
-            "schedule": {k: getattr(args, k) for k in SCHEDULE_KEYS},
+            "schedule": saved_schedule(args),
             "shape": vars(model.shape),
         },
         tmp,
@@ -225,7 +184,7 @@ def main(argv=None) -> int:
             "(pass the --total-steps, --warmup, --lr and --min-lr-ratio the run started with)",
             file=sys.stderr,
         )
-    error = resolve_schedule(args, ckpt.get("schedule") if ckpt is not None else None)
+    error = resolve_schedule(args, ckpt.get("schedule") if ckpt is not None else None, DEFAULT_LR)
     if error:
         print(f"error: {error}", file=sys.stderr)
         return 2
