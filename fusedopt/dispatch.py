@@ -381,9 +381,6 @@ class UpdateDispatcher:
             self._launch_bucket(pending)
         return True
 
-    def has_pending(self) -> bool:
-        return bool(self._pending)
-
     def flush(self) -> None:
         """Launch every queued update."""
         if not self._pending:

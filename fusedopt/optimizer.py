@@ -204,9 +204,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         group_index, index = self._position[p]
         return self.param_groups[group_index], index
 
-    def group_index(self, p: torch.Tensor) -> int:
-        return self._position[p][0]
-
     def param_index(self, p: torch.Tensor) -> int:
         """``p``'s index in the optimizer: a hash input, it never changes or repeats."""
         return self._position[p][1]
