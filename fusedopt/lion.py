@@ -47,6 +47,7 @@ class Lion(FusedOptimizer):
         seed: int = 0,
         fused: bool = False,
         accumulation_steps: int = 1,
+        max_grad_norm: float | None = None,
     ):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize)
         defaults.update(
@@ -55,7 +56,9 @@ class Lion(FusedOptimizer):
             master_weight_bits=master_weight_bits,
             min_compress_numel=min_compress_numel,
         )
-        super().__init__(params, defaults, fused=fused, accumulation_steps=accumulation_steps, seed=seed)
+        super().__init__(
+            params, defaults, fused=fused, accumulation_steps=accumulation_steps, seed=seed, max_grad_norm=max_grad_norm
+        )
 
     def check_hyperparameters(self, group):
         check_number("learning rate", group["lr"])

@@ -25,7 +25,7 @@ from .rng import valid_seed
 from .state_memory import SharedCorrections, pack
 
 # Options that apply to the whole optimizer; a parameter group may not set them.
-OPTIMIZER_WIDE_OPTIONS = ("fused", "accumulation_steps", "seed")
+OPTIMIZER_WIDE_OPTIONS = ("fused", "accumulation_steps", "seed", "max_grad_norm")
 SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -71,16 +71,27 @@ class FusedOptimizer(torch.optim.Optimizer):
     torch_group_keys: dict | None = None  # the torch.optim counterpart's extra group keys (None: none)
     torch_saves_step: bool = True  # whether the torch.optim counterpart's state has a step count
 
-    def __init__(self, params, defaults: dict, *, fused: bool, accumulation_steps: int, seed: int):
+    def __init__(self, params, defaults: dict, *, fused: bool, accumulation_steps: int, seed: int, max_grad_norm=None):
         if not isinstance(fused, bool):
             raise ValueError(f"Invalid fused: {fused!r} (expected True or False)")
         if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
             raise ValueError(f"Invalid accumulation_steps: {accumulation_steps!r} (expected an integer >= 1)")
         if not valid_seed(seed):
             raise ValueError(f"Invalid seed: {seed!r} (expected a non-negative integer)")
+        if max_grad_norm is not None:
+            check_number("max_grad_norm", max_grad_norm)
+            if max_grad_norm <= 0:
+                raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (expected a positive number, or None)")
+            if fused:
+                raise ValueError(
+                    "max_grad_norm with fused=True is not supported yet: gradient release updates each parameter "
+                    "inside backward, before the global gradient norm is known. Use fused=False to clip"
+                )
         self.fused = fused
         self.accumulation_steps = accumulation_steps
         self.seed = seed
+        self.max_grad_norm = max_grad_norm
+        self.grad_norm: torch.Tensor | None = None  # the last step's global gradient norm (with max_grad_norm)
         self._position: dict[torch.Tensor, tuple[int, int]] = {}  # param -> (group index, param index)
         self._next_index = 0  # a new parameter's index (a hash input: it never changes or repeats)
         self._groups_seen: list = []  # param_groups as _position last saw them (sync_groups)
@@ -374,6 +385,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if grad is None and accum is None:
                     continue
                 checked.append((p, self.check_update(p, accum) if grad is None else self.check_update(p, grad, accum)))
+        if self.max_grad_norm is not None and checked:
+            # exactly torch.nn.utils.clip_grad_norm_ over every gradient of this step (no host sync)
+            self.grad_norm = torch.nn.utils.clip_grad_norm_([p for p, _ in checked], self.max_grad_norm)
         for p, launch in checked:
             accum = self._release.take_buffer(p) if self._release is not None else None
             grad = p.grad

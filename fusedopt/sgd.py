@@ -57,6 +57,7 @@ class SGD(FusedOptimizer):
         seed: int = 0,
         fused: bool = False,
         accumulation_steps: int = 1,
+        max_grad_norm: float | None = None,
     ):
         check_refused_options(foreach=foreach, differentiable=differentiable)
         defaults = dict(
@@ -73,7 +74,9 @@ class SGD(FusedOptimizer):
             master_weight_bits=master_weight_bits,
             min_compress_numel=min_compress_numel,
         )
-        super().__init__(params, defaults, fused=fused, accumulation_steps=accumulation_steps, seed=seed)
+        super().__init__(
+            params, defaults, fused=fused, accumulation_steps=accumulation_steps, seed=seed, max_grad_norm=max_grad_norm
+        )
 
     def check_hyperparameters(self, group):
         check_number("learning rate", group["lr"])
