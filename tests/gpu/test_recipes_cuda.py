@@ -10,7 +10,6 @@ import fusedopt
 pytestmark = pytest.mark.gpu
 
 
-
 def _model(dtype):
     gen = torch.Generator().manual_seed(0)
     layers = []
