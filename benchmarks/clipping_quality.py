@@ -154,7 +154,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a CPU smoke run: tiny model, few steps")
     args = parser.parse_args(argv)
     if args.quick:
-        args.shape, args.steps, args.warmup, args.batch, args.seq = QUICK_SHAPE, 160, 10, 4, 32
+        args.shape, args.warmup, args.batch, args.seq = QUICK_SHAPE, 10, 4, 32
+        args.steps = min(args.steps, 160)
         args.corpus_limit = args.corpus_limit or 2_000_000
     jobs = [
         (config, int(seed), spiky == "yes")
