@@ -62,8 +62,8 @@ def test_release_with_clipping_on_cuda(dtype, state_bits):
         assert torch.equal(p, q)
         for key, value in opt_a.state[p].items():
             assert torch.equal(value, opt_b.state[q][key]), key
-    for x, y in zip(norms_a, norms_b):
-        torch.testing.assert_close(y, x, rtol=1e-5, atol=0)
+    for x, y in zip(norms_a, norms_b):  # torch's norm of bf16 gradients is a bf16 number; release's is fp32
+        torch.testing.assert_close(y, x.float(), rtol=1e-5 if dtype == torch.float32 else 2**-8, atol=0)
     clipped, _, norms = _train(True, dtype, state_bits=state_bits, max_grad_norm=0.5)
     assert any(float(n) > 0.5 for n in norms)
     assert any(not torch.equal(p, q) for p, q in zip(clipped.parameters(), b.parameters()))
