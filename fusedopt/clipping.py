@@ -119,6 +119,35 @@ class ReleaseClipping:
         self._known = self._known + new_last - (last if last is not None else 0.0)
         self._last[index] = new_last
 
+    def state_dict(self, pids: dict[int, int]) -> dict:
+        """The history the estimates use, for a checkpoint (``pids``: parameter index -> saved id)."""
+        params = {}
+        for index, pid in pids.items():
+            entry = {}
+            if index in self._last:
+                entry["norm_sq"] = self._last[index]
+            if index in self._average:
+                entry["average"], entry["updates"] = self._average[index]
+            if entry:
+                params[pid] = entry
+        return {"method": self.method, "known": self._known, "last_total": self._last_total, "params": params}
+
+    def load_state_dict(self, saved: dict, indices: dict[int, tuple[int, torch.device]]) -> None:
+        """Restore ``state_dict()``'s history (``indices``: saved id -> parameter index and device).
+        A history saved by another method is kept where it means the same (the squared norms)."""
+        self._last, self._average = {}, {}
+        for pid, entry in saved["params"].items():
+            index, device = indices[pid]
+            if "norm_sq" in entry:
+                self._last[index] = entry["norm_sq"].to(device, torch.float64)
+            if "average" in entry and self.method == saved["method"]:
+                self._average[index] = (entry["average"].to(device, torch.float64), int(entry["updates"]))
+        known, total = saved["known"], saved["last_total"]
+        device = next(iter(indices.values()))[1] if indices else None
+        self._known = None if known is None else known.to(device, torch.float64)
+        self._last_total = None if total is None else total.to(device, torch.float64)
+        self._seen = self._seen_total = None
+
     def _estimate(self) -> torch.Tensor:
         if self.method == "prefix":
             return self._seen
