@@ -35,8 +35,7 @@ scale (``scale * d``, ``sqrt(d)`` for the square-root domain), and only the incr
 against the value decode returned, is rotated, added to the old codes and rounded
 stochastically::
 
-    values = c_old * (scale * d) + H (T(x) - d * T(x_old))     (T: identity, or sqrt for v)
-    q = floor(values / (scale * d) + u)
+    q = c_old + floor(H (T(x) - d * T(x_old)) / (scale * d) + u)     (T: identity, or sqrt for v)
 
 An element with no gradient keeps its codes and decays exactly with the scale; rounding noise
 enters in proportion to the increments (Poisson-like), not one code per step. (Re-rounding
@@ -75,7 +74,7 @@ from .base import BitsFn, MomentCodec
 BLOCK = 256
 HEADROOM = 1.25  # a re-rounded block's largest value sits at qmax / HEADROOM
 _TINY = 1e-30  # divisor of a block of scale 0: every nonzero value then leaves the grid
-_BIG = 2.0**100  # values are saturated here (inf, NaN: 0), so the rotation cannot overflow
+_BIG = 2.0**50  # values are saturated here (inf, NaN: 0): no overflow in the rotation or in v = s**2
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
@@ -181,26 +180,29 @@ class RotatedCodec(MomentCodec):
         mixed = rng.fmix32(words[source] ^ (idx & rng.MASK32))
         return ((mixed >> 8).to(torch.float32) * 2.0**-24).view(self.blocks, BLOCK)
 
-    def round_blocks(self, values: torch.Tensor, scales: torch.Tensor, u: torch.Tensor) -> dict:
-        """Rotated block values on the grid of ``scales`` (stochastic), re-rounding a block on a new
-        scale with headroom where a code would leave the grid."""
-        q = torch.floor(values / scales.clamp_min(_TINY).unsqueeze(1) + u)
+    def round_blocks(self, codes: torch.Tensor, scales: torch.Tensor, increment: torch.Tensor, u: torch.Tensor):
+        """The blocks ``codes * scales + increment`` (rotated, ``(blocks, 256)``) on the grid of ``scales``:
+        ``codes + floor(increment / scale + u)`` (an integer code plus the rounded increment, so a
+        coordinate without increment keeps its code exactly); a block where a code would leave the grid
+        is rounded afresh on a new scale with headroom, from the same draws."""
+        q = codes + torch.floor(increment / scales.clamp_min(_TINY).unsqueeze(1) + u)
         over = q.abs().amax(dim=1) > self.qmax
+        values = codes * scales.unsqueeze(1) + increment
         scales = torch.where(over, values.abs().amax(dim=1) / self.rescale_qmax, scales)
-        q = torch.floor(values / scales.clamp_min(_TINY).unsqueeze(1) + u).clamp(-self.qmax, self.qmax)
+        fresh = torch.floor(values / scales.clamp_min(_TINY).unsqueeze(1) + u)
+        q = torch.where(over.unsqueeze(1), fresh, q).clamp(-self.qmax, self.qmax)
         return {".codes": self.pack(q.to(torch.int32).reshape(-1)), ".scales": scales}
 
     def encode(self, x, bits):
         values = hadamard(self._padded(self._domain(x)))
-        return self.round_blocks(values, torch.zeros(self.blocks, device=values.device), self.uniforms(bits))
+        zeros = torch.zeros(self.blocks, device=values.device)
+        return self.round_blocks(torch.zeros_like(values), zeros, values, self.uniforms(bits))
 
     def encode_decayed(self, x, bits, previous, decay):
         codes, scales, t_old = self.stored_values(previous)
         d = decay if self.signed else math.sqrt(decay)
         increment = self._domain(x) - d * t_old.reshape(-1)[: self.numel]
-        decayed = scales * d
-        values = codes * decayed.unsqueeze(1) + hadamard(self._padded(increment))
-        return self.round_blocks(values, decayed, self.uniforms(bits))
+        return self.round_blocks(codes, scales * d, hadamard(self._padded(increment)), self.uniforms(bits))
 
     def __repr__(self):
         return f"RotatedCodec(bits={self.state_bits}, {'signed' if self.signed else 'unsigned'})"
