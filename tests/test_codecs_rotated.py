@@ -17,7 +17,7 @@ from helpers import inputs, loss_fn, make_model, train
 import fusedopt
 from fusedopt import rng
 from fusedopt.codecs import FP32, codec_for, codec_named
-from fusedopt.codecs.rotated import BLOCK, HEADROOM, FORMATS, RotatedCodec, hadamard, hadamard_matrix
+from fusedopt.codecs.rotated import BLOCK, FORMATS, HEADROOM, RotatedCodec, hadamard, hadamard_matrix
 
 WIDTHS = [pytest.param(name, bits, id=name) for name, bits in FORMATS.items()]
 CODECS = [
@@ -120,6 +120,9 @@ def test_round_trip_error_is_bounded_by_the_block_scale(name, signed, shape):
         err = block_rows(domain(c.decode(stored)) - domain(x), c.blocks).norm(dim=1)
         bound = 16 * scales if signed else 32 * scales
         assert torch.all(err < bound), (err / scales).max()
+        if not signed:  # v decodes at least at one code step squared (the floor), so never to 0 in a live block
+            floor = stored[".scales"].repeat_interleave(BLOCK)[: shape.numel()].reshape(shape)
+            assert torch.all(c.decode(stored) >= floor * floor) and torch.all(c.decode(stored)[x > 0] > 0)
         # the fresh scale leaves the 1.25x headroom: the block's largest rotated value at qmax / 1.25
         rotated = hadamard(block_rows(domain(x), c.blocks).float())
         expected = rotated.abs().amax(dim=1) / max(c.qmax / HEADROOM, 1.0)
@@ -368,3 +371,18 @@ def test_loss_of_the_helpers_model_is_finite_with_every_width():
         opt = fusedopt.Lion(model.parameters(), lr=1e-3, state_format=name, min_compress_numel=0)
         train(model, opt, inputs(4))
         assert torch.isfinite(loss_fn(model, inputs(1)[0]))
+
+
+@pytest.mark.parametrize("algo", PRIMARY_ALGORITHMS, ids=lambda a: a.id)
+def test_the_optimizer_hands_the_decay_to_the_format(algo):
+    """A step with a zero gradient: every moment's block scales are multiplied by the algorithm's
+    decay exactly (its square root for v) and the codes stay (but for fp32's rounding of the EMA)."""
+    w, _, opt, _ = _fit(algo, {"state_format": "rot8"}, torch.float32, fused=False, steps=5)
+    before = {k: v.clone() for k, v in opt.state[w].items()}
+    w.grad = torch.zeros_like(w)
+    opt.step()
+    decays = {"adamw": {"exp_avg": 0.9, "exp_avg_sq": math.sqrt(0.999)}, "sgd-momentum": {"momentum_buffer": 0.9}}
+    for slot, decay in decays.get(algo.id, {"exp_avg": 0.99}).items():
+        assert torch.equal(opt.state[w][slot + ".scales"], before[slot + ".scales"] * decay), slot
+        changed = torch.count_nonzero(opt.state[w][slot + ".codes"] != before[slot + ".codes"]).item()
+        assert changed <= 2, (slot, changed)
