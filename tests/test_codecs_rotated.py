@@ -386,3 +386,13 @@ def test_the_optimizer_hands_the_decay_to_the_format(algo):
         assert torch.equal(opt.state[w][slot + ".scales"], before[slot + ".scales"] * decay), slot
         changed = torch.count_nonzero(opt.state[w][slot + ".codes"] != before[slot + ".codes"]).item()
         assert changed <= 2, (slot, changed)
+
+
+def test_the_case_registry_lists_the_rotated_formats_by_name():
+    from cases import NAMED_FORMATS
+
+    assert [(f.name, f.bits, f.id, f.kwargs) for f in NAMED_FORMATS] == [
+        (name, bits, name, {"state_format": name}) for name, bits in FORMATS.items()
+    ]
+    assert not any(f.has_kernel for f in NAMED_FORMATS)  # reference path only so far
+    assert all(f.quantized for f in NAMED_FORMATS)
