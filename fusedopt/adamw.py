@@ -110,6 +110,10 @@ class AdamW(FusedOptimizer):
         )
 
     @staticmethod
+    def ema_decays(hyper):
+        return {"exp_avg": hyper["beta1"], "exp_avg_sq": hyper["beta2"]}
+
+    @staticmethod
     def kernel_scalars(hyper):
         lr, beta1, beta2 = hyper["lr"], hyper["beta1"], hyper["beta2"]
         return dict(

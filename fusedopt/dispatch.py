@@ -311,6 +311,7 @@ class UpdateDispatcher:
                 seed=opt.seed,
                 index=opt.param_index(p),
                 skipped=opt.num_skipped_updates,
+                decays=opt.ema_decays(settings.hyper),
             )
             launch = self._run(job, settings)
         if launch is not None:

@@ -82,6 +82,10 @@ class Lion(FusedOptimizer):
         )
 
     @staticmethod
+    def ema_decays(hyper):
+        return {"exp_avg": hyper["beta2"]}
+
+    @staticmethod
     def kernel_scalars(hyper):
         lr, beta1, beta2 = hyper["lr"], hyper["beta1"], hyper["beta2"]
         return dict(

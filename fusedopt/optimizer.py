@@ -211,6 +211,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     @staticmethod
+    def ema_decays(hyper: dict) -> dict[str, float]:
+        """Slot -> the factor ``math`` multiplies the old moment by (``m = decay * m + increment``),
+        for state formats that keep the decay exact (``MomentCodec.encode_decayed``). Default: none."""
+        return {}
+
+    @staticmethod
     def kernel_scalars(hyper: dict) -> dict:
         """The fused kernel's runtime scalars from ``hyper`` (``kernels/update.py`` ``UPDATE_SCALARS``)."""
         raise NotImplementedError
@@ -243,9 +249,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
             entries = {}  # tensors of one dtype share an allocation (state_memory.py says why)
             for slot, codec in self.codecs(p, group).items():
-                unit = codec.zeros(torch.Size([1]), p.device)  # a zero state is one value repeated
+                # a zero state is one value repeated (a format may store a padded block for one element)
+                unit = codec.zeros(torch.Size([1]), p.device)
                 for suffix, (dtype, shape) in codec.layout(p.shape).items():
-                    entries[slot + suffix] = (dtype, shape, unit[suffix].reshape(()))
+                    entries[slot + suffix] = (dtype, shape, unit[suffix].reshape(-1)[0])
             shared = {}
             for key, (dtype, shape) in correction_layout(p, group["master_weight_bits"]).items():
                 view = self._corrections.view(p, dtype, shape, self._correction_members)

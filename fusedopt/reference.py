@@ -33,6 +33,9 @@ class ParamUpdate:
     seed: int
     index: int  # the parameter's index in the optimizer (a hash input)
     skipped: torch.Tensor  # counter of skipped updates (0-d int64 tensor)
+    # slot -> the factor the math multiplies the old moment by (an EMA's decay), for codecs that
+    # keep it exact (``MomentCodec.encode_decayed``); None: not known
+    decays: dict[str, float] | None = None
 
 
 # An algorithm's fp32 math (in its own file): takes the fp32 master ``p``, the fp32 gradient ``g``
@@ -55,17 +58,20 @@ def reference_update(math: UpdateMath, job: ParamUpdate) -> None:
     ok = torch.isfinite(g).all()
     step = state["step"] + ok.to(state["step"].dtype)
 
-    moments = {}
-    for slot, codec in job.codecs.items():
-        moments[slot] = codec.decode({s: state[slot + s] for s in codec.suffixes})
+    stored = {slot: {s: state[slot + s] for s in codec.suffixes} for slot, codec in job.codecs.items()}
+    moments = {slot: codec.decode(stored[slot]) for slot, codec in job.codecs.items()}
     math_hyper = {k: v for k, v in hyper.items() if k != "maximize"}
     master = read_master(p, state, job.master_weight_bits)
     new_p, new_moments = math(master, g, moments, step, **math_hyper)
 
     new_state = {}
     draws = rng.UpdateDraws(job.seed, job.index, step, p, job.master_weight_bits)
+    decays = job.decays or {}
     for i, (slot, codec) in enumerate(job.codecs.items()):
-        encoded = codec.encode(new_moments[slot], draws.moment(i))
+        if slot in decays:
+            encoded = codec.encode_decayed(new_moments[slot], draws.moment(i), stored[slot], decays[slot])
+        else:
+            encoded = codec.encode(new_moments[slot], draws.moment(i))
         new_state.update({slot + s: t for s, t in encoded.items()})
     new_param, corrections = write_master(p, new_p, state, job.master_weight_bits, draws.param())
     new_state.update(corrections)

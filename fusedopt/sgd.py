@@ -105,6 +105,11 @@ class SGD(FusedOptimizer):
         return {k: group[k] for k in ("lr", "momentum", "dampening", "nesterov", "weight_decay", "maximize")}
 
     @staticmethod
+    def ema_decays(hyper):
+        # buf = momentum * buf + (1 - dampening) * d (the first step's buf = d starts from zeros)
+        return {"momentum_buffer": hyper["momentum"]}
+
+    @staticmethod
     def kernel_scalars(hyper):
         # the kernel's beta1 carries the momentum, lerp_weight 1 - dampening
         return dict(

@@ -1,6 +1,6 @@
 """State formats (codecs): how each moment of the optimizer state is stored.
 
-One file per format (``fp32.py``, ``bf16.py``, ``blockwise.py``), each implementing
+One file per format (``fp32.py``, ``bf16.py``, ``blockwise.py``, ``rotated.py``), each implementing
 ``MomentCodec`` (``base.py``). This module is the registry above them: formats by checkpoint name,
 ``state_bits`` -> format, and ``codec_for``, which picks the codec of one moment. A new format is
 one file plus ``register_codec(name, factory)``.
@@ -18,6 +18,8 @@ from .bf16 import BF16
 from .blockwise import FORMATS as BLOCK_FORMATS
 from .blockwise import block_codec
 from .fp32 import FP32
+from .rotated import FORMATS as ROTATED_FORMATS
+from .rotated import rotated_codec
 
 __all__ = [
     "BF16",
@@ -67,6 +69,8 @@ register_codec("fp32", lambda signed, shape: FP32)
 register_codec("bf16", lambda signed, shape: BF16)
 for _name in BLOCK_FORMATS:
     register_codec(_name, functools.partial(block_codec, _name))
+for _name in ROTATED_FORMATS:
+    register_codec(_name, functools.partial(rotated_codec, _name))
 
 # state_bits -> the format it selects (for compressible tensors)
 STATE_BITS_FORMATS = {32: "fp32", 16: "bf16", 8: "block8", 4: "block4"}

@@ -64,6 +64,14 @@ class MomentCodec:
         """fp32 moment -> new storage tensors (same keys, dtypes and shapes as ``zeros``)."""
         raise NotImplementedError
 
+    def encode_decayed(
+        self, x: torch.Tensor, bits: BitsFn, previous: dict[str, torch.Tensor], decay: float
+    ) -> dict[str, torch.Tensor]:
+        """``encode(x)`` in an update where ``x = decay * decode(previous) + increment`` (an EMA;
+        ``previous``: the storage before the update, still unchanged). A format may use it to keep
+        the decay exact and round only the increment; the default ignores it."""
+        return self.encode(x, bits)
+
     def layout(self, shape: torch.Size) -> dict[str, tuple[torch.dtype, torch.Size]]:
         """Expected dtype and shape of each storage tensor (used to validate checkpoints)."""
         return {k: (t.dtype, t.shape) for k, t in self.zeros(shape, torch.device("meta")).items()}

@@ -45,6 +45,17 @@ MOMENT_BYTES = {
     bits: codec_named(name, True, _LARGE).bytes_per_element(_LARGE) for bits, name in STATE_BITS_FORMATS.items()
 }
 CORRECTION_BYTES = {None: 0, 24: 1, 32: 2}
+
+
+def moment_bytes(options: dict) -> float:
+    """Bytes per element of one moment of a large matrix under fusedopt options (``state_format``,
+    when set, wins over ``state_bits``, as in the optimizers)."""
+    name = options.get("state_format")
+    if name is None:
+        return MOMENT_BYTES.get(options["state_bits"], 4.0)
+    return codec_named(name, True, _LARGE).bytes_per_element(_LARGE)
+
+
 FUSEDOPT_DEFAULTS = {"state_bits": 8, "master_weight_bits": 24, "fused": False}
 
 
@@ -92,7 +103,7 @@ def byte_model(optimizer: str, kwargs: dict, dtype: torch.dtype) -> PerParam:
         corrections = 0.0
     else:
         options = {**FUSEDOPT_DEFAULTS, **kwargs}
-        state = moments_of(optimizer, kwargs) * MOMENT_BYTES.get(options["state_bits"], 4.0)
+        state = moments_of(optimizer, kwargs) * moment_bytes(options)
         corrections = 0.0 if dtype == torch.float32 else CORRECTION_BYTES.get(options["master_weight_bits"], 0)
     return PerParam(p, corrections, state, 0.0 if fused else p, "byte model")
 
@@ -350,6 +361,8 @@ def _quality(config, param_dtype: torch.dtype) -> str:
     if config.optimizer != "fusedopt.AdamW" or param_dtype != torch.bfloat16:
         return "not measured"
     options = {**FUSEDOPT_DEFAULTS, **config.kwargs}
+    if options.get("state_format") is not None:
+        return "not measured"
     return QUALITY.get((options["state_bits"], options["master_weight_bits"]), "not measured")
 
 
