@@ -16,7 +16,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint
-from .codecs import SUPPORTED_STATE_BITS, MomentCodec, codec_for, registered_formats
+from .codecs import SUPPORTED_STATE_BITS, MomentCodec, codec_for, codec_named, registered_formats
 from .dispatch import CheckedUpdate, UpdateDispatcher, check_gradient
 from .master import MASTER_CORRECTION, check_master_weight_bits, correction_layout, master_value
 from .reference import UpdateMath
@@ -207,11 +207,16 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Slot name -> codec for parameter ``p`` under ``group``."""
         bits, fmt, numel = group["state_bits"], group.get("state_format"), group["min_compress_numel"]
         nonnegative = self.nonnegative_slots
-        shape = local(p).shape  # a sharded parameter's state covers its local shard
-        return {
-            slot: codec_for(bits, shape, numel, signed=slot not in nonnegative, state_format=fmt)
+        # a sharded parameter's format is chosen from its global shape (it does not depend on the
+        # number of ranks), its codec made for the local shard
+        codecs = {
+            slot: codec_for(bits, p.shape, numel, signed=slot not in nonnegative, state_format=fmt)
             for slot in self.state_slots(group)
         }
+        if is_sharded(p):
+            shape = local(p).shape
+            codecs = {slot: codec_named(c.name, slot not in nonnegative, shape) for slot, c in codecs.items()}
+        return codecs
 
     def position(self, p: torch.Tensor) -> tuple[dict, int]:
         """The group holding ``p`` and ``p``'s index in the optimizer (a hash input)."""
@@ -363,13 +368,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         state = self.state.get(p)
         if not state:
             return  # created from the group's settings at the first update
-        p = local(p)
+        lp = local(p)  # a sharded parameter's state covers its local shard
         needed = {
             slot + suffix: layout
             for slot, codec in self.codecs(p, group).items()
-            for suffix, layout in codec.layout(p.shape).items()
+            for suffix, layout in codec.layout(lp.shape).items()
         }
-        needed.update(correction_layout(p, group["master_weight_bits"]))
+        needed.update(correction_layout(lp, group["master_weight_bits"]))
         problems = [_state_problem(key, state.get(key), *layout) for key, layout in needed.items()]
         if MASTER_CORRECTION in state and MASTER_CORRECTION not in needed:
             bits = group["master_weight_bits"]
