@@ -317,7 +317,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         nothing is looked at while ``p``'s prepared launch still holds (it was built for this state,
         parameter and group structure)."""
         if is_sharded(p) or is_sharded(grad):
-            check_sharded_gradient(p, grad)
+            if is_sharded(grad):  # (a plain one: the optimizer's accumulation buffer of the local shard)
+                check_sharded_gradient(p, grad)
             check_gradient(local(p), local(grad), accum, type(self).__name__)
         else:
             check_gradient(p, grad, accum, type(self).__name__)

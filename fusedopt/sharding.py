@@ -65,9 +65,9 @@ def element_offset(p: torch.Tensor) -> int:
 
 
 def check_sharded_gradient(p: torch.Tensor, grad: torch.Tensor) -> None:
-    """Refuse a gradient whose local tensor is not the gradient of ``p``'s local shard: a plain
-    gradient of a DTensor parameter (or the reverse), or a DTensor gradient of other placements
-    (a ``Partial`` one holds this rank's unreduced contribution)."""
+    """Refuse a DTensor gradient whose local tensor is not the gradient of ``p``'s local shard: one of
+    a plain parameter, or of other placements (a ``Partial`` one holds this rank's unreduced
+    contribution)."""
     if is_sharded(p) == is_sharded(grad) and (not is_sharded(p) or tuple(grad.placements) == tuple(p.placements)):
         return
     got = f"placements {tuple(grad.placements)}" if is_sharded(grad) else "a plain tensor"
