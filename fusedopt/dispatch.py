@@ -123,8 +123,6 @@ def unsupported_reason(algorithm, job: ParamUpdate) -> str | None:
         return _LAYOUT
     if p.dtype != torch.float32 and job.master_weight_bits is not None and job.state.get(MASTER_CORRECTION) is None:
         return "a split parameter without its correction tensor"
-    if job.first:
-        return "a shard of a sharded parameter (its global element offset)"
     return None
 
 
@@ -441,4 +439,5 @@ def _launch(algorithm, job: ParamUpdate, scratch: torch.Tensor, scalars: tuple):
         not rng.param_shares_draw(job.param.dtype, job.master_weight_bits),
         (bool(hyper.get("maximize", False)), bool(hyper.get("nesterov", False))),
         scalars,
+        job.first,
     )
