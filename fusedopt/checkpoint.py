@@ -32,7 +32,7 @@ from . import rng
 from .codecs import MomentCodec, codec_named, registered_formats
 from .codecs.blockwise import BlockCodec
 from .master import MASTER_CORRECTION, convert_correction
-from .sharding import as_sharded, is_sharded, local
+from .sharding import as_sharded, element_offset, is_sharded, local
 from .state_memory import pack_tensors
 
 # 3: each state's codec recorded by name ("codecs"). 2: not recorded; 8-bit moments on
@@ -134,14 +134,8 @@ def _localise(p: torch.Tensor, t):
         return local(t)
     if is_sharded(p) and isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape == p.shape:
         lp = local(p)
-        return t.detach().reshape(-1).narrow(0, _first_element(p), lp.numel()).view(lp.shape)
+        return t.detach().reshape(-1).narrow(0, element_offset(p), lp.numel()).view(lp.shape)
     return t
-
-
-def _first_element(p: torch.Tensor) -> int:
-    from .sharding import element_offset
-
-    return element_offset(p)
 
 
 def _from_elements(p: torch.Tensor, saved: dict, names: dict, signed_of, where: str) -> None:

@@ -403,6 +403,28 @@ def _replicate(rank, world_size, out):
 test_replicate_with_fsdp_supports_release = scenario((TWO, _replicate))
 
 
+def _hsdp(rank, world_size, out):
+    """HSDP: a (replicate 2, shard 1) mesh; placements (Replicate(), Shard(0))."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("replicate", "shard"))
+    results = []
+    for bits, fused in ((4, False), (4, True), (32, True)):
+        model = shard(make_mlp(), mesh=mesh)
+        opt = fusedopt.AdamW(model.parameters(), lr=1e-2, state_bits=bits, min_compress_numel=0, fused=fused)
+        train(model, opt, rank, world_size, steps=3)
+        results.append((params_of(model), state_of(opt)))
+    assert_equal(results[1][0], results[0][0], "HSDP parameters")
+    assert_equal(results[1][1], results[0][1], "HSDP state")
+    reference = make_mlp()
+    train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), 0, 1, steps=3)
+    for got, want in zip(results[2][0], params_of(reference)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+test_hsdp_supports_release = scenario((TWO, _hsdp))
+
+
 # --- unsupported layouts -------------------------------------------------------------------
 
 
