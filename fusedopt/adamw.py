@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .clipping import DEFAULT_CLIP_METHOD
 from .optimizer import FusedOptimizer, check_betas, check_number, check_refused_options
 
 
@@ -69,6 +70,8 @@ class AdamW(FusedOptimizer):
         fused: bool = False,
         accumulation_steps: int = 1,
         max_grad_norm: float | None = None,
+        release_clipping: str = DEFAULT_CLIP_METHOD,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ):
         check_refused_options(amsgrad=amsgrad, foreach=foreach, capturable=capturable, differentiable=differentiable)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
@@ -79,7 +82,14 @@ class AdamW(FusedOptimizer):
             min_compress_numel=min_compress_numel,
         )
         super().__init__(
-            params, defaults, fused=fused, accumulation_steps=accumulation_steps, seed=seed, max_grad_norm=max_grad_norm
+            params,
+            defaults,
+            fused=fused,
+            accumulation_steps=accumulation_steps,
+            seed=seed,
+            max_grad_norm=max_grad_norm,
+            release_clipping=release_clipping,
+            grad_scaler=grad_scaler,
         )
 
     def check_hyperparameters(self, group):

@@ -29,6 +29,7 @@ from collections import defaultdict
 import torch
 
 from . import rng
+from .clipping import ReleaseClipping
 from .codecs import MomentCodec, codec_named, registered_formats
 from .codecs.blockwise import BlockCodec
 from .master import MASTER_CORRECTION, convert_correction
@@ -67,6 +68,9 @@ def state_dict(optimizer, packed: dict) -> dict:
         # the format of each stored moment: two formats may share a layout
         "codecs": {i: _codec_names(optimizer, params[i]) for i in packed["state"]},
     }
+    if optimizer._released_clipping is not None:  # the history of clipping under release (clipping.py)
+        pids = {optimizer.param_index(p): i for i, p in enumerate(params)}
+        packed["fusedopt"]["release_clipping"] = optimizer._released_clipping.state_dict(pids)
     return packed
 
 
@@ -181,6 +185,21 @@ def _from_elements(p: torch.Tensor, saved: dict, names: dict, signed_of, where: 
         names.pop(slot)  # a plain fp32 value now
 
 
+def _load_release_clipping(optimizer, meta: dict | None, ids: dict):
+    """The history of clipping under release from a checkpoint, in a new ``ReleaseClipping`` (None:
+    nothing to load, or this optimizer does not clip)."""
+    saved = meta.get("release_clipping") if meta is not None else None
+    if saved is None or optimizer._released_clipping is None:
+        return None
+    clipping = ReleaseClipping(optimizer.max_grad_norm, optimizer.release_clipping)
+    indices = {pid: (optimizer.param_index(p), p.device) for pid, (p, _) in ids.items()}
+    try:
+        clipping.load_state_dict(saved, indices)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise ValueError(f"checkpoint has an invalid release_clipping entry: {e!r}") from e
+    return clipping
+
+
 def _codec_names(optimizer, p: torch.Tensor) -> dict[str, str]:
     state = optimizer.state.get(p)
     if not state:
@@ -249,6 +268,8 @@ def load_state_dict(optimizer, saved: dict) -> None:
             optimizer, p, group, param_state, where, seed, index, lossy, saved_format, names
         )
 
+    clipping = _load_release_clipping(optimizer, meta, ids)
+
     # Everything validated and converted: commit (the shared corrections are built, if they were
     # not, before the first one is overwritten).
     for p, state in new_state.items():
@@ -259,6 +280,8 @@ def load_state_dict(optimizer, saved: dict) -> None:
     optimizer.seed = seed
     if skipped is not None:
         optimizer.num_skipped_updates.copy_(skipped)
+    if clipping is not None:
+        optimizer._released_clipping = clipping
     if lossy:
         warnings.warn(
             "checkpoint state was converted to this optimizer's state format with rounding: " + "; ".join(lossy),

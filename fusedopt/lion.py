@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .clipping import DEFAULT_CLIP_METHOD
 from .optimizer import FusedOptimizer, check_betas, check_number
 
 
@@ -48,6 +49,8 @@ class Lion(FusedOptimizer):
         fused: bool = False,
         accumulation_steps: int = 1,
         max_grad_norm: float | None = None,
+        release_clipping: str = DEFAULT_CLIP_METHOD,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize)
         defaults.update(
@@ -57,7 +60,14 @@ class Lion(FusedOptimizer):
             min_compress_numel=min_compress_numel,
         )
         super().__init__(
-            params, defaults, fused=fused, accumulation_steps=accumulation_steps, seed=seed, max_grad_norm=max_grad_norm
+            params,
+            defaults,
+            fused=fused,
+            accumulation_steps=accumulation_steps,
+            seed=seed,
+            max_grad_norm=max_grad_norm,
+            release_clipping=release_clipping,
+            grad_scaler=grad_scaler,
         )
 
     def check_hyperparameters(self, group):

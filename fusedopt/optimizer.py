@@ -16,8 +16,10 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint
+from .clipping import DEFAULT_CLIP_METHOD, ReleaseClipping, check_clip_method, clip_exactly_
 from .codecs import SUPPORTED_STATE_BITS, MomentCodec, codec_for, codec_named, registered_formats
 from .dispatch import CheckedUpdate, UpdateDispatcher, check_gradient
+from .loss_scaling import ReleasedUnscaling, check_grad_scaler, inverse, unscale_
 from .master import MASTER_CORRECTION, check_master_weight_bits, correction_layout, master_value
 from .reference import UpdateMath
 from .release import GradientRelease
@@ -26,7 +28,7 @@ from .sharding import as_sharded, check_sharded_gradient, check_sharded_param, e
 from .state_memory import SharedCorrections, pack
 
 # Options that apply to the whole optimizer; a parameter group may not set them.
-OPTIMIZER_WIDE_OPTIONS = ("fused", "accumulation_steps", "seed", "max_grad_norm")
+OPTIMIZER_WIDE_OPTIONS = ("fused", "accumulation_steps", "seed", "max_grad_norm", "release_clipping", "grad_scaler")
 SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -71,8 +73,21 @@ class FusedOptimizer(torch.optim.Optimizer):
     bias_corrections: bool = False  # the kernel's check pass computes Adam's bias corrections
     torch_group_keys: dict | None = None  # the torch.optim counterpart's extra group keys (None: none)
     torch_saves_step: bool = True  # whether the torch.optim counterpart's state has a step count
+    # torch.amp.GradScaler.step(opt) hands step() its scale as ``opt.grad_scale`` (loss_scaling.py)
+    _step_supports_amp_scaling = True
 
-    def __init__(self, params, defaults: dict, *, fused: bool, accumulation_steps: int, seed: int, max_grad_norm=None):
+    def __init__(
+        self,
+        params,
+        defaults: dict,
+        *,
+        fused: bool,
+        accumulation_steps: int,
+        seed: int,
+        max_grad_norm=None,
+        release_clipping: str = DEFAULT_CLIP_METHOD,
+        grad_scaler=None,
+    ):
         if not isinstance(fused, bool):
             raise ValueError(f"Invalid fused: {fused!r} (expected True or False)")
         if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
@@ -83,16 +98,17 @@ class FusedOptimizer(torch.optim.Optimizer):
             check_number("max_grad_norm", max_grad_norm)
             if max_grad_norm <= 0:
                 raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (expected a positive number, or None)")
-            if fused:
-                raise ValueError(
-                    "max_grad_norm with fused=True is not supported yet: gradient release updates each parameter "
-                    "inside backward, before the global gradient norm is known. Use fused=False to clip"
-                )
+        check_clip_method(release_clipping)
+        check_grad_scaler(grad_scaler)
         self.fused = fused
         self.accumulation_steps = accumulation_steps
         self.seed = seed
         self.max_grad_norm = max_grad_norm
-        self.grad_norm: torch.Tensor | None = None  # the last step's global gradient norm (with max_grad_norm)
+        self.release_clipping = release_clipping
+        self.grad_scaler = grad_scaler  # fused=True: the GradScaler whose scale the released gradients carry
+        self._grad_norm: torch.Tensor | None = None  # exact clipping's last norm (step())
+        self._released_clipping = ReleaseClipping(max_grad_norm, release_clipping) if max_grad_norm else None
+        self._released_unscaling = ReleasedUnscaling()
         self._position: dict[torch.Tensor, tuple[int, int]] = {}  # param -> (group index, param index)
         self._next_index = 0  # a new parameter's index (a hash input: it never changes or repeats)
         self._offsets: dict[torch.Tensor, int] = {}  # sharded param -> its shard's first global element index
@@ -307,6 +323,63 @@ class FusedOptimizer(torch.optim.Optimizer):
             return []
         return self._release.buffered_gradients() + self._release.held_gradients()
 
+    # --- clipping and loss scaling ----------------------------------------------------------
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The global L2 norm of the gradients of the last update, before clipping (a device tensor;
+        None without ``max_grad_norm``). With ``fused=True`` it is the norm of the gradients released
+        so far in this backward, exact once backward has finished (and kept after ``step()``)."""
+        if self._releasing() and self._released_clipping is not None:
+            return self._released_clipping.norm()
+        return self._grad_norm
+
+    def _releasing(self) -> bool:
+        return self._release is not None and self._release.attached
+
+    def prepare_released_gradient(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None) -> None:
+        """Unscale (``grad_scaler``) and clip (``max_grad_norm``) a gradient gradient release is about
+        to update ``p`` from, in place, with its accumulated buffer."""
+        if self.grad_scaler is None and self._released_clipping is None:
+            return
+        grads = [grad] if accum is None else [grad, accum]
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            self._released_unscaling.unscale_(self.grad_scaler, grads)
+        if self._released_clipping is not None:
+            self._released_clipping.clip(self.param_index(p), grads)
+
+    def _unscale_and_clip(self, updates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> None:
+        """step()'s gradients (parameter, gradient, accumulated buffer), in place: unscaled by a
+        GradScaler's ``grad_scale`` when ``scaler.step(opt)`` called, then clipped."""
+        releasing = self._releasing()
+        grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step for this call only
+        if releasing and grad_scale is not None and self.grad_scaler is None and self._release.hooks_ran():
+            raise RuntimeError(
+                "a torch.amp.GradScaler stepped this fused=True optimizer, which does not know it: gradient release "
+                "already updated parameters inside backward from the scaled gradients. Pass grad_scaler=scaler to "
+                "the optimizer (or set opt.grad_scaler = scaler) before the first backward"
+            )
+        if releasing and self.grad_scaler is not None and not hasattr(self, "grad_scale") and updates:
+            raise RuntimeError(
+                "step() of a fused=True optimizer with a grad_scaler was called directly while gradients wait for "
+                "it: call scaler.step(optimizer), which hands step() the scale to unscale them with"
+            )
+        if grad_scale is not None:
+            inv_scale = inverse(grad_scale)
+            found_inf = torch.zeros((), dtype=torch.float32, device=inv_scale.device)  # the scaler has checked
+            for _, grad, accum in updates:
+                unscale_([g for g in (grad, accum) if g is not None], inv_scale.to(grad.device), found_inf)
+        if releasing and self.grad_scaler is not None:
+            self._released_unscaling.report(self.grad_scaler, self)
+        if self.max_grad_norm is None or not updates:
+            return
+        if releasing:  # the rest of the window, clipped as release clipped the rest
+            for p, grad, accum in updates:
+                self._released_clipping.clip(self.param_index(p), [grad] if accum is None else [grad, accum])
+        else:  # exactly torch.nn.utils.clip_grad_norm_ over every gradient of this step (no host sync)
+            tensors = [g for _, grad, accum in updates for g in (grad, accum) if g is not None]
+            self._grad_norm = clip_exactly_(tensors, self.max_grad_norm)
+
     # --- the update ------------------------------------------------------------------------
 
     def check_update(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None = None) -> CheckedUpdate:
@@ -401,7 +474,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        releasing = self._release is not None and self._release.attached
+        releasing = self._releasing()
         self.flush_updates()  # left by a backward that did not finish
         self.sync_groups()
         self._dispatch.new_window()
@@ -412,14 +485,15 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if grad is None and accum is None:
                     continue
                 checked.append((p, self.check_update(p, accum) if grad is None else self.check_update(p, grad, accum)))
-        if self.max_grad_norm is not None and checked:
-            # exactly torch.nn.utils.clip_grad_norm_ over every gradient of this step (no host sync)
-            self.grad_norm = torch.nn.utils.clip_grad_norm_([p for p, _ in checked], self.max_grad_norm)
-        for p, launch in checked:
+        updates = []
+        for p, _ in checked:
             accum = self._release.take_buffer(p) if self._release is not None else None
             grad = p.grad
             if grad is None:
                 grad, accum = accum, None
+            updates.append((p, grad, accum))
+        self._unscale_and_clip(updates)
+        for (p, grad, accum), (_, launch) in zip(updates, checked):
             self._dispatch.queue(p, grad, accum, launch)
             if releasing:
                 p.grad = None
@@ -427,6 +501,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._dispatch.new_window()
         if self._release is not None:
             self._release.new_window()
+        if self._released_clipping is not None:
+            self._released_clipping.new_window()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

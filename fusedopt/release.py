@@ -210,6 +210,7 @@ class GradientRelease:
                     p.grad = None
                 return
             accum = self.take_buffer(p) if self._buffers else None
+            optimizer.prepare_released_gradient(p, grad, accum)  # unscaled and clipped, in place
             if (
                 accum is not None
                 or not optimizer.bucket_budget
@@ -243,6 +244,10 @@ class GradientRelease:
             for p, grad, checked in held:
                 optimizer.queue_update(p, grad, None, checked)
             optimizer.flush_updates()
+
+    def hooks_ran(self) -> bool:
+        """Whether a release hook took a gradient since the last ``step()``."""
+        return bool(self._counts)
 
     def holds_updates(self) -> bool:
         return bool(self._held)

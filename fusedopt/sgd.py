@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .clipping import DEFAULT_CLIP_METHOD
 from .optimizer import FusedOptimizer, check_number, check_refused_options
 
 
@@ -58,6 +59,8 @@ class SGD(FusedOptimizer):
         fused: bool = False,
         accumulation_steps: int = 1,
         max_grad_norm: float | None = None,
+        release_clipping: str = DEFAULT_CLIP_METHOD,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ):
         check_refused_options(foreach=foreach, differentiable=differentiable)
         defaults = dict(
@@ -75,7 +78,14 @@ class SGD(FusedOptimizer):
             min_compress_numel=min_compress_numel,
         )
         super().__init__(
-            params, defaults, fused=fused, accumulation_steps=accumulation_steps, seed=seed, max_grad_norm=max_grad_norm
+            params,
+            defaults,
+            fused=fused,
+            accumulation_steps=accumulation_steps,
+            seed=seed,
+            max_grad_norm=max_grad_norm,
+            release_clipping=release_clipping,
+            grad_scaler=grad_scaler,
         )
 
     def check_hyperparameters(self, group):
