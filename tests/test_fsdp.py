@@ -439,9 +439,17 @@ def _unsupported(rank, world_size, out):
             assert "Shard(0)" in str(exc), exc
         else:
             raise AssertionError("a parameter sharded on its last dimension was not refused")
+    model = shard(make_mlp())
+    for options in (dict(max_grad_norm=1.0), dict(grad_scaler=torch.amp.GradScaler("cpu"))):
+        try:
+            fusedopt.AdamW(model.parameters(), fused=True, **options)
+        except ValueError as exc:
+            assert "not supported yet" in str(exc), exc
+        else:
+            raise AssertionError(f"fused=True with {options} on sharded parameters was not refused")
 
 
-test_parameters_sharded_on_another_dimension_are_refused = scenario((TWO, _unsupported))
+test_unsupported_sharded_setups_are_refused = scenario((TWO, _unsupported))
 
 
 def test_fsdp1_flat_parameters_are_refused_with_fused():
