@@ -9,6 +9,15 @@ Two rules on top of torch's ``Optimizer.load_state_dict``:
   optimizer's own and the saved state is converted to them. Conversion that loses precision
   is reported with a warning giving the error; anything that cannot be converted (missing
   or unknown entries, wrong shapes, another algorithm) raises and leaves the optimizer as it was.
+
+Sharded parameters (FSDP2): ``torch.distributed.checkpoint`` keeps only ``state`` and
+``param_groups`` and reshards DTensors, so the state of a sharded parameter is saved as DTensors
+of the parameter's global shape and placements, one value per element: block-quantized moments
+as ``<slot>.element_codes`` (a code per element, 4-bit codes unpacked) and
+``<slot>.element_scales`` (each element's block scale), with a ``"fusedopt"`` entry naming the
+codecs. Loaded on any number of ranks, each shard's blocks are rebuilt from its elements: bit for
+bit where every block's elements share one scale (the same sharding, or shards starting on
+multiples of the block size), else decoded exactly and re-encoded (with the rounding warning).
 """
 
 from __future__ import annotations
@@ -22,7 +31,9 @@ import torch
 from . import rng
 from .clipping import ReleaseClipping
 from .codecs import MomentCodec, codec_named, registered_formats
+from .codecs.blockwise import BlockCodec
 from .master import MASTER_CORRECTION, convert_correction
+from .sharding import as_sharded, element_offset, is_sharded, local
 from .state_memory import pack_tensors
 
 # 3: each state's codec recorded by name ("codecs"). 2: not recorded; 8-bit moments on
@@ -42,6 +53,11 @@ _OTHER_ALGORITHMS_KEYS = {"betas", "eps", "momentum", "dampening", "nesterov", "
 def state_dict(optimizer, packed: dict) -> dict:
     """Add fusedopt's optimizer-wide entries to torch's packed state dict."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    sharded = [i for i in packed["state"] if is_sharded(params[i])]
+    if sharded:
+        _check_same_steps(optimizer, [params[i] for i in sharded])
+        for i in sharded:
+            packed["state"][i] = _sharded_entries(optimizer, params[i], optimizer.state[params[i]])
     packed["fusedopt"] = {
         "format": FORMAT,
         "algorithm": optimizer.algorithm,
@@ -56,6 +72,117 @@ def state_dict(optimizer, packed: dict) -> dict:
         pids = {optimizer.param_index(p): i for i, p in enumerate(params)}
         packed["fusedopt"]["release_clipping"] = optimizer._released_clipping.state_dict(pids)
     return packed
+
+
+# a sharded parameter's saved state: the codec names and the element-wise layout
+STATE_META = "fusedopt"
+_ELEMENT_CODES, _ELEMENT_SCALES = ".element_codes", ".element_scales"
+
+
+def _check_same_steps(optimizer, params: list[torch.Tensor]) -> None:
+    """Refuse to save sharded state whose step counts differ between ranks (a non-finite gradient
+    in one rank's shard skips that shard's update only): the checkpoint keeps one step per parameter."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    steps = torch.stack([optimizer.state[p]["step"].float().cpu() for p in params])
+    device = local(params[0]).device if dist.get_backend() == "nccl" else torch.device("cpu")
+    low, high = (-steps).to(device), steps.to(device)
+    dist.all_reduce(low, op=dist.ReduceOp.MAX)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    differ = (-low != high).nonzero().flatten().tolist()
+    if differ:
+        raise RuntimeError(
+            f"the step counts of {len(differ)} sharded parameter(s) differ between ranks (a non-finite gradient in "
+            "one rank's shard skipped only that shard's update); such state cannot be saved as one checkpoint"
+        )
+
+
+def _sharded_entries(optimizer, p: torch.Tensor, state: dict) -> dict:
+    """A sharded parameter's state as saved: the step, and every other entry a DTensor laid out as
+    ``p`` (see the module docstring)."""
+    group, _ = optimizer.position(p)
+    lp = local(p)
+    n = lp.numel()
+    out = {"step": state["step"]}
+    names = {}
+    for slot, codec in optimizer.codecs(p, group).items():
+        names[slot] = codec.name
+        if isinstance(codec, BlockCodec):
+            codes, scales = state[slot + ".codes"], state[slot + ".scales"]
+            if codec.state_bits == 4:
+                codes = torch.stack((codes & 0xF, codes >> 4), -1).reshape(-1)[:n]
+            entries = {
+                _ELEMENT_CODES: codes.reshape(lp.shape),
+                _ELEMENT_SCALES: scales.repeat_interleave(codec.block)[:n].reshape(lp.shape),
+            }
+        else:
+            entries = {s: state[slot + s] for s in codec.suffixes}
+        for suffix, t in entries.items():
+            if t.shape != lp.shape:
+                raise ValueError(
+                    f"the state format {codec.name!r} of {slot!r} stores {suffix!r} as {tuple(t.shape)}, not one value "
+                    f"per element of the local shard {tuple(lp.shape)}: it cannot be saved for a sharded parameter"
+                )
+            out[slot + suffix] = as_sharded(p, t)
+    if MASTER_CORRECTION in state:
+        out[MASTER_CORRECTION] = as_sharded(p, state[MASTER_CORRECTION])
+    out[STATE_META] = {"codecs": names, "layout": "elementwise"}
+    return out
+
+
+def _localise(p: torch.Tensor, t):
+    """A saved entry as ``p``'s local shard sees it: a DTensor's local tensor; a whole tensor of a
+    sharded parameter's global shape, the shard's rows; anything else as it is."""
+    if is_sharded(t):
+        return local(t)
+    if is_sharded(p) and isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape == p.shape:
+        lp = local(p)
+        return t.detach().reshape(-1).narrow(0, element_offset(p), lp.numel()).view(lp.shape)
+    return t
+
+
+def _from_elements(p: torch.Tensor, saved: dict, names: dict, signed_of, where: str) -> None:
+    """Rebuild the blocks of ``p``'s local shard from element-wise saved moments, in place in ``saved``:
+    exactly where each block's elements share one scale, else as fp32 values (re-encoded by the caller)."""
+    lp = local(p)
+    n = lp.numel()
+    for slot, name in list(names.items()):
+        codes, scales = saved.pop(slot + _ELEMENT_CODES, None), saved.pop(slot + _ELEMENT_SCALES, None)
+        if codes is None and scales is None:
+            continue
+        if name not in registered_formats():
+            raise ValueError(f"state {slot!r} of {where} was saved in the state format {name!r}, unknown here")
+        codec = codec_named(name, signed_of(slot), lp.shape)
+        for what, t in (("codes", codes), ("scales", scales)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.shape != lp.shape:
+                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"state {slot!r} of {where}: element-wise {what} must be uint8 of the shard's shape "
+                    f"{tuple(lp.shape)}, got {got}"
+                )
+        if not isinstance(codec, BlockCodec):
+            raise ValueError(f"state {slot!r} of {where} is saved element-wise but {name!r} is not a block format")
+        codes, scales = codes.reshape(-1), scales.reshape(-1)
+        block = codec.block
+        block_scales = scales[::block]
+        if torch.equal(block_scales.repeat_interleave(block)[:n], scales):  # the blocks as they were
+            if codec.state_bits == 4:
+                pairs = torch.nn.functional.pad(codes, (0, n % 2)).view(-1, 2)
+                codes = pairs[:, 0] | (pairs[:, 1] << 4)
+            saved[slot + ".codes"] = codes.reshape(codec.layout(lp.shape)[".codes"][1])
+            saved[slot + ".scales"] = block_scales
+            continue
+        # another sharding split the saved blocks: each element decoded with its own scale (exact)
+        alone = codec_named(name, signed_of(slot), torch.Size([n * block]))
+        spread = torch.zeros(n, block, dtype=torch.uint8, device=codes.device)
+        spread[:, 0] = codes
+        spread = spread.reshape(-1)
+        if codec.state_bits == 4:
+            spread = spread[0::2] | (spread[1::2] << 4)
+        values = alone.decode({".codes": spread, ".scales": scales}).float().reshape(n, block)[:, 0]
+        saved[slot] = values.reshape(lp.shape)
+        names.pop(slot)  # a plain fp32 value now
 
 
 def _load_release_clipping(optimizer, meta: dict | None, ids: dict):
@@ -123,12 +250,20 @@ def load_state_dict(optimizer, saved: dict) -> None:
         p, group = ids[pid]
         _, index = optimizer.position(p)
         where = f"parameter {index} (shape {tuple(p.shape)})"
+        names = codec_names.get(pid, {})
+        if isinstance(param_state, dict) and (STATE_META in param_state or is_sharded(p)):
+            param_state = {k: _localise(p, v) for k, v in param_state.items()}
+            meta_p = param_state.pop(STATE_META, None)
+            if isinstance(meta_p, dict):
+                names = dict(meta_p.get("codecs", {}))
+                if meta_p.get("layout") == "elementwise":
+                    signed_of = lambda slot: slot not in optimizer.nonnegative_slots  # noqa: E731
+                    _from_elements(p, param_state, names, signed_of, where)
         if pid in shapes and list(shapes[pid]) != list(p.shape):
             raise ValueError(
                 f"loaded state dict holds the state of a parameter of shape {tuple(shapes[pid])} for {where}: the "
                 "parameters are not the ones it was saved from (another model, or another order)"
             )
-        names = codec_names.get(pid, {})
         new_state[p] = _convert_param_state(
             optimizer, p, group, param_state, where, seed, index, lossy, saved_format, names
         )
@@ -201,9 +336,11 @@ def _convert_param_state(
     if not isinstance(saved, dict):
         raise ValueError(f"state of {where} is a {type(saved).__name__}, expected a dict")
     saved = {k: v for k, v in saved.items() if v is not None}  # torch.optim.SGD saves momentum_buffer=None
+    codecs: dict[str, MomentCodec] = optimizer.codecs(p, group)
+    first = optimizer.element_offset(p)
+    p = local(p)  # a sharded parameter's state covers its local shard
     # Master-weight correction: copied, widened, or zero when absent (master = the loaded bf16 value).
     correction = convert_correction(p, group["master_weight_bits"], saved.pop(MASTER_CORRECTION, None), where)
-    codecs: dict[str, MomentCodec] = optimizer.codecs(p, group)
     known = {"step"} | {slot + s for slot, codec in codecs.items() for s in codec.layout(p.shape)}
     foreign_slots = {k for k in saved if k not in known and not any(_of_slot(k, slot) for slot in codecs)}
     if foreign_slots:
@@ -211,7 +348,7 @@ def _convert_param_state(
 
     step = _load_step(saved.get("step"), where, has_moments=any(k != "step" for k in saved), optimizer=optimizer)
     out = {"step": torch.tensor(step, dtype=torch.float32, device=p.device)}
-    draws = rng.UpdateDraws(seed, index, out["step"], p, None)  # re-encoding rounds like an update
+    draws = rng.UpdateDraws(seed, index, out["step"], p, None, first)  # re-encoding rounds like an update
     for i, (slot, codec) in enumerate(codecs.items()):
         layout = codec.layout(p.shape)
         entries = {s: saved.get(slot + s) for s in layout}

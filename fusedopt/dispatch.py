@@ -36,6 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from . import rng
 from .master import MASTER_CORRECTION
 from .reference import ParamUpdate, reference_update
+from .sharding import local
 from .streams import on_default_stream
 
 BACKENDS = ("auto", "triton", "reference")
@@ -239,14 +240,17 @@ class UpdateDispatcher:
         if not settings.kernel_allowed:
             return NOT_PREPARED
         entry = self._prepared.get(p)
-        if entry is None or _gradient_problem(p, grad, accum) is not None:
+        if entry is None:
+            return NOT_PREPARED
+        param = local(p)  # a sharded parameter's update runs on its local shard
+        if _gradient_problem(param, local(grad), accum) is not None:
             return NOT_PREPARED
         state = self._opt.state.get(p)
         if (
             state is not None
             and tuple(map(id, state.values())) == entry.state_ids
             and tuple(state) == entry.state_keys
-            and entry.structure == (p.dtype, p.shape, p.device, p.data_ptr(), settings.structure)
+            and entry.structure == (param.dtype, param.shape, param.device, param.data_ptr(), settings.structure)
         ):
             return entry.checked
         return NOT_PREPARED
@@ -268,6 +272,7 @@ class UpdateDispatcher:
     def queue(self, p: torch.Tensor, grad: torch.Tensor, accum, checked: CheckedUpdate) -> None:
         """Run a checked update, or queue it in a bucket (it has run once ``flush()`` returns;
         ``grad`` must stay unchanged until then)."""
+        grad = local(grad)
         launch = checked.launch
         if launch is None or not self._buckets_on or accum is not None:
             self.update(p, grad, accum, checked)
@@ -283,6 +288,7 @@ class UpdateDispatcher:
 
     def update(self, p: torch.Tensor, grad: torch.Tensor, accum, checked: CheckedUpdate) -> None:
         """Apply one checked update of ``p`` now, through its prepared launch or ``run_update``."""
+        grad = local(grad)
         entry = self._prepared.get(p)
         if entry is not None and id(entry.launch) in self._waiting:
             self._opt.flush_updates()  # p's queued update runs first
@@ -298,10 +304,11 @@ class UpdateDispatcher:
             # A first update may run in a hook on a side stream: state (and the correction buffer
             # that all parameters share) is initialised on the default stream, which that stream
             # then waits for
-            with on_default_stream(p):
+            param = local(p)
+            with on_default_stream(param):
                 state = opt.ensure_state(p)
             job = ParamUpdate(
-                param=p,
+                param=param,
                 grad=grad,
                 accum=accum,
                 state=state,
@@ -312,11 +319,12 @@ class UpdateDispatcher:
                 index=opt.param_index(p),
                 skipped=opt.num_skipped_updates,
                 decays=opt.ema_decays(settings.hyper),
+                first=opt.element_offset(p),
             )
             launch = self._run(job, settings)
         if launch is not None:
             replaced = self._prepared.get(p)
-            structure = (p.dtype, p.shape, p.device, p.data_ptr(), settings.structure)
+            structure = (param.dtype, param.shape, param.device, param.data_ptr(), settings.structure)
             ids = tuple(map(id, state.values()))
             self._prepared[p] = PreparedEntry(launch, structure, tuple(state), ids, CheckedUpdate(launch))
         else:
@@ -432,4 +440,5 @@ def _launch(algorithm, job: ParamUpdate, scratch: torch.Tensor, scalars: tuple):
         not rng.param_shares_draw(job.param.dtype, job.master_weight_bits),
         (bool(hyper.get("maximize", False)), bool(hyper.get("nesterov", False))),
         scalars,
+        job.first,
     )

@@ -17,13 +17,14 @@ from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint
 from .clipping import DEFAULT_CLIP_METHOD, ReleaseClipping, check_clip_method, clip_exactly_
-from .codecs import SUPPORTED_STATE_BITS, MomentCodec, codec_for, registered_formats
+from .codecs import SUPPORTED_STATE_BITS, MomentCodec, codec_for, codec_named, registered_formats
 from .dispatch import CheckedUpdate, UpdateDispatcher, check_gradient
 from .loss_scaling import ReleasedUnscaling, check_grad_scaler, inverse, unscale_
 from .master import MASTER_CORRECTION, check_master_weight_bits, correction_layout, master_value
 from .reference import UpdateMath
 from .release import GradientRelease
 from .rng import valid_seed
+from .sharding import as_sharded, check_sharded_gradient, check_sharded_param, element_offset, is_sharded, local
 from .state_memory import SharedCorrections, pack
 
 # Options that apply to the whole optimizer; a parameter group may not set them.
@@ -110,6 +111,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._released_unscaling = ReleasedUnscaling()
         self._position: dict[torch.Tensor, tuple[int, int]] = {}  # param -> (group index, param index)
         self._next_index = 0  # a new parameter's index (a hash input: it never changes or repeats)
+        self._offsets: dict[torch.Tensor, int] = {}  # sharded param -> its shard's first global element index
         self._groups_seen: list = []  # param_groups as _position last saw them (sync_groups)
         self._release: GradientRelease | None = None
         self._corrections = SharedCorrections()
@@ -227,10 +229,16 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Slot name -> codec for parameter ``p`` under ``group``."""
         bits, fmt, numel = group["state_bits"], group.get("state_format"), group["min_compress_numel"]
         nonnegative = self.nonnegative_slots
-        return {
+        # a sharded parameter's format is chosen from its global shape (it does not depend on the
+        # number of ranks), its codec made for the local shard
+        codecs = {
             slot: codec_for(bits, p.shape, numel, signed=slot not in nonnegative, state_format=fmt)
             for slot in self.state_slots(group)
         }
+        if is_sharded(p):
+            shape = local(p).shape
+            codecs = {slot: codec_named(c.name, slot not in nonnegative, shape) for slot, c in codecs.items()}
+        return codecs
 
     def position(self, p: torch.Tensor) -> tuple[dict, int]:
         """The group holding ``p`` and ``p``'s index in the optimizer (a hash input)."""
@@ -241,26 +249,37 @@ class FusedOptimizer(torch.optim.Optimizer):
         """``p``'s index in the optimizer: a hash input, it never changes or repeats."""
         return self._position[p][1]
 
+    def element_offset(self, p: torch.Tensor) -> int:
+        """The global index of the first element of ``p``'s local shard (0 unless ``p`` is sharded)."""
+        if not is_sharded(p):
+            return 0
+        offset = self._offsets.get(p)
+        if offset is None:
+            offset = self._offsets[p] = element_offset(p)
+        return offset
+
     def ensure_state(self, p: torch.Tensor) -> dict:
-        """The state of ``p``, created (step 0, zero moments) on first use."""
+        """The state of ``p``, created (step 0, zero moments) on first use (of its local shard's
+        shape for a sharded parameter)."""
         state = self.state[p]
         if not state:
             group, _ = self.position(p)
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            lp = local(p)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=lp.device)
             entries = {}  # tensors of one dtype share an allocation (state_memory.py says why)
             for slot, codec in self.codecs(p, group).items():
                 # a zero state is one value repeated (a format may store a padded block for one element)
-                unit = codec.zeros(torch.Size([1]), p.device)
-                for suffix, (dtype, shape) in codec.layout(p.shape).items():
+                unit = codec.zeros(torch.Size([1]), lp.device)
+                for suffix, (dtype, shape) in codec.layout(lp.shape).items():
                     entries[slot + suffix] = (dtype, shape, unit[suffix].reshape(-1)[0])
             shared = {}
-            for key, (dtype, shape) in correction_layout(p, group["master_weight_bits"]).items():
+            for key, (dtype, shape) in correction_layout(lp, group["master_weight_bits"]).items():
                 view = self._corrections.view(p, dtype, shape, self._correction_members)
                 if view is not None:
                     shared[key] = view.zero_()
                 else:
                     entries[key] = (dtype, shape, None)  # zeros
-            state.update(pack(entries, p.device))
+            state.update(pack(entries, lp.device))
             state.update(shared)
         return state
 
@@ -268,7 +287,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """(parameter, dtype, shape) of every parameter whose group keeps a master-weight correction."""
         for group in self.param_groups if groups is None else groups:
             for q in group["params"]:
-                for dtype, shape in correction_layout(q, group["master_weight_bits"]).values():
+                for dtype, shape in correction_layout(local(q), group["master_weight_bits"]).values():
                     yield q, dtype, shape
 
     def share_correction(self, p: torch.Tensor, state: dict, groups: list[dict]) -> None:
@@ -284,14 +303,16 @@ class FusedOptimizer(torch.optim.Optimizer):
         """The full-precision master of parameter ``p`` as a new fp32 tensor.
 
         bf16/fp16 parameters with ``master_weight_bits`` 24/32: the parameter plus its correction
-        (exactly the fp32 master for 32 on bf16); otherwise the parameter's value in fp32.
+        (exactly the fp32 master for 32 on bf16); otherwise the parameter's value in fp32. A DTensor
+        for a sharded parameter, laid out as it.
         """
         self.flush_updates()
         self.sync_groups()
         if not isinstance(p, torch.Tensor) or p not in self._position:
             raise ValueError("master_weight(p): p is not a parameter of this optimizer")
         group, _ = self.position(p)
-        return master_value(p, self.state.get(p), group["master_weight_bits"])
+        master = master_value(local(p), self.state.get(p), group["master_weight_bits"])
+        return as_sharded(p, master) if is_sharded(p) else master
 
     # --- observing updates (the memory profiler attributes allocations with this) ----------
 
@@ -375,7 +396,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         update, gradient release each one before it counts the gradient. Beyond the gradient's shape,
         nothing is looked at while ``p``'s prepared launch still holds (it was built for this state,
         parameter and group structure)."""
-        check_gradient(p, grad, accum, type(self).__name__)
+        if is_sharded(p) or is_sharded(grad):
+            if is_sharded(grad):  # (a plain one: the optimizer's accumulation buffer of the local shard)
+                check_sharded_gradient(p, grad)
+            check_gradient(local(p), local(grad), accum, type(self).__name__)
+        else:
+            check_gradient(p, grad, accum, type(self).__name__)
         group_index = self._position[p][0]
         dispatch = self._dispatch
         settings = dispatch._window.get(group_index) or dispatch.settings(group_index)
@@ -423,12 +449,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         state = self.state.get(p)
         if not state:
             return  # created from the group's settings at the first update
+        lp = local(p)  # a sharded parameter's state covers its local shard
         needed = {
             slot + suffix: layout
             for slot, codec in self.codecs(p, group).items()
-            for suffix, layout in codec.layout(p.shape).items()
+            for suffix, layout in codec.layout(lp.shape).items()
         }
-        needed.update(correction_layout(p, group["master_weight_bits"]))
+        needed.update(correction_layout(lp, group["master_weight_bits"]))
         problems = [_state_problem(key, state.get(key), *layout) for key, layout in needed.items()]
         if MASTER_CORRECTION in state and MASTER_CORRECTION not in needed:
             bits = group["master_weight_bits"]
@@ -545,6 +572,7 @@ def check_param(p: torch.Tensor) -> None:
         )
     if p.is_sparse:
         raise ValueError("sparse parameters are not supported")
+    check_sharded_param(p)
 
 
 def _materialise(params):

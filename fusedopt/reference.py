@@ -36,6 +36,7 @@ class ParamUpdate:
     # slot -> the factor the math multiplies the old moment by (an EMA's decay), for codecs that
     # keep it exact (``MomentCodec.encode_decayed``); None: not known
     decays: dict[str, float] | None = None
+    first: int = 0  # global index of the first element (a sharded parameter's local shard)
 
 
 # An algorithm's fp32 math (in its own file): takes the fp32 master ``p``, the fp32 gradient ``g``
@@ -65,7 +66,7 @@ def reference_update(math: UpdateMath, job: ParamUpdate) -> None:
     new_p, new_moments = math(master, g, moments, step, **math_hyper)
 
     new_state = {}
-    draws = rng.UpdateDraws(job.seed, job.index, step, p, job.master_weight_bits)
+    draws = rng.UpdateDraws(job.seed, job.index, step, p, job.master_weight_bits, job.first)
     decays = job.decays or {}
     for i, (slot, codec) in enumerate(job.codecs.items()):
         if slot in decays:
@@ -90,13 +91,21 @@ ACCUMULATION_CHUNK = 1 << 21
 
 
 def accumulate_low_precision(
-    buffer: torch.Tensor | None, grad: torch.Tensor, *, seed: int, index: int, micro_batch: int, step: torch.Tensor
+    buffer: torch.Tensor | None,
+    grad: torch.Tensor,
+    *,
+    seed: int,
+    index: int,
+    micro_batch: int,
+    step: torch.Tensor,
+    first: int = 0,
 ) -> torch.Tensor:
     """Add a micro-batch gradient to a bf16/fp16 buffer with stochastic rounding (small parts survive).
 
     The first gradient becomes the buffer; later ones are added into it in place (as torch
     accumulates ``.grad``), chunk by chunk so the temporaries stay small. The result is the same
-    bits as one whole-tensor rounding: element ``i`` always draws the hash of index ``i``.
+    bits as one whole-tensor rounding: element ``i`` always draws the hash of index ``first + i``
+    (``first``: the global index of a shard's first element).
     """
     if buffer is None:
         return grad
@@ -108,6 +117,7 @@ def accumulate_low_precision(
     for start in range(0, n, ACCUMULATION_CHUNK):
         end = min(n, start + ACCUMULATION_CHUNK)
         total = flat[start:end].float() + addend[start:end].float()
-        idx = torch.arange(start, end, dtype=torch.int64, device=grad.device)
-        flat[start:end] = round_stochastic(total, rng.element_bits(h, idx, beyond_32_bits=n > 1 << 32), grad.dtype)
+        idx = torch.arange(first + start, first + end, dtype=torch.int64, device=grad.device)
+        bits = rng.element_bits(h, idx, beyond_32_bits=first + n > 1 << 32)
+        flat[start:end] = round_stochastic(total, bits, grad.dtype)
     return target

@@ -36,6 +36,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .dispatch import check_gradient
 from .reference import accumulate_low_precision
 from .rounding import LOW_PRECISION
+from .sharding import is_sharded, local
 from .streams import current_stream_of, is_default_stream_current, on_default_stream, ready_on_current_stream
 
 # param -> weakref to the GradientRelease whose hook it carries (one live owner per parameter)
@@ -45,20 +46,36 @@ _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 ALLOW_DISTRIBUTED = "FUSEDOPT_ALLOW_DISTRIBUTED_RELEASE"
 
 
-def check_single_process() -> None:
-    """Refuse gradient release when several processes train together: the hooks would update each
-    parameter from this process's own gradient, before DistributedDataParallel averages it (every
-    process would then train its own model, silently). ``FUSEDOPT_ALLOW_DISTRIBUTED_RELEASE=1``
-    allows it where no gradient is reduced across processes (e.g. pipeline stages)."""
-    dist = torch.distributed
+def check_processes(params: Iterable[torch.Tensor]) -> None:
+    """Refuse gradient release where a parameter's gradient is reduced across processes after its
+    hook ran. FSDP2 (``fully_shard``) and the FSDP2-based ``replicate`` hold sharded parameters
+    (DTensors) and call their hooks themselves, after the reduction: those are allowed. A plain
+    parameter in a process group of several processes is refused: classic DistributedDataParallel
+    all-reduces it only after the hook (each process would train its own model, silently), and it
+    keeps its gradient buckets anyway, so releasing gradients would save nothing. FSDP1's flat
+    parameters are refused in any group. ``FUSEDOPT_ALLOW_DISTRIBUTED_RELEASE=1`` allows plain
+    parameters where no gradient is reduced across processes (e.g. pipeline stages)."""
+    params = [p for p in params if p.requires_grad]
+    if any(getattr(p, "_is_flat_param", False) for p in params):
+        raise RuntimeError(
+            "fused=True (gradient release) is not supported with FullyShardedDataParallel (FSDP1): its flat "
+            "parameters are reduced after their hooks run. Use FSDP2 (torch.distributed.fsdp.fully_shard), or "
+            "fused=False"
+        )
     if os.environ.get(ALLOW_DISTRIBUTED, "").strip() == "1":
         return
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    plain = next((p for p in params if not is_sharded(p)), None)
+    if plain is not None:
         raise RuntimeError(
-            f"fused=True (gradient release) in a process group of {dist.get_world_size()} processes: each "
-            "parameter would be updated from this process's own gradient inside backward, before "
-            "DistributedDataParallel / FSDP reduce gradients across processes. Use fused=False with data "
-            f"parallelism; set {ALLOW_DISTRIBUTED}=1 if no gradient is reduced across processes"
+            f"fused=True (gradient release) in a process group of {dist.get_world_size()} processes with a plain "
+            f"(non-DTensor) parameter of shape {tuple(plain.shape)}: under classic DistributedDataParallel each "
+            "parameter would be updated from this process's own gradient inside backward, before DDP averages "
+            "it, and DDP keeps its gradient buckets, so release would save no memory. Shard the model with FSDP2 "
+            "(torch.distributed.fsdp.fully_shard), whose hooks run after the reduction, or use fused=False with "
+            f"DDP; set {ALLOW_DISTRIBUTED}=1 if no gradient is reduced across processes"
         )
 
 
@@ -92,8 +109,8 @@ class GradientRelease:
 
     def attach(self, params: Iterable[torch.Tensor]) -> None:
         """Register the release hook on every trainable parameter in ``params``."""
-        check_single_process()
         params = [p for p in params if p.requires_grad]
+        check_processes(params)
         for p in params:
             owner = _OWNERS.get(p)
             if owner is not None and owner() is not None and owner() is not self and owner().attached:
@@ -139,7 +156,8 @@ class GradientRelease:
     def on_gradient(self, p: torch.Tensor) -> None:
         """Called by autograd once ``p.grad`` holds this backward's full gradient."""
         if not self._checked_processes:
-            check_single_process()  # before any update: raising here leaves everything as it was
+            # before any update: raising here leaves everything as it was
+            check_processes(ref() for ref, _ in self._handles.values() if ref() is not None)
             self._checked_processes = True
         optimizer = self._optimizer()
         grad = p.grad
@@ -166,7 +184,7 @@ class GradientRelease:
             check_gradient(p, grad, None, type(optimizer).__name__)
             checked = None
         # counted once the gradient is used: a refused one leaves the count as it was
-        self._consume(optimizer, p, grad, n, k, checked)
+        self._consume(optimizer, p, local(grad), n, k, checked)
         self._counts[key] = n
 
     def _consume(self, optimizer, p: torch.Tensor, grad: torch.Tensor, n: int, k: int, checked) -> None:
@@ -177,10 +195,16 @@ class GradientRelease:
             if n < k:
                 if p.dtype in LOW_PRECISION:
                     _, index = optimizer.position(p)
-                    with on_default_stream(p):  # as update_param creates state (streams.py)
+                    with on_default_stream(local(p)):  # as update_param creates state (streams.py)
                         step = optimizer.ensure_state(p)["step"]
                     buffer = accumulate_low_precision(
-                        self.take_buffer(p), grad, seed=optimizer.seed, index=index, micro_batch=n, step=step
+                        self.take_buffer(p),
+                        grad,
+                        seed=optimizer.seed,
+                        index=index,
+                        micro_batch=n,
+                        step=step,
+                        first=optimizer.element_offset(p),
                     )
                     self._buffers[p] = buffer, current_stream_of(buffer)
                     p.grad = None

@@ -76,14 +76,15 @@ def host_key(seed: int, param_index: int, stream: int) -> int:
     return fmix32(h ^ (stream & MASK32))
 
 
-def uniform_bits(key: int, step: torch.Tensor, shape: torch.Size, device: torch.device) -> torch.Tensor:
+def uniform_bits(key: int, step: torch.Tensor, shape: torch.Size, device: torch.device, first: int = 0) -> torch.Tensor:
     """32 uniform bits per element of a tensor of ``shape`` (row-major element index), as int64.
 
-    ``step`` is a 0-d tensor (any real dtype) holding the parameter's step count.
+    ``step`` is a 0-d tensor (any real dtype) holding the parameter's step count. ``first``: the
+    index of the tensor's first element (a shard of a larger parameter draws its elements' bits).
     """
     h = step_hash(key, step.to(device))
-    idx = torch.arange(shape.numel(), dtype=torch.int64, device=device).reshape(shape)
-    return element_bits(h, idx, beyond_32_bits=shape.numel() > 1 << 32)
+    idx = torch.arange(first, first + shape.numel(), dtype=torch.int64, device=device).reshape(shape)
+    return element_bits(h, idx, beyond_32_bits=first + shape.numel() > 1 << 32)
 
 
 def _signed32(c: int) -> int:
@@ -142,16 +143,19 @@ def param_shares_draw(dtype: torch.dtype, master_weight_bits) -> bool:
 
 
 class UpdateDraws:
-    """The random words of one parameter update, drawn lazily and at most once each."""
+    """The random words of one parameter update, drawn lazily and at most once each (``first``: the
+    global index of ``param``'s first element, for the local shard of a sharded parameter)."""
 
-    def __init__(self, seed: int, index: int, step: torch.Tensor, param: torch.Tensor, master_weight_bits):
-        self._seed, self._index, self._step, self._param = seed, index, step, param
+    def __init__(
+        self, seed: int, index: int, step: torch.Tensor, param: torch.Tensor, master_weight_bits, first: int = 0
+    ):
+        self._seed, self._index, self._step, self._param, self._first = seed, index, step, param, first
         self._shares = param_shares_draw(param.dtype, master_weight_bits)
         self._shared = None
 
     def _draw(self, stream: int) -> torch.Tensor:
         key = host_key(self._seed, self._index, stream)
-        return uniform_bits(key, self._step, self._param.shape, self._param.device)
+        return uniform_bits(key, self._step, self._param.shape, self._param.device, self._first)
 
     def shared(self) -> torch.Tensor:
         if self._shared is None:

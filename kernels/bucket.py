@@ -25,6 +25,7 @@ from fusedopt.kernels.update import (
     COL_CHECK_START,
     COL_UPDATE_START,
     GRAD_DELTA_BIAS,
+    INDEX_BIAS,
     NO_GRAD_DELTAS,
     NO_START,
     TABLE_COLS,
@@ -86,6 +87,7 @@ class PreparedBucket:
                     raise ValueError("bucket members' tensors of one role must share a dtype")
                 deltas.append(offset // b.element_size())
             row = deltas + [u.n, (u.n + 1) // 2, *u.keys, u.check_programs, update_start, check_start]
+            row.append(u.first + INDEX_BIAS)
             rows.append(row + [0] * (TABLE_COLS - len(row)))  # in the order of update.py's COL_* columns
         unused = [0] * TABLE_COLS  # rows of no member: their first programs are after every program
         unused[COL_UPDATE_START.value] = unused[COL_CHECK_START.value] = NO_START

@@ -64,13 +64,18 @@ GRAD_DELTA_BIAS = 1 << 62
 (
     COL_PARAM, COL_CORR, COL_M, COL_M_SCALE, COL_V, COL_V_SCALE, COL_STEP, COL_SCRATCH,
     COL_N, COL_N_PAIRS, COL_KEY_SHARED, COL_KEY_PARAM, COL_CHECK_PROGRAMS, COL_UPDATE_START, COL_CHECK_START,
-) = (tl.constexpr(i) for i in range(15))  # fmt: skip
+    COL_FIRST,
+) = (tl.constexpr(i) for i in range(16))  # fmt: skip
 TABLE_COLS = 16
 NO_START = 1 << 62
 _BUCKET_ROWS = tl.constexpr(BUCKET_TENSORS)
 _TABLE_COLS = tl.constexpr(TABLE_COLS)
 NO_GRAD_DELTAS = (GRAD_DELTA_BIAS,) * BUCKET_TENSORS  # a single-parameter launch
 _GRAD_DELTA_BIAS = tl.constexpr(GRAD_DELTA_BIAS)
+# The global index of a parameter's element 0 (a shard's offset in its parameter, for the random
+# draws), biased as the gradient deltas so Triton always types it int64
+INDEX_BIAS = 1 << 62
+_INDEX_BIAS = tl.constexpr(INDEX_BIAS)
 
 
 @triton.jit
@@ -224,7 +229,7 @@ def _check_kernel(
         tl.store(scratch_ptr + 1, 0)
 
 
-@triton.jit(do_not_specialize=["key_shared", "key_param"] + [f"gd{i}" for i in range(BUCKET_TENSORS)])
+@triton.jit(do_not_specialize=["key_shared", "key_param", "first"] + [f"gd{i}" for i in range(BUCKET_TENSORS)])
 def _update_kernel(
     param_ptr,  # parameter, updated in place
     corr_ptr,  # master-weight correction (int8 / int16, MASTER == 2)
@@ -241,6 +246,7 @@ def _update_kernel(
     n_pairs,  # (n_elements + 1) // 2: bytes of 4-bit codes
     key_shared,  # host parts of the hash keys (uint32): the word shared by the roundings,
     key_param,  # and the parameter's own word (PARAM_OWN_DRAW)
+    first,  # the hash index of element 0 (+ INDEX_BIAS): a shard's first element in its parameter
     # BUCKET: the members' gradient deltas (+ GRAD_DELTA_BIAS)
     gd0,
     gd1,
@@ -313,6 +319,7 @@ def _update_kernel(
         n_pairs = tl.multiple_of(tl.load(row + COL_N_PAIRS).to(tl.int32), 8)
         key_shared = tl.load(row + COL_KEY_SHARED)
         key_param = tl.load(row + COL_KEY_PARAM)
+        first = tl.load(row + COL_FIRST)
     else:
         program = tl.program_id(0)
     # A non-finite gradient (the check kernel's status) only masks the stores: branching on it
@@ -329,6 +336,11 @@ def _update_kernel(
         start = program.to(tl.int64) * (NB * QBLOCK)
     else:  # 32-bit address arithmetic is cheaper; used below 2**31 elements
         start = program * (NB * QBLOCK)
+    # the elements' hash indices start at `first` (a multiple of 32 below 2**31 unless INDEX_64)
+    if INDEX_64:
+        hash_start = start + (first - _INDEX_BIAS)
+    else:
+        hash_start = start + (first - _INDEX_BIAS).to(tl.int32)
     offs = tile_offsets(start, NB, QBLOCK)
     mask = offs < n_elements
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -375,7 +387,7 @@ def _update_kernel(
         m = tl.fma(one_minus_beta2, g, m * beta2)
     # One hash per element feeds every rounding (fields as in fusedopt.rng: moment i takes
     # 12 bits from the top down, a bf16 + int8 parameter the low 8); each reads its top bits.
-    shared = tile_bits(step_hash(key_shared, step), start, NB, QBLOCK)
+    shared = tile_bits(step_hash(key_shared, step), hash_start, NB, QBLOCK)
     store_moment(
         m,
         (shared >> 20) << 20,
@@ -417,7 +429,7 @@ def _update_kernel(
         status,
     )
     if PARAM_OWN_DRAW:
-        param_bits = tile_bits(step_hash(key_param, step), start, NB, QBLOCK)
+        param_bits = tile_bits(step_hash(key_param, step), hash_start, NB, QBLOCK)
     else:
         param_bits = shared << 24
     store_master(
@@ -437,7 +449,7 @@ def _update_kernel(
 # runtime arguments: tensors, then ints (the gradient deltas last: always int64, not in the
 # launch key), then floats (see PreparedUpdate)
 CHECK_ARGS = dict(tensors=6, ints=1 + BUCKET_TENSORS, unkeyed_ints=BUCKET_TENSORS)
-UPDATE_ARGS = dict(tensors=11, ints=4 + BUCKET_TENSORS, unkeyed_ints=BUCKET_TENSORS)
+UPDATE_ARGS = dict(tensors=11, ints=5 + BUCKET_TENSORS, unkeyed_ints=BUCKET_TENSORS)
 _launch_check = DirectLauncher(_check_kernel, **CHECK_ARGS)
 _launch_update = DirectLauncher(_update_kernel, **UPDATE_ARGS)
 
@@ -479,18 +491,21 @@ def launch_update(
     param_own_draw: bool,
     flags: tuple[bool, bool],
     scalars: tuple[tuple, tuple],
+    first: int = 0,
 ) -> "PreparedUpdate":
     """Update one parameter in place. ``moments``: up to two (format, values, scales); ``keys``:
     host keys of the shared and the parameter's own random word (``fusedopt.rng``); ``flags``:
-    (maximize, nesterov); ``scalars``: ``pack_scalars`` of the algorithm's ``kernel_scalars``.
+    (maximize, nesterov); ``scalars``: ``pack_scalars`` of the algorithm's ``kernel_scalars``;
+    ``first``: the global index of the parameter's element 0 in the random draws (a shard's offset).
 
     The caller guarantees contiguous tensors on one device and supported formats
     (``fusedopt.dispatch`` checks); this only launches. Returns the parameter's
     :class:`PreparedUpdate`, which launches the next steps' updates with less host work.
     """
     prepared = PreparedUpdate(
-        kernel_id, bias_corrections, param, correction, moments, step, scratch, skipped, keys, param_own_draw, flags
-    )
+        kernel_id, bias_corrections, param, correction, moments, step, scratch, skipped, keys, param_own_draw, flags,
+        first,
+    )  # fmt: skip
     prepared.launch(grad, accum, scalars)
     return prepared
 
@@ -517,6 +532,7 @@ class PreparedUpdate:
         keys,
         param_own_draw,
         flags,
+        first=0,
     ):
         if kernel_id not in KERNEL_IDS:
             raise ValueError(f"the fused kernel has no branch for kernel_id {kernel_id!r}")
@@ -544,7 +560,8 @@ class PreparedUpdate:
                 BLOCK,
                 NUM_WARPS,
                 MAX_REGISTERS,
-                n >= 2**31 - BLOCK,
+                # 64-bit indices past 2**31, and hash indices from a `first` the 32-bit tiles cannot take
+                first + n >= 2**31 - BLOCK or first % 32 != 0,
             )  # fmt: skip
             for has_accum in (False, True)
         ]
@@ -557,8 +574,8 @@ class PreparedUpdate:
             step,
             scratch,
         )
-        self.keys = keys
-        self.ints = (n, (n + 1) // 2, *keys)  # sizes and hash keys, before the gradient deltas
+        self.keys, self.first = keys, first
+        self.ints = (n, (n + 1) // 2, *keys, first + INDEX_BIAS)  # sizes and hash keys, before the gradient deltas
         self.tail = (*self.state_tensors, dummy, *self.ints)  # dummy: no bucket table
         self.check_tensors = (scratch, step, skipped, dummy)
         self.bucketable: bool | None = None  # whether it can join a bucket (kernels/bucket.py decides once)

@@ -193,3 +193,26 @@ def test_finetune_hf_resume_follows_the_saved_schedule(tmp_path, monkeypatch, ca
     assert example.main([*base, "--resume", "a", "--steps", "4", "--total-steps", "4"]) == 2
     err = capsys.readouterr().err
     assert "--total-steps 4 (the checkpoint's schedule has 3)" in err, err
+
+
+def test_finetune_fsdp_trains_saves_and_resumes_on_two_cpu_ranks(tmp_path):
+    """torchrun with 2 processes on CPU (gloo): trains, saves a DCP checkpoint, resumes from it."""
+    import socket
+
+    def torchrun(*args):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+        cmd += ["--master_port", str(port), os.path.join(EXAMPLES, "finetune_fsdp.py"), "--device", "cpu"]
+        cmd += ["--seq-len", "32", "--out", str(tmp_path / "out"), *args]
+        env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout
+
+    out = torchrun("--steps", "2")
+    assert "step 2/2  loss" in out and "(step 2, 2 ranks)" in out
+    assert (tmp_path / "out" / "checkpoint" / ".metadata").exists()
+    out = torchrun("--steps", "3", "--resume", str(tmp_path / "out" / "checkpoint"))
+    assert "at step 2" in out and "step 3/3  loss" in out and "step 1/" not in out

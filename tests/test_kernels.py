@@ -276,3 +276,40 @@ def test_kernel_applies_the_accumulated_gradient(monkeypatch, device):
     assert_param_parity(results[0][0], results[1][0])
     assert_state_parity(results[0][1], results[1][1], results[0][2], w0.numel())
     assert float(results[1][1]["step"]) == 2
+
+
+@pytest.mark.parametrize("bits,dtype", [(4, torch.bfloat16), (8, torch.float16), (32, torch.bfloat16)])
+def test_kernel_hashes_from_a_shards_global_element_offset(monkeypatch, device, bits, dtype):
+    """A sharded parameter's local shard draws the random bits of its global element indices: the
+    kernel (single and bucketed launches) equals the reference at offsets the 32-bit tiles take, at
+    one they do not (37), and past 2**31; and the offset changes the draws."""
+    gen = torch.Generator().manual_seed(7)
+    w0 = [torch.randn(32, 48, generator=gen).to(dtype) for _ in range(2)]
+    grads = [[torch.randn(32, 48, generator=gen).to(dtype) for _ in range(2)] for _ in range(3)]
+
+    def run(backend, firsts):
+        monkeypatch.setenv("FUSEDOPT_BACKEND", backend)
+        run_device = "cpu" if backend == "reference" else device
+        ws = [torch.nn.Parameter(w.clone().to(run_device)) for w in w0]
+        opt = fusedopt.AdamW(ws, lr=1e-2, state_bits=bits, min_compress_numel=0, master_weight_bits=None)
+        offsets = dict(zip(ws, firsts))
+        opt.element_offset = lambda p: offsets[p]  # as a shard's offset in its parameter
+        for step_grads in grads:  # steps 2 and 3 launch both parameters as one bucket
+            for w, g in zip(ws, step_grads):
+                w.grad = g.to(run_device)
+            opt.step()
+        return [w.detach().cpu() for w in ws], [{k: v.cpu() for k, v in opt.state[w].items()} for w in ws]
+
+    base_w, base_state = run("reference", (0, 0))
+    for firsts in ((64, 37), (2**31 + 96, 2**33)):
+        ref_w, ref_state = run("reference", firsts)
+        assert not all(torch.equal(a, b) for a, b in zip(ref_w + ref_state, base_w + base_state)), "offset unused"
+        if bits != 32:  # the moments' stochastic rounding too
+            assert any(not torch.equal(a[k], b[k]) for a, b in zip(ref_state, base_state) for k in a if k != "step")
+        got_w, got_state = run("triton", firsts)
+        for r, g in zip(ref_w, got_w):
+            assert_param_parity(r, g)
+        for r, g in zip(ref_state, got_state):
+            assert r.keys() == g.keys()
+            if not torch.cuda.is_available():
+                assert all(torch.equal(r[k], g[k]) for k in r)

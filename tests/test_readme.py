@@ -22,7 +22,8 @@ def _blocks(lang: str) -> list[str]:
 
 
 def test_readme_python_blocks_run(tmp_path, monkeypatch):
-    quick_start, options = _blocks("python")
+    # the FSDP2 block needs torchrun: examples/finetune_fsdp.py runs the same code (tests/test_examples.py)
+    quick_start, options, _fsdp = _blocks("python")
     monkeypatch.chdir(tmp_path)
     ns: dict = {}
     exec(compile(quick_start, "README quick start", "exec"), ns)

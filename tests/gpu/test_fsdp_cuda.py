@@ -1,0 +1,105 @@
+"""FSDP2 on CUDA (nccl): the fused kernel runs in the hooks FSDP2 calls on its post-reduce stream.
+
+``fused=True`` (updates inside backward, on FSDP2's post-reduce stream) equals ``fused=False``
+(updates in ``step()``, on the default stream) bit for bit, with the kernel forced
+(``FUSEDOPT_BACKEND=triton``): any update reading a gradient before its reduce-scatter finished, or
+an all-gather of the next forward reading a shard before its update finished, would differ. World
+size 1 on one GPU; world size 2 when two GPUs are visible (one process each).
+"""
+
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fusedopt
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+WIDTH = 1024  # weights of 1024 x 1024: kernels long enough for a missing wait to show
+CASES = [(8, torch.bfloat16), (4, torch.bfloat16), (32, torch.bfloat16), (8, torch.float32), (16, torch.float32)]
+
+
+def _model(dtype, device):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(WIDTH, 8)).to(device, dtype)
+
+
+def _run(rank, world_size, bits, dtype, fused, algorithm="AdamW"):
+    from torch.distributed.fsdp import fully_shard
+
+    device = torch.device("cuda", rank)
+    model = _model(dtype, device)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = getattr(fusedopt, algorithm)(model.parameters(), lr=1e-3, state_bits=bits, fused=fused)
+    gen = torch.Generator(device=device).manual_seed(1 + rank)
+    for _ in range(4):
+        for micro in range(2):  # two micro-batches, the first without reduce-scatter
+            x = torch.randn(64, WIDTH, device=device, dtype=dtype, generator=gen)
+            model.set_requires_gradient_sync(micro == 1)
+            model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if fused:
+            assert all(p.grad is None for p in model.parameters())
+    params = [p.detach().full_tensor().cpu() for p in model.parameters()]
+    return params, [int(opt.state[p]["step"]) for p in model.parameters()]
+
+
+def _compare(rank, world_size):
+    os.environ["FUSEDOPT_BACKEND"] = "triton"  # the kernel or an error, never the reference
+    torch.cuda.set_device(rank)
+    for algorithm in ("AdamW", "SGD", "Lion"):
+        for bits, dtype in CASES if algorithm == "AdamW" else CASES[:2]:
+            unfused, steps = _run(rank, world_size, bits, dtype, False, algorithm)
+            fused, fused_steps = _run(rank, world_size, bits, dtype, True, algorithm)
+            assert steps == fused_steps == [4] * len(steps)
+            for i, (a, b) in enumerate(zip(fused, unfused)):
+                assert torch.equal(a, b), (algorithm, bits, dtype, i, (a.float() - b.float()).abs().max().item())
+
+
+def _worker(rank, world_size, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
+    try:
+        _compare(rank, world_size)
+    except BaseException:
+        with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world_size, tmp_path):
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        mp.spawn(_worker, args=(world_size, port, str(tmp_path)), nprocs=world_size, join=True)
+    except Exception:
+        errors = [p.read_text() for p in sorted(tmp_path.glob("rank*.txt"))]
+        pytest.fail("\n".join(errors) or "a rank failed", pytrace=False)
+
+
+def test_fsdp2_fused_equals_unfused_on_one_gpu(tmp_path):
+    _spawn(1, tmp_path)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_fsdp2_fused_equals_unfused_on_two_gpus(tmp_path):
+    _spawn(2, tmp_path)

@@ -1,0 +1,564 @@
+"""FSDP2 (``fully_shard``), ``replicate`` and DDP on CPU: gloo, two processes.
+
+Every test is a scenario: a worker function run in every rank of a process group. The selected
+tests' scenarios share one spawn per phase (starting a process costs seconds: importing torch and
+torch._dynamo, which fully_shard imports): world size 1, then 2, then 1 again (checkpoints move
+between them in that order). A scenario that raises fails its test with the rank's traceback and
+ends its phase (the ranks' collectives would no longer match), failing the tests after it.
+Models shard every weight on a multiple of 16 elements where a test compares against one process,
+so a shard's quantisation blocks are the whole parameter's blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fusedopt
+from fusedopt.sharding import as_sharded, is_sharded, local
+
+# Loss normalisation: each rank takes the mean over its part of the global batch; FSDP2 and DDP
+# average the ranks' gradients, which is the gradient of the mean over the global batch.
+BATCH = 8
+FORMATS = [(bits, dtype) for bits in (32, 16, 8, 4) for dtype in (torch.float32, torch.bfloat16)]
+ALGORITHMS = {
+    "AdamW": dict(lr=1e-2, weight_decay=0.1),
+    "SGD": dict(lr=1e-1, momentum=0.9, weight_decay=0.01),
+    "Lion": dict(lr=1e-3, weight_decay=0.1),
+}
+PHASES = ((1, "before"), (2, "main"), (1, "after"))  # (world size, name), run in this order
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _phase_worker(rank: int, world_size: int, port: int, scenarios: list, out: str) -> None:
+    from datetime import timedelta
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    try:
+        for name in scenarios:
+            try:
+                start = time.perf_counter()
+                globals()[name](rank, world_size, Path(out))
+                if rank == 0:
+                    print(f"{name}: {time.perf_counter() - start:.1f} s", flush=True)
+            except BaseException:
+                (Path(out) / f"{name}.rank{rank}.failed").write_text(traceback.format_exc())
+                raise
+            (Path(out) / f"{name}.rank{rank}.passed").touch()
+    finally:
+        dist.destroy_process_group()
+
+
+def scenario(*workers):
+    """A test made of ``(phase, worker)`` pairs: it passes when every rank of every phase ran them."""
+
+    def test(fsdp_runs):
+        for (_, phase), worker in workers:
+            fsdp_runs.check(phase, worker.__name__)
+
+    test.scenarios = [((world, phase), worker.__name__) for (world, phase), worker in workers]
+    return test
+
+
+class _Runs:
+    def __init__(self, out: Path):
+        self.out = out
+
+    def check(self, phase, name):
+        world = next(w for w, p in PHASES if p == phase)
+        for rank in range(world):
+            failed = self.out / f"{name}.rank{rank}.failed"
+            if failed.exists():
+                pytest.fail(f"{name} failed in rank {rank} of {world}:\n{failed.read_text()}", pytrace=False)
+        missing = [rank for rank in range(world) if not (self.out / f"{name}.rank{rank}.passed").exists()]
+        if missing:
+            pytest.fail(f"{name} did not run in ranks {missing} (a scenario before it failed)", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(request, tmp_path_factory):
+    """Run the selected tests' scenarios, one spawn per phase."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("fsdp")
+    here = request.module.__name__
+    selected = [item.function for item in request.session.items if item.module.__name__ == here]
+    for world, phase in PHASES:
+        names = [n for f in selected for (w, p), n in getattr(f, "scenarios", []) if p == phase]
+        if not names:
+            continue
+        try:
+            mp.spawn(_phase_worker, args=(world, _free_port(), names, str(out)), nprocs=world, join=True)
+        except Exception:  # recorded per scenario; tests report them. Later phases need this one's files
+            break
+    return _Runs(out)
+
+
+def spawn(fn, *args, world_size: int = 2) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes (for experiments by hand)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_worker, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True)
+
+
+def _worker(rank, world_size, port, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+ONE_BEFORE, TWO, ONE_AFTER = PHASES  # noqa: N816
+
+
+# --- models and loops --------------------------------------------------------------------
+
+
+def make_mlp(dtype=torch.float32, seed=0) -> torch.nn.Module:
+    """Weights (64, 16) and (32, 64), biases of 64 and 32: every shard of 2 ranks starts on a
+    multiple of 16 elements. The head (5, 32) and its bias (5,) shard unevenly (3 + 2 rows)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 5)
+    )
+    return model.to(dtype)
+
+
+def shard(model: torch.nn.Module, **kwargs) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, **kwargs)
+    return fully_shard(model, **kwargs)
+
+
+def batch(step: int, dtype=torch.float32) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, 16, generator=gen).to(dtype)
+
+
+def local_batch(step: int, rank: int, world_size: int, dtype=torch.float32) -> torch.Tensor:
+    n = BATCH // world_size
+    return batch(step, dtype)[rank * n : (rank + 1) * n]
+
+
+def loss_of(model, x) -> torch.Tensor:
+    return model(x).float().square().mean()  # the mean over this rank's part of the batch
+
+
+def train(model, opt, rank, world_size, steps, first_step=0, dtype=torch.float32, micro=1, no_sync=False):
+    """``steps`` optimizer steps of ``micro`` micro-batches each (the batch's rows split among them)."""
+    for step in range(first_step, first_step + steps):
+        x = local_batch(step, rank, world_size, dtype)
+        for i, part in enumerate(x.chunk(micro)):
+            if no_sync:
+                model.set_requires_gradient_sync(i == micro - 1)
+            (loss_of(model, part) / micro).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def params_of(model) -> list[torch.Tensor]:
+    return [full(p.detach()).clone() for p in model.parameters()]
+
+
+def state_of(opt) -> list[torch.Tensor]:
+    """Every parameter's decoded state (as torch.optim keeps it) and fp32 master, gathered."""
+    out = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state.get(p, {})
+            out.append(full(opt.master_weight(p)))
+            group_codecs = opt.codecs(p, group) if state else {}
+            for slot, codec in group_codecs.items():
+                value = codec.decode({s: state[slot + s] for s in codec.suffixes}).float()
+                out.append(full(as_sharded(p, value.reshape(local(p).shape)) if is_sharded(p) else value))
+    return out
+
+
+def assert_equal(ours, theirs, what: str) -> None:
+    assert len(ours) == len(theirs), what
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert a.shape == b.shape and torch.equal(a, b), f"{what}: tensor {i} differs, max {(a - b).abs().max()}"
+
+
+# --- exact mode against torch.optim.AdamW ------------------------------------------------
+
+
+def _exact_vs_torch(rank, world_size, out):
+    reference = make_mlp()
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    train(reference, torch_opt, 0, 1, steps=5)  # one process, the whole batch
+    expected = params_of(reference)
+    for fused in (False, True):
+        model = shard(make_mlp())
+        opt = fusedopt.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, state_bits=32, fused=fused)
+        train(model, opt, rank, world_size, steps=5)
+        for got, want in zip(params_of(model), expected):
+            # the ranks' gradients are averaged: a rounding of the batch mean another order gives
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        assert all(int(opt.state[p]["step"]) == 5 for p in model.parameters())
+
+
+test_exact_mode_under_fsdp2_equals_torch_adamw_in_one_process = scenario((TWO, _exact_vs_torch))
+
+
+# --- fused=True equals fused=False, every format -----------------------------------------
+
+
+def _fused_vs_unfused(rank, world_size, out):
+    for name, hyper in ALGORITHMS.items():
+        for bits, dtype in FORMATS:
+            results = []
+            for fused in (False, True):
+                model = shard(make_mlp(dtype))
+                opt = getattr(fusedopt, name)(
+                    model.parameters(), state_bits=bits, min_compress_numel=0, fused=fused, **hyper
+                )
+                train(model, opt, rank, world_size, steps=2, dtype=dtype)
+                results.append((params_of(model), state_of(opt)))
+                if fused:
+                    assert all(p.grad is None for p in model.parameters())  # released in backward
+            before = params_of(shard(make_mlp(dtype)))
+            assert not any(torch.equal(a, b) for a, b in zip(results[0][0], before)), "nothing was trained"
+            what = f"{name} state_bits={bits} {dtype}"
+            assert_equal(results[1][0], results[0][0], what + " parameters")
+            assert_equal(results[1][1], results[0][1], what + " state")
+
+
+test_fused_equals_unfused_under_fsdp2_for_every_format = scenario((TWO, _fused_vs_unfused))
+
+
+# --- 2 ranks equal 1 process given the same gradients ------------------------------------
+
+
+def _two_ranks_vs_one(rank, world_size, out):
+    """The reduced gradients, gathered, drive a plain (unsharded) optimizer in every rank: shards
+    on 2 ranks must hold exactly the single process's state and parameters."""
+    for bits, dtype in FORMATS:
+        model = shard(make_mlp(dtype))
+        plain = make_mlp(dtype)
+        kwargs = dict(lr=1e-2, weight_decay=0.1, state_bits=bits, min_compress_numel=0)
+        opt, plain_opt = fusedopt.AdamW(model.parameters(), **kwargs), fusedopt.AdamW(plain.parameters(), **kwargs)
+        for step in range(3):
+            loss_of(model, local_batch(step, rank, world_size, dtype)).backward()
+            for p, q in zip(model.parameters(), plain.parameters()):
+                q.grad = full(p.grad)
+            opt.step()
+            plain_opt.step()
+            opt.zero_grad()
+            plain_opt.zero_grad()
+        what = f"state_bits={bits} {dtype}"
+        assert_equal(params_of(model), params_of(plain), what + " parameters")
+        assert_equal(state_of(opt), state_of(plain_opt), what + " state")
+
+
+test_compressed_state_on_two_ranks_equals_one_process_given_the_same_gradients = scenario((TWO, _two_ranks_vs_one))
+
+
+# --- accumulation --------------------------------------------------------------------------
+
+
+def _accumulation(rank, world_size, out):
+    """Two micro-batches per step: reduced every micro-batch with accumulation_steps=2, or with
+    set_requires_gradient_sync(False) on the first (FSDP2 accumulates, the hooks fire once) and
+    accumulation_steps=1 or 2. fused=True equals fused=False bit for bit in each."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for no_sync, k in ((False, 2), (True, 1), (True, 2)):
+            results = []
+            for fused in (False, True):
+                model = shard(make_mlp(dtype))
+                opt = fusedopt.AdamW(
+                    model.parameters(), lr=1e-2, state_bits=8, min_compress_numel=0, fused=fused, accumulation_steps=k
+                )
+                train(model, opt, rank, world_size, steps=2, dtype=dtype, micro=2, no_sync=no_sync)
+                assert all(int(opt.state[p]["step"]) == 2 for p in model.parameters())
+                results.append((params_of(model), state_of(opt)))
+            what = f"{dtype} no_sync={no_sync} accumulation_steps={k}"
+            if dtype == torch.bfloat16 and not no_sync:
+                # fused=True sums bf16 micro-batch gradients with stochastic rounding, FSDP2 into
+                # .grad with nearest rounding (as in one process): equal up to bf16 rounding
+                for a, b in zip(results[1][0], results[0][0]):
+                    torch.testing.assert_close(a, b, rtol=2**-7, atol=2**-7)
+                continue
+            assert_equal(results[1][0], results[0][0], what + " parameters")
+            assert_equal(results[1][1], results[0][1], what + " state")
+    # released in backward: after the final micro-batch's backward no gradient is left
+    model = shard(make_mlp())
+    opt = fusedopt.AdamW(model.parameters(), lr=1e-2, fused=True)
+    x = local_batch(0, rank, world_size).chunk(2)
+    model.set_requires_gradient_sync(False)
+    loss_of(model, x[0]).backward()
+    model.set_requires_gradient_sync(True)
+    loss_of(model, x[1]).backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(int(opt.state[p]["step"]) == 1 for p in model.parameters())
+
+
+test_accumulation_under_fsdp2 = scenario((TWO, _accumulation))
+
+
+# --- clipping (fused=False) ----------------------------------------------------------------
+
+
+def _clipping(rank, world_size, out):
+    """max_grad_norm under FSDP2 equals torch's clip_grad_norm_ + AdamW in one process."""
+    reference = make_mlp()
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    norms = []
+    for step in range(3):
+        loss_of(reference, batch(step)).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05))
+        torch_opt.step()
+        torch_opt.zero_grad()
+    model = shard(make_mlp())
+    opt = fusedopt.AdamW(model.parameters(), lr=1e-2, state_bits=32, max_grad_norm=0.05)
+    for step in range(3):
+        loss_of(model, local_batch(step, rank, world_size)).backward()
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(full(opt.grad_norm), norms[step], rtol=1e-5, atol=0)
+    assert norms[0] > 0.05  # the norm was clipped
+    for got, want in zip(params_of(model), params_of(reference)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+test_clipping_with_fused_false_under_fsdp2_equals_one_process = scenario((TWO, _clipping))
+
+
+# --- DDP and replicate ---------------------------------------------------------------------
+
+
+def _ddp(rank, world_size, out):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(make_mlp())
+    try:
+        fusedopt.AdamW(model.parameters(), fused=True)
+    except RuntimeError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("fused=True under DDP was not refused")
+    assert "DistributedDataParallel" in message and "fully_shard" in message, message
+    results = []
+    for cls in (torch.optim.AdamW, fusedopt.AdamW):
+        model = DDP(make_mlp())
+        opt = cls(model.parameters(), lr=1e-2, weight_decay=0.1)
+        train(model, opt, rank, world_size, steps=3)
+        results.append(params_of(model))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+test_ddp_refuses_fused_and_trains_as_torch_without = scenario((TWO, _ddp))
+
+
+def _replicate(rank, world_size, out):
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    results = []
+    for bits, fused in ((8, False), (8, True), (32, True)):
+        model = make_mlp()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                replicate(layer)
+        replicate(model)
+        opt = fusedopt.AdamW(model.parameters(), lr=1e-2, state_bits=bits, min_compress_numel=0, fused=fused)
+        train(model, opt, rank, world_size, steps=3)
+        if fused:
+            assert all(p.grad is None for p in model.parameters())
+        results.append((params_of(model), state_of(opt)))
+    assert_equal(results[1][0], results[0][0], "replicate parameters")
+    assert_equal(results[1][1], results[0][1], "replicate state")
+    reference = make_mlp()
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    train(reference, torch_opt, 0, 1, steps=3)
+    for got, want in zip(results[2][0], params_of(reference)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+test_replicate_with_fsdp_supports_release = scenario((TWO, _replicate))
+
+
+def _hsdp(rank, world_size, out):
+    """HSDP: a (replicate 2, shard 1) mesh; placements (Replicate(), Shard(0))."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("replicate", "shard"))
+    results = []
+    for bits, fused in ((4, False), (4, True), (32, True)):
+        model = shard(make_mlp(), mesh=mesh)
+        opt = fusedopt.AdamW(model.parameters(), lr=1e-2, state_bits=bits, min_compress_numel=0, fused=fused)
+        train(model, opt, rank, world_size, steps=3)
+        results.append((params_of(model), state_of(opt)))
+    assert_equal(results[1][0], results[0][0], "HSDP parameters")
+    assert_equal(results[1][1], results[0][1], "HSDP state")
+    reference = make_mlp()
+    train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), 0, 1, steps=3)
+    for got, want in zip(results[2][0], params_of(reference)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+test_hsdp_supports_release = scenario((TWO, _hsdp))
+
+
+# --- unsupported layouts -------------------------------------------------------------------
+
+
+def _unsupported(rank, world_size, out):
+    from torch.distributed.tensor import Shard
+
+    model = shard(make_mlp(), shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    for fused in (False, True):
+        try:
+            fusedopt.AdamW(model.parameters(), fused=fused)
+        except ValueError as exc:
+            assert "Shard(0)" in str(exc), exc
+        else:
+            raise AssertionError("a parameter sharded on its last dimension was not refused")
+    model = shard(make_mlp())
+    for options in (dict(max_grad_norm=1.0), dict(grad_scaler=torch.amp.GradScaler("cpu"))):
+        try:
+            fusedopt.AdamW(model.parameters(), fused=True, **options)
+        except ValueError as exc:
+            assert "not supported yet" in str(exc), exc
+        else:
+            raise AssertionError(f"fused=True with {options} on sharded parameters was not refused")
+
+
+test_unsupported_sharded_setups_are_refused = scenario((TWO, _unsupported))
+
+
+def test_fsdp1_flat_parameters_are_refused_with_fused():
+    p = torch.nn.Parameter(torch.zeros(4))
+    p._is_flat_param = True
+    with pytest.raises(RuntimeError, match="FSDP1"):
+        fusedopt.AdamW([p], fused=True)
+    fusedopt.AdamW([p])  # fused=False: the parameters FSDP1 reduced before step()
+
+
+# --- checkpoints through torch.distributed.checkpoint -------------------------------------
+
+CHECKPOINT_FORMATS = ((4, torch.bfloat16), (8, torch.float32), (32, torch.bfloat16))
+
+
+def _checkpoint(model, opt):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+
+
+def save(model, opt, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_checkpoint(model, opt), checkpoint_id=str(path))
+
+
+def load(model, opt, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    state = _checkpoint(model, opt)
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+
+
+def _new(bits, dtype, fused=True):
+    model = shard(make_mlp(dtype, seed=1))  # other initial weights: loading must replace them
+    return model, fusedopt.AdamW(model.parameters(), lr=1e-2, state_bits=bits, min_compress_numel=0, fused=fused)
+
+
+def _save_on_one(rank, world_size, out):
+    for bits, dtype in CHECKPOINT_FORMATS:
+        model, opt = _new(bits, dtype)
+        train(model, opt, rank, world_size, steps=2, dtype=dtype)
+        save(model, opt, out / f"one-{bits}")
+        torch.save((params_of(model), state_of(opt)), out / f"one-{bits}.pt")
+
+
+def _checkpoints_on_two(rank, world_size, out):
+    for bits, dtype in CHECKPOINT_FORMATS:
+        what = f"state_bits={bits} {dtype}"
+        # a checkpoint of one rank, loaded on two
+        model, opt = _new(bits, dtype)
+        load(model, opt, out / f"one-{bits}")
+        params, state = torch.load(out / f"one-{bits}.pt")
+        assert_equal(params_of(model), params, what + ": 1 -> 2 ranks, parameters")
+        assert_equal(state_of(opt), state, what + ": 1 -> 2 ranks, state")
+        # saved on two, resumed on two: bit for bit
+        model, opt = _new(bits, dtype, fused=bits != 8)
+        train(model, opt, rank, world_size, steps=2, dtype=dtype)
+        save(model, opt, out / f"two-{bits}")
+        torch.save((params_of(model), state_of(opt)), out / f"two-{bits}.pt")
+        train(model, opt, rank, world_size, steps=2, first_step=2, dtype=dtype)
+        expected = params_of(model), state_of(opt)
+        model, opt = _new(bits, dtype, fused=bits != 8)
+        load(model, opt, out / f"two-{bits}")
+        train(model, opt, rank, world_size, steps=2, first_step=2, dtype=dtype)
+        assert_equal(params_of(model), expected[0], what + ": resumed on 2 ranks, parameters")
+        assert_equal(state_of(opt), expected[1], what + ": resumed on 2 ranks, state")
+    # blocks split by another sharding: a (6, 12) weight shards at element 36 (not a multiple of 16)
+    torch.manual_seed(3)
+    model = shard(torch.nn.Sequential(torch.nn.Linear(12, 6)))
+    opt = fusedopt.AdamW(model.parameters(), lr=1e-2, state_bits=4, min_compress_numel=0)
+    for step in range(2):
+        model(batch(step)[:, :12]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    save(model, opt, out / "split")
+    torch.save((params_of(model), state_of(opt)), out / "split.pt")
+
+
+def _load_two_on_one(rank, world_size, out):
+    import warnings
+
+    for bits, dtype in CHECKPOINT_FORMATS:
+        model, opt = _new(bits, dtype)
+        load(model, opt, out / f"two-{bits}")
+        params, state = torch.load(out / f"two-{bits}.pt")
+        what = f"state_bits={bits} {dtype}: 2 -> 1 rank"
+        assert_equal(params_of(model), params, what + ", parameters")
+        assert_equal(state_of(opt), state, what + ", state")
+    torch.manual_seed(4)
+    model = shard(torch.nn.Sequential(torch.nn.Linear(12, 6)))
+    opt = fusedopt.AdamW(model.parameters(), lr=1e-2, state_bits=4, min_compress_numel=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load(model, opt, out / "split")
+    params, state = torch.load(out / "split.pt")
+    assert_equal(params_of(model), params, "split blocks, parameters")
+    # the shard boundary split blocks: re-encoded on the new blocks (stochastic rounding), close
+    ours = state_of(opt)
+    assert len(ours) == len(state)
+    for a, b in zip(ours, state):
+        torch.testing.assert_close(a, b, rtol=0.3, atol=1e-6)
+    assert any("converted" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+test_checkpoints_through_dcp_between_one_and_two_ranks = scenario(
+    (ONE_BEFORE, _save_on_one), (TWO, _checkpoints_on_two), (ONE_AFTER, _load_two_on_one)
+)
