@@ -99,13 +99,12 @@ class FusedOptimizer(torch.optim.Optimizer):
             if max_grad_norm <= 0:
                 raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (expected a positive number, or None)")
         check_clip_method(release_clipping)
-        check_grad_scaler(grad_scaler)
         self.fused = fused
         self.accumulation_steps = accumulation_steps
         self.seed = seed
         self.max_grad_norm = max_grad_norm
         self.release_clipping = release_clipping
-        self.grad_scaler = grad_scaler  # fused=True: the GradScaler whose scale the released gradients carry
+        self._grad_scaler = None
         self._grad_norm: torch.Tensor | None = None  # exact clipping's last norm (step())
         self._released_clipping = ReleaseClipping(max_grad_norm, release_clipping) if max_grad_norm else None
         self._released_unscaling = ReleasedUnscaling()
@@ -121,6 +120,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         first = next(p for g in self.param_groups for p in g["params"])  # torch refused a list of none
         self.num_skipped_updates = torch.zeros((), dtype=torch.int64, device=first.device)
+        self.grad_scaler = grad_scaler
         if fused:
             self._release = GradientRelease(self)
             self._release.attach(p for g in self.param_groups for p in g["params"])
@@ -151,6 +151,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             except Exception:
                 self.param_groups.pop()
                 raise
+        try:
+            self._check_sharded_release(group["params"])
+        except Exception:
+            self.param_groups.pop()
+            raise
         group_index = len(self.param_groups) - 1
         self._dispatch.new_window()
         for p in group["params"]:
@@ -340,6 +345,34 @@ class FusedOptimizer(torch.optim.Optimizer):
         if self._releasing() and self._released_clipping is not None:
             return self._released_clipping.norm()
         return self._grad_norm
+
+    @property
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """With ``fused=True``: the GradScaler whose scale the released gradients carry (settable)."""
+        return self._grad_scaler
+
+    @grad_scaler.setter
+    def grad_scaler(self, scaler) -> None:
+        check_grad_scaler(scaler)
+        self._grad_scaler = scaler
+        try:
+            self._check_sharded_release(p for g in self.param_groups for p in g["params"])
+        except ValueError:
+            self._grad_scaler = None
+            raise
+
+    def _check_sharded_release(self, params) -> None:
+        """Refuse clipping and loss scaling under release on sharded parameters: each rank's hooks see
+        only its own shard, so neither the global norm nor an overflow elsewhere is known there."""
+        if not self.fused or (self.max_grad_norm is None and self._grad_scaler is None):
+            return
+        if any(is_sharded(p) for p in params):
+            option = "max_grad_norm" if self.max_grad_norm is not None else "grad_scaler"
+            raise ValueError(
+                f"fused=True with {option} on sharded (FSDP2) parameters is not supported yet: each rank's "
+                "release hooks see only its own shard of each gradient, so the global norm (or an overflow on "
+                "another rank) is not known when a shard is updated. Use fused=False under FSDP2 to clip or scale"
+            )
 
     def _releasing(self) -> bool:
         return self._release is not None and self._release.attached
