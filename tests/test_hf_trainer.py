@@ -1,9 +1,11 @@
 """fusedopt under the Hugging Face ``transformers.Trainer`` (``fusedopt.integrations.huggingface``), on a tiny
 Llama built from a config (nothing downloaded).
 
-* The Trainer's ``max_grad_norm`` is the optimizer's: training equals a plain ``transformers.Trainer`` that
-  clips with torch's ``clip_grad_norm_`` and steps an unclipped fusedopt optimizer, the Trainer's own
-  clipping never runs, and the logged ``grad_norm`` is the optimizer's ``grad_norm``.
+* The Trainer's ``max_grad_norm`` is the optimizer's, the Trainer's own clipping never runs, and the
+  logged ``grad_norm`` is the optimizer's ``grad_norm``. ``fused=False`` training equals a plain
+  ``transformers.Trainer`` that clips with torch's ``clip_grad_norm_`` and steps an unclipped fusedopt
+  optimizer; ``fused=True`` is the releasing optimizer's own clipping, bit for bit (a plain Trainer's
+  clipping finds no gradients there: it logs 0.0 and fusedopt warns).
 * With ``fused=True`` the Trainer's accumulation becomes the optimizer's ``accumulation_steps``; fp32
   training is then bit-identical to ``fused=False`` (a short last window included).
 * ``train(resume_from_checkpoint=...)`` continues bit for bit: weights, losses and grad norms of the
@@ -21,15 +23,13 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+Accelerator = pytest.importorskip("accelerate").Accelerator
 
 import fusedopt  # noqa: E402
+from fusedopt import release_notices  # noqa: E402
 from fusedopt.integrations.huggingface import FusedOptTrainer, fused_optimizer  # noqa: E402
 
 CLIP = 1.8  # the tiny model's gradient norms lie around it: some steps clip, some do not
-FUSED_CLIPPING = pytest.mark.xfail(
-    strict=True, raises=ValueError, reason="max_grad_norm with fused=True is refused by the optimizer for now"
-)
 
 
 class TokenDataset(torch.utils.data.Dataset):
@@ -96,32 +96,19 @@ def params(model):
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+def _refuse_trainer_clipping(self, *args, **kwargs):
+    raise AssertionError("the Trainer clipped gradients itself")
+
+
 @pytest.fixture
 def no_trainer_clipping(monkeypatch):
     """The Trainer's own clipping must not run: gradients are clipped by the optimizer alone."""
-    from accelerate import Accelerator
-
-    def refuse(self, *args, **kwargs):
-        raise AssertionError("the Trainer clipped gradients itself")
-
-    monkeypatch.setattr(Accelerator, "clip_grad_norm_", refuse)
+    monkeypatch.setattr(Accelerator, "clip_grad_norm_", _refuse_trainer_clipping)
 
 
-def _clip_once_as_the_trainer(tmp_path, monkeypatch, fused: bool):
-    # reference: a plain Trainer clips with torch's clip_grad_norm_, then an unclipped fusedopt step
-    ref, ref_model = train(
-        transformers.Trainer, tmp_path / "ref", opt_kwargs=dict(fused=False, lr=1e-2), max_grad_norm=CLIP
-    )
-    ref_norms = step_logs(ref, "grad_norm")
-    assert any(n > CLIP for n in ref_norms) and any(n < CLIP for n in ref_norms)  # clips on some steps only
-
-    from accelerate import Accelerator
-
-    def refuse(self, *args, **kwargs):
-        raise AssertionError("the Trainer clipped gradients itself")
-
-    monkeypatch.setattr(Accelerator, "clip_grad_norm_", refuse)
-    seen = []  # the optimizer's own norm, read after each step
+def _train_recording_norms(out, fused: bool):
+    """FusedOptTrainer with TrainingArguments.max_grad_norm=CLIP; the optimizer's norm after each step."""
+    seen = []
 
     class Record(transformers.TrainerCallback):
         def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
@@ -132,7 +119,7 @@ def _clip_once_as_the_trainer(tmp_path, monkeypatch, fused: bool):
     model = tiny_llama()
     trainer = FusedOptTrainer(
         model=model,
-        args=training_args(tmp_path / "ours", max_grad_norm=CLIP),
+        args=training_args(out, max_grad_norm=CLIP),
         train_dataset=TokenDataset(),
         optimizer_cls_and_kwargs=(fusedopt.AdamW, dict(state_bits=32, fused=fused)),
         callbacks=[Record()],
@@ -140,38 +127,72 @@ def _clip_once_as_the_trainer(tmp_path, monkeypatch, fused: bool):
     trainer.train()
     assert fused_optimizer(trainer.optimizer).max_grad_norm == CLIP  # from TrainingArguments
     assert step_logs(trainer, "grad_norm") == seen  # the logged norm is the optimizer's
-    torch.testing.assert_close(seen, ref_norms, rtol=1e-5, atol=0)
-    ours, ref = params(model), params(ref_model)
-    for name in ours:
-        torch.testing.assert_close(ours[name], ref[name], rtol=1e-5, atol=1e-7, msg=name)
+    return model, seen
 
-    # and clipping mattered: without it the weights end elsewhere
-    unclipped, unclipped_model = train(
-        FusedOptTrainer, tmp_path / "none", opt_kwargs=dict(fused=fused), max_grad_norm=0
-    )
+
+def _torch_clipped_reference(out):
+    """A plain Trainer clipping with torch's clip_grad_norm_, stepping an unclipped fusedopt optimizer."""
+    ref, ref_model = train(transformers.Trainer, out, opt_kwargs=dict(fused=False, lr=1e-2), max_grad_norm=CLIP)
+    ref_norms = step_logs(ref, "grad_norm")
+    assert any(n > CLIP for n in ref_norms) and any(n < CLIP for n in ref_norms)  # clips on some steps only
+    return ref_model, ref_norms
+
+
+def _assert_clipping_mattered(out, model, fused):
+    unclipped, unclipped_model = train(FusedOptTrainer, out, opt_kwargs=dict(fused=fused), max_grad_norm=0)
     assert all(n is None for n in step_logs(unclipped, "grad_norm"))  # no clipping, no norm
-    far = params(unclipped_model)
+    far, ours = params(unclipped_model), params(model)
     assert max((far[n] - ours[n]).abs().max().item() for n in ours) > 1e-3
 
 
 def test_trainer_clips_once_through_the_optimizer_and_logs_its_grad_norm(tmp_path, monkeypatch):
-    _clip_once_as_the_trainer(tmp_path, monkeypatch, fused=False)
+    ref_model, ref_norms = _torch_clipped_reference(tmp_path / "ref")
+    monkeypatch.setattr(Accelerator, "clip_grad_norm_", _refuse_trainer_clipping)
+    model, seen = _train_recording_norms(tmp_path / "ours", fused=False)
+    torch.testing.assert_close(seen, ref_norms, rtol=1e-5, atol=0)
+    ours, ref = params(model), params(ref_model)
+    for name in ours:
+        torch.testing.assert_close(ours[name], ref[name], rtol=1e-5, atol=1e-7, msg=name)
+    _assert_clipping_mattered(tmp_path / "none", model, fused=False)
 
 
-@FUSED_CLIPPING
-def test_trainer_clips_once_through_the_optimizer_and_logs_its_grad_norm_fused(tmp_path, monkeypatch):
-    _clip_once_as_the_trainer(tmp_path, monkeypatch, fused=True)
+def test_trainer_clips_through_a_releasing_optimizer_and_logs_its_grad_norm(tmp_path, monkeypatch):
+    """fused=True clips inside backward against an estimate of the global norm (fusedopt/clipping.py):
+    the run is the optimizer's own clipping, bit for bit, and the logged norm is its exact norm."""
+    _, ref_norms = _torch_clipped_reference(tmp_path / "ref")
+    # A plain Trainer with a releasing optimizer that clips: its own norm pass finds no gradients
+    # (it logs 0.0, and fusedopt warns once), the optimizer clips all the same.
+    monkeypatch.setattr(release_notices, "_warned", False)
+    with pytest.warns(UserWarning, match="clip_grad_norm_ found no gradient"):
+        plain, plain_model = train(
+            transformers.Trainer,
+            tmp_path / "plain",
+            opt_kwargs=dict(fused=True, lr=1e-2, max_grad_norm=CLIP),
+            max_grad_norm=0,
+        )
+    assert step_logs(plain, "grad_norm") == [0.0] * 6
+    monkeypatch.setattr(Accelerator, "clip_grad_norm_", _refuse_trainer_clipping)
+    model, seen = _train_recording_norms(tmp_path / "ours", fused=True)
+    torch.testing.assert_close(seen[0], ref_norms[0], rtol=1e-5, atol=0)  # the same first gradients: exact
+    ours, reference = params(model), params(plain_model)
+    for name in ours:
+        assert torch.equal(ours[name], reference[name]), name
+    _assert_clipping_mattered(tmp_path / "none", model, fused=True)
 
 
 def test_trainer_accumulation_becomes_the_optimizers_and_fused_equals_unfused(tmp_path, no_trainer_clipping):
     # 20 samples in batches of 2 = 10 micro-batches per epoch; 3 per step leaves a last window of 1
-    common = dict(max_grad_norm=0, gradient_accumulation_steps=3, max_steps=4, num_train_epochs=1)
+    # clipping configured but never reached: release stays bit-identical to fused=False
+    common = dict(max_grad_norm=1e4, gradient_accumulation_steps=3, max_steps=4, num_train_epochs=1)
     fused, fused_model = train(FusedOptTrainer, tmp_path / "f", opt_kwargs=dict(fused=True), **common)
     opt = fused_optimizer(fused.optimizer)
     assert opt.fused and opt.accumulation_steps == 3
     plain, plain_model = train(FusedOptTrainer, tmp_path / "p", opt_kwargs=dict(fused=False), **common)
     assert fused.state.global_step == plain.state.global_step == 4
     assert step_logs(fused, "loss") == step_logs(plain, "loss")
+    norms = step_logs(fused, "grad_norm")  # of the accumulated gradient
+    assert all(n is not None for n in norms)
+    torch.testing.assert_close(norms, step_logs(plain, "grad_norm"), rtol=1e-5, atol=0)
     a, b = params(fused_model), params(plain_model)
     for name in a:
         assert torch.equal(a[name], b[name]), name
@@ -217,13 +238,18 @@ def test_trainer_resume_from_checkpoint_is_bit_for_bit(tmp_path, fused):
     _resume_is_exact(tmp_path, fused, max_grad_norm=0)
 
 
-def test_trainer_resume_from_checkpoint_is_bit_for_bit_with_clipping(tmp_path):
-    _resume_is_exact(tmp_path, False, max_grad_norm=0.5)
+RELEASE_CLIPPING_NOT_SAVED = pytest.mark.xfail(
+    strict=True,
+    reason="fused=True clipping estimates the global norm from each parameter's previous gradient norm "
+    "(fusedopt/clipping.py); that history is not in the optimizer's state_dict, so a resumed run clips differently",
+)
 
 
-@FUSED_CLIPPING
-def test_trainer_resume_from_checkpoint_is_bit_for_bit_with_clipping_fused(tmp_path):
-    _resume_is_exact(tmp_path, True, max_grad_norm=0.5)
+@pytest.mark.parametrize(
+    "fused", [False, pytest.param(True, marks=RELEASE_CLIPPING_NOT_SAVED)], ids=["unfused", "fused"]
+)
+def test_trainer_resume_from_checkpoint_is_bit_for_bit_with_clipping(tmp_path, fused):
+    _resume_is_exact(tmp_path, fused, max_grad_norm=0.5)
 
 
 def _trainer(out, optimizers=(None, None), opt=None, **args):
