@@ -319,3 +319,41 @@ def test_trainer_takes_unset_hyperparameters_from_training_arguments(tmp_path):
 def test_importing_fusedopt_does_not_import_transformers():
     code = "import sys, fusedopt, fusedopt.integrations; assert 'transformers' not in sys.modules, 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_trainer_hands_its_grad_scaler_to_a_releasing_optimizer(tmp_path, no_trainer_clipping):
+    """fp16 loss scaling (a GradScaler set on the accelerator, as fp16=True does on a GPU): the releasing
+    optimizer unscales with the Trainer's scaler and trains as fused=False under the same scaler."""
+    results = []
+    for fused in (True, False):
+        model = tiny_llama()
+        trainer = FusedOptTrainer(
+            model=model,
+            args=training_args(tmp_path / str(fused), max_grad_norm=1e4),  # configured, never clips
+            train_dataset=TokenDataset(),
+            optimizer_cls_and_kwargs=(fusedopt.AdamW, dict(state_bits=32, fused=fused)),
+        )
+        scaler = trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+        trainer.train()
+        opt = fused_optimizer(trainer.optimizer)
+        assert opt.grad_scaler is (scaler if fused else None)
+        assert scaler.state_dict()["_growth_tracker"] == 6  # it scaled and stepped all 6 steps, none skipped
+        assert scaler.get_scale() == 2.0**12 and int(opt.num_skipped_updates) == 0
+        results.append((params(model), step_logs(trainer, "loss")))
+    (fused_params, fused_losses), (plain_params, plain_losses) = results
+    assert fused_losses == plain_losses
+    for name in fused_params:
+        assert torch.equal(fused_params[name], plain_params[name]), name
+
+    # an optimizer holding another scaler is refused
+    model = tiny_llama()
+    opt = fusedopt.AdamW(model.parameters(), fused=True, max_grad_norm=1.0, grad_scaler=torch.amp.GradScaler("cpu"))
+    trainer = FusedOptTrainer(
+        model=model,
+        args=training_args(tmp_path, max_steps=1),
+        train_dataset=TokenDataset(),
+        optimizers=(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)),
+    )
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(ValueError, match="grad_scaler is not the GradScaler the Trainer scales the loss with"):
+        trainer.train()
