@@ -238,16 +238,7 @@ def test_trainer_resume_from_checkpoint_is_bit_for_bit(tmp_path, fused):
     _resume_is_exact(tmp_path, fused, max_grad_norm=0)
 
 
-RELEASE_CLIPPING_NOT_SAVED = pytest.mark.xfail(
-    strict=True,
-    reason="fused=True clipping estimates the global norm from each parameter's previous gradient norm "
-    "(fusedopt/clipping.py); that history is not in the optimizer's state_dict, so a resumed run clips differently",
-)
-
-
-@pytest.mark.parametrize(
-    "fused", [False, pytest.param(True, marks=RELEASE_CLIPPING_NOT_SAVED)], ids=["unfused", "fused"]
-)
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 def test_trainer_resume_from_checkpoint_is_bit_for_bit_with_clipping(tmp_path, fused):
     _resume_is_exact(tmp_path, fused, max_grad_norm=0.5)
 

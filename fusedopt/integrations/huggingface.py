@@ -12,6 +12,8 @@ weight-decay groups, its scheduler follows the ``TrainingArguments``) or as
   clipping, a device tensor read only when the Trainer logs). Without clipping none is logged.
 * **Accumulation**: with ``fused=True`` the Trainer's ``gradient_accumulation_steps`` becomes the
   optimizer's ``accumulation_steps``.
+* **fp16**: with ``fused=True`` the Trainer's ``GradScaler`` becomes the optimizer's ``grad_scaler``
+  (each released gradient is unscaled inside backward).
 
 Unspecified ``optimizer_cls_and_kwargs`` entries come from the ``TrainingArguments`` as the Trainer's
 own optimizers take them (``lr``; AdamW's ``betas`` and ``eps``); an optimizer that contradicts them
@@ -85,6 +87,19 @@ def check_optimizer(optimizer, args) -> FusedOptimizer:
     return opt
 
 
+def hand_over_scaler(opt: FusedOptimizer, scaler) -> None:
+    """fp16: a releasing optimizer unscales each gradient inside backward, so it needs the scaler
+    accelerate scales the loss with (``grad_scaler``)."""
+    if not opt.fused or scaler is None or opt.grad_scaler is scaler:
+        return
+    if opt.grad_scaler is not None:
+        raise ValueError(
+            "the optimizer's grad_scaler is not the GradScaler the Trainer scales the loss with (fp16): leave "
+            "grad_scaler unset, FusedOptTrainer hands the Trainer's over"
+        )
+    opt.grad_scaler = scaler
+
+
 class FusedOptTrainerMixin:
     """Clipping, grad-norm logging and accumulation through a fusedopt optimizer (see the module)."""
 
@@ -108,7 +123,8 @@ class FusedOptTrainerMixin:
             if isinstance(cls, type) and issubclass(cls, FusedOptimizer):
                 self.optimizer_cls_and_kwargs = cls, optimizer_kwargs(cls, kwargs, self.args)
         optimizer = super().create_optimizer(model)
-        check_optimizer(optimizer, self.args)
+        opt = check_optimizer(optimizer, self.args)
+        hand_over_scaler(opt, getattr(self.accelerator, "scaler", None))
         return optimizer
 
     def _clip_grad_norm(self, model):
