@@ -216,3 +216,26 @@ def test_finetune_fsdp_trains_saves_and_resumes_on_two_cpu_ranks(tmp_path):
     assert (tmp_path / "out" / "checkpoint" / ".metadata").exists()
     out = torchrun("--steps", "3", "--resume", str(tmp_path / "out" / "checkpoint"))
     assert "at step 2" in out and "step 3/3  loss" in out and "step 1/" not in out
+
+
+def test_finetune_trainer_clips_in_the_optimizer_and_resumes_exactly(tmp_path, monkeypatch):
+    """The Trainer example: the logged grad norms are the optimizer's (it clips: they exceed
+    --max-grad-norm), and a resume from the step-2 checkpoint ends on the same weights and logs."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from safetensors.torch import load_file
+
+    example = _load_example("finetune_trainer", monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    base = ["--device", "cpu", "--steps", "4", "--save-steps", "2", "--seq-len", "16", "--max-grad-norm", "0.5"]
+    assert example.main([*base, "--out", "a", "--summary-json", "a.json"]) == 0
+    assert example.main([*base, "--out", "b", "--resume", "a/checkpoint-2", "--summary-json", "b.json"]) == 0
+    a, b = _summary(tmp_path / "a.json"), _summary(tmp_path / "b.json")
+    assert len(a["losses"]) == 4 and all(n > 0.5 for n in a["grad_norms"])
+    assert a == b  # the resumed log starts with the checkpoint's two steps
+    assert not (tmp_path / "b" / "checkpoint-2").exists()  # b trained steps 3-4 only
+    weights_a = load_file(tmp_path / "a" / "checkpoint-4" / "model.safetensors")
+    weights_b = load_file(tmp_path / "b" / "checkpoint-4" / "model.safetensors")
+    assert weights_a.keys() == weights_b.keys()
+    for name, tensor in weights_a.items():
+        assert torch.equal(tensor, weights_b[name]), name

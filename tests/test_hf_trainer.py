@@ -218,6 +218,7 @@ def _resume_is_exact(tmp_path, fused: bool, max_grad_norm: float):
     full, full_model = run(tmp_path / "full")
     resumed, resumed_model = run(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoint-3"))
     assert resumed.state.global_step == 6
+    assert not (tmp_path / "resumed" / "checkpoint-3").exists()  # it trained steps 4-6 only
     for key in ("loss", "grad_norm", "learning_rate"):  # the resumed log starts with the checkpoint's 3 steps
         assert step_logs(resumed, key) == step_logs(full, key), key
         assert len(step_logs(full, key)) == 6 and (
