@@ -67,6 +67,7 @@ def test_finetune_lowvram_trains_saves_resumes_and_reports_memory(tmp_path):
         "finetune_lowvram.py", [*common, "--save-every", "2", "--out", str(a), "--summary-json", "a.json"], tmp_path
     )
     assert "memory of the last step" in proc.stdout and "bytes per parameter" in proc.stdout
+    assert re.search(r"step 1/3  loss \d+\.\d+  grad norm \d+\.\d+", proc.stdout)  # clipped in the optimizer
     _assert_small_sizes_readable(proc.stdout)
     summary = json.loads((tmp_path / "a.json").read_text())
     assert len(summary["losses"]) == 3 and all(x == x and x < 10 for x in summary["losses"])
@@ -164,6 +165,7 @@ def test_finetune_hf(tmp_path):
         "finetune_hf.py", ["--steps", "2", "--out", str(out), "--summary-json", str(tmp_path / "s.json")], tmp_path
     )
     assert "memory of the last step" in proc.stdout
+    assert re.search(r"step 1/2  loss \d+\.\d+  grad norm \d+\.\d+", proc.stdout)  # clipped in the optimizer
     _assert_small_sizes_readable(proc.stdout)
     summary = json.loads((tmp_path / "s.json").read_text())
     assert len(summary["losses"]) == 2
