@@ -99,6 +99,12 @@ def parse_args(argv=None):
     p.add_argument("--accum", type=int, default=None, help="micro-batches per step (accumulation_steps)")
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-4)")
+    p.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=1.0,
+        help="clip by the global gradient norm inside the optimizer, as release needs (0: no clipping)",
+    )
     p.add_argument("--state-bits", type=int, default=None, help="override fusedopt's default state_bits")
     p.add_argument("--master-weight-bits", default=None, help="override the default master_weight_bits (24, 32, none)")
     p.add_argument("--out", default="out/finetune_hf")
@@ -165,6 +171,7 @@ def main(argv=None) -> int:
     model.train()
 
     kwargs = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True, accumulation_steps=args.accum)
+    kwargs["max_grad_norm"] = args.max_grad_norm or None  # clipped inside backward, before release
     if args.state_bits is not None:
         kwargs["state_bits"] = args.state_bits
     if args.master_weight_bits is not None:
@@ -212,7 +219,8 @@ def main(argv=None) -> int:
         losses.append(total)
         lrs.append(lr)
         elapsed = time.perf_counter() - t0
-        print(f"step {step + 1}/{args.steps}  loss {total:.4f}  lr {lr:.2e}  {elapsed:.1f}s", flush=True)
+        norm = "" if optimizer.grad_norm is None else f"  grad norm {float(optimizer.grad_norm):.3f}"
+        print(f"step {step + 1}/{args.steps}  loss {total:.4f}{norm}  lr {lr:.2e}  {elapsed:.1f}s", flush=True)
         if not math.isfinite(total):
             print("non-finite loss; stopping", file=sys.stderr)
             return 1

@@ -64,6 +64,7 @@ def get_batch(corpus: torch.Tensor, step: int, micro: int, args, split: str, dev
 
 def build_optimizer(model, args):
     kwargs = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True, accumulation_steps=args.accum)
+    kwargs["max_grad_norm"] = args.max_grad_norm or None  # clipped inside backward, before release
     # Leave state_bits / master_weight_bits unset to get fusedopt's defaults (8-bit state, 24-bit master).
     if args.state_bits is not None:
         kwargs["state_bits"] = args.state_bits
@@ -134,6 +135,12 @@ def parse_args(argv=None):
     p.add_argument("--accum", type=int, default=None, help="micro-batches per optimizer step (accumulation_steps)")
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-4; saved on resume)")
+    p.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=1.0,
+        help="clip by the global gradient norm inside the optimizer, as release needs (0: no clipping)",
+    )
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: total steps / 10)")
     p.add_argument("--min-lr-ratio", type=float, default=None, help="final LR / peak LR (default 0.1)")
     p.add_argument("--state-bits", type=int, default=None, help="override fusedopt's default state_bits")
@@ -233,7 +240,8 @@ def main(argv=None) -> int:
             print(f"step {step + 1}: loss is {loss}; stopping", file=sys.stderr)
             return 1
         elapsed = time.perf_counter() - t0
-        print(f"step {step + 1}/{args.steps}  loss {loss:.4f}  lr {lr:.2e}  {elapsed:.1f}s", flush=True)
+        norm = "" if optimizer.grad_norm is None else f"  grad norm {float(optimizer.grad_norm):.3f}"
+        print(f"step {step + 1}/{args.steps}  loss {loss:.4f}{norm}  lr {lr:.2e}  {elapsed:.1f}s", flush=True)
         if args.eval_every and (step + 1) % args.eval_every == 0:
             print(f"  eval loss {evaluate(model, corpus, args, device):.4f}")
         if args.save_every and (step + 1) % args.save_every == 0:

@@ -5,6 +5,7 @@ before triton compiles anything, so it is set here, before any test module impor
 """
 
 import os
+import sys
 
 import torch
 
@@ -22,3 +23,18 @@ torch.set_num_threads(1)
 def device() -> str:
     """The device kernel tests run on: the GPU when there is one, else the CPU interpreter."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+_REPO_KERNELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
+
+
+@pytest.fixture(autouse=True)
+def _no_top_level_kernels():
+    """``python -m pytest`` puts the repository root on sys.path, where transformers' probe for its
+    optional ``kernels`` package (run once, when its Trainer is imported) imports the repo's kernels/
+    folder under that name. Forget it again: fusedopt's is ``fusedopt.kernels``, and
+    tests/test_packaging.py checks that no top-level ``kernels`` exists."""
+    yield
+    stray = sys.modules.get("kernels")
+    if stray is not None and os.path.dirname(getattr(stray, "__file__", None) or "") == _REPO_KERNELS:
+        del sys.modules["kernels"]

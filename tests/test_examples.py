@@ -67,6 +67,7 @@ def test_finetune_lowvram_trains_saves_resumes_and_reports_memory(tmp_path):
         "finetune_lowvram.py", [*common, "--save-every", "2", "--out", str(a), "--summary-json", "a.json"], tmp_path
     )
     assert "memory of the last step" in proc.stdout and "bytes per parameter" in proc.stdout
+    assert re.search(r"step 1/3  loss \d+\.\d+  grad norm \d+\.\d+", proc.stdout)  # clipped in the optimizer
     _assert_small_sizes_readable(proc.stdout)
     summary = json.loads((tmp_path / "a.json").read_text())
     assert len(summary["losses"]) == 3 and all(x == x and x < 10 for x in summary["losses"])
@@ -164,6 +165,7 @@ def test_finetune_hf(tmp_path):
         "finetune_hf.py", ["--steps", "2", "--out", str(out), "--summary-json", str(tmp_path / "s.json")], tmp_path
     )
     assert "memory of the last step" in proc.stdout
+    assert re.search(r"step 1/2  loss \d+\.\d+  grad norm \d+\.\d+", proc.stdout)  # clipped in the optimizer
     _assert_small_sizes_readable(proc.stdout)
     summary = json.loads((tmp_path / "s.json").read_text())
     assert len(summary["losses"]) == 2
@@ -216,3 +218,26 @@ def test_finetune_fsdp_trains_saves_and_resumes_on_two_cpu_ranks(tmp_path):
     assert (tmp_path / "out" / "checkpoint" / ".metadata").exists()
     out = torchrun("--steps", "3", "--resume", str(tmp_path / "out" / "checkpoint"))
     assert "at step 2" in out and "step 3/3  loss" in out and "step 1/" not in out
+
+
+def test_finetune_trainer_clips_in_the_optimizer_and_resumes_exactly(tmp_path, monkeypatch):
+    """The Trainer example: the logged grad norms are the optimizer's (it clips: they exceed
+    --max-grad-norm), and a resume from the step-2 checkpoint ends on the same weights and logs."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from safetensors.torch import load_file
+
+    example = _load_example("finetune_trainer", monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    base = ["--device", "cpu", "--steps", "4", "--save-steps", "2", "--seq-len", "16", "--max-grad-norm", "0.5"]
+    assert example.main([*base, "--out", "a", "--summary-json", "a.json"]) == 0
+    assert example.main([*base, "--out", "b", "--resume", "a/checkpoint-2", "--summary-json", "b.json"]) == 0
+    a, b = _summary(tmp_path / "a.json"), _summary(tmp_path / "b.json")
+    assert len(a["losses"]) == 4 and all(n > 0.5 for n in a["grad_norms"])
+    assert a == b  # the resumed log starts with the checkpoint's two steps
+    assert not (tmp_path / "b" / "checkpoint-2").exists()  # b trained steps 3-4 only
+    weights_a = load_file(tmp_path / "a" / "checkpoint-4" / "model.safetensors")
+    weights_b = load_file(tmp_path / "b" / "checkpoint-4" / "model.safetensors")
+    assert weights_a.keys() == weights_b.keys()
+    for name, tensor in weights_a.items():
+        assert torch.equal(tensor, weights_b[name]), name

@@ -1,0 +1,142 @@
+"""Hugging Face ``transformers.Trainer`` with a fusedopt optimizer (needs ``transformers`` and ``accelerate``).
+
+``FusedOptTrainer`` is a ``transformers.Trainer`` whose optimizer is a fusedopt one, given as
+``optimizer_cls_and_kwargs=(fusedopt.AdamW, dict(fused=True, ...))`` (the Trainer builds it with its
+weight-decay groups, its scheduler follows the ``TrainingArguments``) or as
+``optimizers=(optimizer, scheduler)``. What it changes:
+
+* **Clipping goes through the optimizer.** ``TrainingArguments.max_grad_norm`` becomes the
+  optimizer's ``max_grad_norm`` and the Trainer's own ``clip_grad_norm_`` pass is left out (with
+  ``fused=True`` the gradients are gone by then; with ``fused=False`` it would clip twice).
+* **The logged ``grad_norm`` is the optimizer's** ``grad_norm`` (the step's global norm before
+  clipping, a device tensor read only when the Trainer logs). Without clipping none is logged.
+* **Accumulation**: with ``fused=True`` the Trainer's ``gradient_accumulation_steps`` becomes the
+  optimizer's ``accumulation_steps``.
+* **fp16**: with ``fused=True`` the Trainer's ``GradScaler`` becomes the optimizer's ``grad_scaler``
+  (each released gradient is unscaled inside backward).
+
+Unspecified ``optimizer_cls_and_kwargs`` entries come from the ``TrainingArguments`` as the Trainer's
+own optimizers take them (``lr``; AdamW's ``betas`` and ``eps``); an optimizer that contradicts them
+(``max_grad_norm``, ``accumulation_steps`` with ``fused=True``) is refused when ``train()`` starts.
+Checkpoints and ``train(resume_from_checkpoint=...)`` are the Trainer's own: the optimizer's
+``state_dict()`` resumes it exactly. ``FusedOptTrainerMixin`` adds the same to another Trainer
+subclass: ``class MyTrainer(FusedOptTrainerMixin, SomeTrainer)``.
+"""
+
+from __future__ import annotations
+
+import transformers
+
+from fusedopt.adamw import AdamW
+from fusedopt.optimizer import FusedOptimizer
+
+# The Trainer methods this module overrides: a transformers without them would clip and log on its own.
+_TRAINER_METHODS = ("create_optimizer", "_clip_grad_norm", "_get_grad_norm", "_maybe_log_save_evaluate")
+
+
+def fused_optimizer(optimizer) -> FusedOptimizer | None:
+    """The fusedopt optimizer inside ``optimizer`` (accelerate wraps it), or None."""
+    while optimizer is not None and not isinstance(optimizer, FusedOptimizer):
+        optimizer = getattr(optimizer, "optimizer", None)
+    return optimizer
+
+
+def _clip_norm(args) -> float | None:
+    """``TrainingArguments.max_grad_norm`` as the optimizer option (0 or less: no clipping)."""
+    norm = args.max_grad_norm
+    return float(norm) if norm is not None and norm > 0 else None
+
+
+def optimizer_kwargs(optimizer_cls, kwargs: dict, args) -> dict:
+    """``kwargs`` completed from the ``TrainingArguments``: what the Trainer's own optimizers take
+    from them, plus clipping and (``fused=True``) accumulation. Given entries are kept as they are."""
+    kwargs = dict(kwargs)
+    kwargs.setdefault("lr", args.learning_rate)
+    if issubclass(optimizer_cls, AdamW):
+        kwargs.setdefault("betas", (args.adam_beta1, args.adam_beta2))
+        kwargs.setdefault("eps", args.adam_epsilon)
+    kwargs.setdefault("max_grad_norm", _clip_norm(args))
+    if kwargs.get("fused", False):
+        kwargs.setdefault("accumulation_steps", args.gradient_accumulation_steps)
+    return kwargs
+
+
+def check_optimizer(optimizer, args) -> FusedOptimizer:
+    """Refuse an optimizer the Trainer cannot drive as ``args`` ask; return the fusedopt optimizer."""
+    opt = fused_optimizer(optimizer)
+    if opt is None:
+        raise TypeError(
+            f"FusedOptTrainer trains with a fusedopt optimizer, got {type(optimizer).__name__}: pass "
+            "optimizer_cls_and_kwargs=(fusedopt.AdamW, dict(fused=True)) or optimizers=(fusedopt optimizer, "
+            "scheduler), or use transformers.Trainer"
+        )
+    expected = _clip_norm(args)
+    if opt.max_grad_norm != expected:
+        raise ValueError(
+            f"the optimizer's max_grad_norm={opt.max_grad_norm} differs from TrainingArguments.max_grad_norm="
+            f"{args.max_grad_norm}: FusedOptTrainer clips only through the optimizer. Give the optimizer "
+            f"max_grad_norm={expected} (None when TrainingArguments.max_grad_norm is 0)"
+        )
+    if opt.fused and opt.accumulation_steps != args.gradient_accumulation_steps:
+        raise ValueError(
+            f"fused=True with accumulation_steps={opt.accumulation_steps} but TrainingArguments."
+            f"gradient_accumulation_steps={args.gradient_accumulation_steps}: gradient release updates on the "
+            f"last backward of each accumulation window, so the two must be equal; give the optimizer "
+            f"accumulation_steps={args.gradient_accumulation_steps}"
+        )
+    return opt
+
+
+def hand_over_scaler(opt: FusedOptimizer, scaler) -> None:
+    """fp16: a releasing optimizer unscales each gradient inside backward, so it needs the scaler
+    accelerate scales the loss with (``grad_scaler``)."""
+    if not opt.fused or scaler is None or opt.grad_scaler is scaler:
+        return
+    if opt.grad_scaler is not None:
+        raise ValueError(
+            "the optimizer's grad_scaler is not the GradScaler the Trainer scales the loss with (fp16): leave "
+            "grad_scaler unset, FusedOptTrainer hands the Trainer's over"
+        )
+    opt.grad_scaler = scaler
+
+
+class FusedOptTrainerMixin:
+    """Clipping, grad-norm logging and accumulation through a fusedopt optimizer (see the module)."""
+
+    def __init__(self, *args, **kwargs):
+        missing = [name for name in _TRAINER_METHODS if not hasattr(transformers.Trainer, name)]
+        if missing:
+            raise RuntimeError(
+                f"FusedOptTrainer does not support transformers {transformers.__version__}: its Trainer has no "
+                f"{', '.join(missing)}, so it would clip and log gradient norms on its own"
+            )
+        super().__init__(*args, **kwargs)
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            if self.optimizer_cls_and_kwargs is None:
+                raise ValueError(
+                    "FusedOptTrainer needs its optimizer: pass optimizer_cls_and_kwargs=(fusedopt.AdamW, "
+                    "dict(fused=True, ...)) or optimizers=(optimizer, scheduler)"
+                )
+            cls, kwargs = self.optimizer_cls_and_kwargs
+            if isinstance(cls, type) and issubclass(cls, FusedOptimizer):
+                self.optimizer_cls_and_kwargs = cls, optimizer_kwargs(cls, kwargs, self.args)
+        optimizer = super().create_optimizer(model)
+        opt = check_optimizer(optimizer, self.args)
+        hand_over_scaler(opt, getattr(self.accelerator, "scaler", None))
+        return optimizer
+
+    def _clip_grad_norm(self, model):
+        return None  # the optimizer clips (max_grad_norm), in step() or inside backward
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return None  # no pass over the gradients: the optimizer's norm is logged instead
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
+        opt = fused_optimizer(self.optimizer)
+        return super()._maybe_log_save_evaluate(tr_loss, opt.grad_norm if opt is not None else None, *args, **kwargs)
+
+
+class FusedOptTrainer(FusedOptTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` driving a fusedopt optimizer (see ``fusedopt.integrations.huggingface``)."""

@@ -1,0 +1,351 @@
+"""fusedopt under the Hugging Face ``transformers.Trainer`` (``fusedopt.integrations.huggingface``), on a tiny
+Llama built from a config (nothing downloaded).
+
+* The Trainer's ``max_grad_norm`` is the optimizer's, the Trainer's own clipping never runs, and the
+  logged ``grad_norm`` is the optimizer's ``grad_norm``. ``fused=False`` training equals a plain
+  ``transformers.Trainer`` that clips with torch's ``clip_grad_norm_`` and steps an unclipped fusedopt
+  optimizer; ``fused=True`` is the releasing optimizer's own clipping, bit for bit (a plain Trainer's
+  clipping finds no gradients there: it logs 0.0 and fusedopt warns).
+* With ``fused=True`` the Trainer's accumulation becomes the optimizer's ``accumulation_steps``; fp32
+  training is then bit-identical to ``fused=False`` (a short last window included).
+* ``train(resume_from_checkpoint=...)`` continues bit for bit: weights, losses and grad norms of the
+  resumed steps equal the uninterrupted run's (shuffled data, dropout, a warm-up + decay schedule,
+  compressed state and bf16 weights with their correction).
+* Setups that cannot work as asked are refused when ``train()`` starts, naming the fix.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+Accelerator = pytest.importorskip("accelerate").Accelerator
+
+import fusedopt  # noqa: E402
+from fusedopt import release_notices  # noqa: E402
+from fusedopt.integrations.huggingface import FusedOptTrainer, fused_optimizer  # noqa: E402
+
+CLIP = 1.8  # the tiny model's gradient norms lie around it: some steps clip, some do not
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    def __init__(self, n: int = 20, seq_len: int = 12, vocab: int = 64):
+        self.ids = torch.randint(0, vocab, (n, seq_len), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def tiny_llama(dtype=torch.float32, dropout: float = 0.0):
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        attention_dropout=dropout,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(dtype)
+
+
+def training_args(out, **overrides):
+    kwargs = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=2,
+        max_steps=6,
+        learning_rate=1e-2,
+        warmup_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    kwargs.update(overrides)
+    return transformers.TrainingArguments(**kwargs)
+
+
+def train(trainer_cls, out, model=None, opt_kwargs=None, resume=None, **args):
+    model = tiny_llama() if model is None else model
+    trainer = trainer_cls(
+        model=model,
+        args=training_args(out, **args),
+        train_dataset=TokenDataset(),
+        optimizer_cls_and_kwargs=(fusedopt.AdamW, dict(state_bits=32, **(opt_kwargs or {}))),
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, model
+
+
+def step_logs(trainer, key):
+    return [entry.get(key) for entry in trainer.state.log_history if "loss" in entry]
+
+
+def params(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _refuse_trainer_clipping(self, *args, **kwargs):
+    raise AssertionError("the Trainer clipped gradients itself")
+
+
+@pytest.fixture
+def no_trainer_clipping(monkeypatch):
+    """The Trainer's own clipping must not run: gradients are clipped by the optimizer alone."""
+    monkeypatch.setattr(Accelerator, "clip_grad_norm_", _refuse_trainer_clipping)
+
+
+def _train_recording_norms(out, fused: bool):
+    """FusedOptTrainer with TrainingArguments.max_grad_norm=CLIP; the optimizer's norm after each step."""
+    seen = []
+
+    class Record(transformers.TrainerCallback):
+        def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+            norm = fused_optimizer(optimizer).grad_norm
+            assert isinstance(norm, torch.Tensor) and norm.dim() == 0
+            seen.append(float(norm))
+
+    model = tiny_llama()
+    trainer = FusedOptTrainer(
+        model=model,
+        args=training_args(out, max_grad_norm=CLIP),
+        train_dataset=TokenDataset(),
+        optimizer_cls_and_kwargs=(fusedopt.AdamW, dict(state_bits=32, fused=fused)),
+        callbacks=[Record()],
+    )
+    trainer.train()
+    assert fused_optimizer(trainer.optimizer).max_grad_norm == CLIP  # from TrainingArguments
+    assert step_logs(trainer, "grad_norm") == seen  # the logged norm is the optimizer's
+    return model, seen
+
+
+def _torch_clipped_reference(out):
+    """A plain Trainer clipping with torch's clip_grad_norm_, stepping an unclipped fusedopt optimizer."""
+    ref, ref_model = train(transformers.Trainer, out, opt_kwargs=dict(fused=False, lr=1e-2), max_grad_norm=CLIP)
+    ref_norms = step_logs(ref, "grad_norm")
+    assert any(n > CLIP for n in ref_norms) and any(n < CLIP for n in ref_norms)  # clips on some steps only
+    return ref_model, ref_norms
+
+
+def _assert_clipping_mattered(out, model, fused):
+    unclipped, unclipped_model = train(FusedOptTrainer, out, opt_kwargs=dict(fused=fused), max_grad_norm=0)
+    assert all(n is None for n in step_logs(unclipped, "grad_norm"))  # no clipping, no norm
+    far, ours = params(unclipped_model), params(model)
+    assert max((far[n] - ours[n]).abs().max().item() for n in ours) > 1e-3
+
+
+def test_trainer_clips_once_through_the_optimizer_and_logs_its_grad_norm(tmp_path, monkeypatch):
+    ref_model, ref_norms = _torch_clipped_reference(tmp_path / "ref")
+    monkeypatch.setattr(Accelerator, "clip_grad_norm_", _refuse_trainer_clipping)
+    model, seen = _train_recording_norms(tmp_path / "ours", fused=False)
+    torch.testing.assert_close(seen, ref_norms, rtol=1e-5, atol=0)
+    ours, ref = params(model), params(ref_model)
+    for name in ours:
+        torch.testing.assert_close(ours[name], ref[name], rtol=1e-5, atol=1e-7, msg=name)
+    _assert_clipping_mattered(tmp_path / "none", model, fused=False)
+
+
+def test_trainer_clips_through_a_releasing_optimizer_and_logs_its_grad_norm(tmp_path, monkeypatch):
+    """fused=True clips inside backward against an estimate of the global norm (fusedopt/clipping.py):
+    the run is the optimizer's own clipping, bit for bit, and the logged norm is its exact norm."""
+    _, ref_norms = _torch_clipped_reference(tmp_path / "ref")
+    # A plain Trainer with a releasing optimizer that clips: its own norm pass finds no gradients
+    # (it logs 0.0, and fusedopt warns once), the optimizer clips all the same.
+    monkeypatch.setattr(release_notices, "_warned", False)
+    with pytest.warns(UserWarning, match="clip_grad_norm_ found no gradient"):
+        plain, plain_model = train(
+            transformers.Trainer,
+            tmp_path / "plain",
+            opt_kwargs=dict(fused=True, lr=1e-2, max_grad_norm=CLIP),
+            max_grad_norm=0,
+        )
+    assert step_logs(plain, "grad_norm") == [0.0] * 6
+    monkeypatch.setattr(Accelerator, "clip_grad_norm_", _refuse_trainer_clipping)
+    model, seen = _train_recording_norms(tmp_path / "ours", fused=True)
+    torch.testing.assert_close(seen[0], ref_norms[0], rtol=1e-5, atol=0)  # the same first gradients: exact
+    ours, reference = params(model), params(plain_model)
+    for name in ours:
+        assert torch.equal(ours[name], reference[name]), name
+    _assert_clipping_mattered(tmp_path / "none", model, fused=True)
+
+
+def test_trainer_accumulation_becomes_the_optimizers_and_fused_equals_unfused(tmp_path, no_trainer_clipping):
+    # 20 samples in batches of 2 = 10 micro-batches per epoch; 3 per step leaves a last window of 1
+    # clipping configured but never reached: release stays bit-identical to fused=False
+    common = dict(max_grad_norm=1e4, gradient_accumulation_steps=3, max_steps=4, num_train_epochs=1)
+    fused, fused_model = train(FusedOptTrainer, tmp_path / "f", opt_kwargs=dict(fused=True), **common)
+    opt = fused_optimizer(fused.optimizer)
+    assert opt.fused and opt.accumulation_steps == 3
+    plain, plain_model = train(FusedOptTrainer, tmp_path / "p", opt_kwargs=dict(fused=False), **common)
+    assert fused.state.global_step == plain.state.global_step == 4
+    assert step_logs(fused, "loss") == step_logs(plain, "loss")
+    norms = step_logs(fused, "grad_norm")  # of the accumulated gradient
+    assert all(n is not None for n in norms)
+    torch.testing.assert_close(norms, step_logs(plain, "grad_norm"), rtol=1e-5, atol=0)
+    a, b = params(fused_model), params(plain_model)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def _resume_is_exact(tmp_path, fused: bool, max_grad_norm: float):
+    opt_kwargs = dict(fused=fused, state_bits=8, min_compress_numel=0, weight_decay=0.1)  # 8-bit moments
+    common = dict(max_steps=6, save_strategy="steps", save_steps=3, max_grad_norm=max_grad_norm)
+    if fused:
+        common["gradient_accumulation_steps"] = 2
+
+    def run(out, resume=None):
+        model = tiny_llama(torch.bfloat16, dropout=0.2)  # bf16 weights + int8 correction; dropout draws RNG
+        trainer = FusedOptTrainer(
+            model=model,
+            args=training_args(out, **common),
+            train_dataset=TokenDataset(),
+            optimizer_cls_and_kwargs=(fusedopt.AdamW, opt_kwargs),
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, model
+
+    full, full_model = run(tmp_path / "full")
+    resumed, resumed_model = run(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoint-3"))
+    assert resumed.state.global_step == 6
+    assert not (tmp_path / "resumed" / "checkpoint-3").exists()  # it trained steps 4-6 only
+    for key in ("loss", "grad_norm", "learning_rate"):  # the resumed log starts with the checkpoint's 3 steps
+        assert step_logs(resumed, key) == step_logs(full, key), key
+        assert len(step_logs(full, key)) == 6 and (
+            key != "grad_norm" or all(step_logs(full, key)) == bool(max_grad_norm)
+        )
+    assert len(set(step_logs(full, "learning_rate"))) >= 4  # warm-up and decay: the schedule was restored
+    a, b = params(full_model), params(resumed_model)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    sa, sb = fused_optimizer(full.optimizer).state_dict(), fused_optimizer(resumed.optimizer).state_dict()
+    for index, state in sa["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, sb["state"][index][key]), (index, key)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_trainer_resume_from_checkpoint_is_bit_for_bit(tmp_path, fused):
+    _resume_is_exact(tmp_path, fused, max_grad_norm=0)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_trainer_resume_from_checkpoint_is_bit_for_bit_with_clipping(tmp_path, fused):
+    _resume_is_exact(tmp_path, fused, max_grad_norm=0.5)
+
+
+def _trainer(out, optimizers=(None, None), opt=None, **args):
+    model = tiny_llama()
+    return FusedOptTrainer(
+        model=model,
+        args=training_args(out, max_steps=1, **args),
+        train_dataset=TokenDataset(),
+        optimizers=optimizers,
+        optimizer_cls_and_kwargs=opt,
+    )
+
+
+def test_trainer_refuses_what_it_cannot_do_as_asked(tmp_path):
+    # the Trainer's accumulation and the optimizer's disagree under release
+    trainer = _trainer(
+        tmp_path,
+        opt=(fusedopt.AdamW, dict(fused=True, accumulation_steps=1)),
+        gradient_accumulation_steps=2,
+        max_grad_norm=0,
+    )
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2.*accumulation_steps=2"):
+        trainer.train()
+
+    # an optimizer built by hand that does not clip as TrainingArguments.max_grad_norm asks
+    model = tiny_llama()
+    opt = fusedopt.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    trainer = FusedOptTrainer(
+        model=model,
+        args=training_args(tmp_path, max_steps=1),
+        train_dataset=TokenDataset(),
+        optimizers=(opt, scheduler),
+    )
+    with pytest.raises(ValueError, match=r"max_grad_norm=None differs from TrainingArguments.max_grad_norm=1.0"):
+        trainer.train()
+    before = params(model)
+    opt = fusedopt.AdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0)  # as asked: it trains
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    trainer = FusedOptTrainer(
+        model=model,
+        args=training_args(tmp_path, max_steps=1),
+        train_dataset=TokenDataset(),
+        optimizers=(opt, scheduler),
+    )
+    trainer.train()
+    assert any(not torch.equal(p, before[n]) for n, p in params(model).items())
+
+    # not a fusedopt optimizer, or none at all
+    with pytest.raises(TypeError, match="FusedOptTrainer trains with a fusedopt optimizer, got AdamW"):
+        _trainer(tmp_path, opt=(torch.optim.AdamW, {})).train()
+    with pytest.raises(ValueError, match="FusedOptTrainer needs its optimizer"):
+        _trainer(tmp_path).train()
+
+
+def test_trainer_takes_unset_hyperparameters_from_training_arguments(tmp_path):
+    trainer = _trainer(
+        tmp_path, opt=(fusedopt.AdamW, dict(eps=1e-6)), learning_rate=3e-3, adam_beta1=0.8, weight_decay=0.05
+    )
+    opt = fused_optimizer(trainer.create_optimizer())
+    group = opt.param_groups[0]
+    assert group["lr"] == 3e-3 and group["betas"] == (0.8, 0.999) and group["eps"] == 1e-6
+    assert group["weight_decay"] == 0.05 and opt.param_groups[1]["weight_decay"] == 0.0  # the Trainer's groups
+    assert opt.max_grad_norm == 1.0 and not opt.fused
+
+
+def test_importing_fusedopt_does_not_import_transformers():
+    code = "import sys, fusedopt, fusedopt.integrations; assert 'transformers' not in sys.modules, 'imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_trainer_hands_its_grad_scaler_to_a_releasing_optimizer(tmp_path, no_trainer_clipping):
+    """fp16 loss scaling (a GradScaler set on the accelerator, as fp16=True does on a GPU): the releasing
+    optimizer unscales with the Trainer's scaler and trains as fused=False under the same scaler."""
+    results = []
+    for fused in (True, False):
+        model = tiny_llama()
+        trainer = FusedOptTrainer(
+            model=model,
+            args=training_args(tmp_path / str(fused), max_grad_norm=1e4),  # configured, never clips
+            train_dataset=TokenDataset(),
+            optimizer_cls_and_kwargs=(fusedopt.AdamW, dict(state_bits=32, fused=fused)),
+        )
+        scaler = trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+        trainer.train()
+        opt = fused_optimizer(trainer.optimizer)
+        assert opt.grad_scaler is (scaler if fused else None)
+        assert scaler.state_dict()["_growth_tracker"] == 6  # it scaled and stepped all 6 steps, none skipped
+        assert scaler.get_scale() == 2.0**12 and int(opt.num_skipped_updates) == 0
+        results.append((params(model), step_logs(trainer, "loss")))
+    (fused_params, fused_losses), (plain_params, plain_losses) = results
+    assert fused_losses == plain_losses
+    for name in fused_params:
+        assert torch.equal(fused_params[name], plain_params[name]), name
+
+    # an optimizer holding another scaler is refused
+    model = tiny_llama()
+    opt = fusedopt.AdamW(model.parameters(), fused=True, max_grad_norm=1.0, grad_scaler=torch.amp.GradScaler("cpu"))
+    trainer = FusedOptTrainer(
+        model=model,
+        args=training_args(tmp_path, max_steps=1),
+        train_dataset=TokenDataset(),
+        optimizers=(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)),
+    )
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(ValueError, match="grad_scaler is not the GradScaler the Trainer scales the loss with"):
+        trainer.train()
