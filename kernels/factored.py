@@ -1,0 +1,507 @@
+"""Adafactor's kernels: reductions over rows and columns, then the update (``fusedopt.adafactor``).
+
+A parameter is viewed as ``[B, R, C]`` (B the product of its leading dimensions, R and C its last
+two); one with fewer than two dimensions as ``[1, 1, N]`` with an element-wise second moment.
+One update is five launches on the parameter's stream, all on the device (no host sync); the
+per-parameter workspace (row and column sums, partial sums) is allocated once, at the first update:
+
+1. ``_rows_kernel`` (programs over row blocks, each looping over the columns): per row, the sum
+   of g**2 and of p**2 (the master weight: its RMS sets the step size), and whether every gradient
+   element is finite (an integer ``atomic_max`` into the scratch flag: deterministic).
+2. ``_cols_kernel`` (factored only; programs over column blocks, each looping over the rows): per
+   column, the sum of g**2. Each program owns whole rows or whole columns, so every sum is made in
+   a fixed order: no float atomics, and ``fused=True`` and ``fused=False`` give the same bits.
+3. ``_factors_kernel`` (one program per slice b): the new row and column statistics (lerp towards
+   the means with weight ``t**beta2_decay``, committed only for a finite gradient) and the slice's
+   row mean; its program 0 also computes the step size ``alpha = max(eps2, RMS(p)) * min(lr, 1/sqrt(t))``.
+4. ``_usq_kernel`` (programs over element tiles): ``u = g / sqrt(max(v, eps1**2))`` with
+   ``v = row * col / max(row mean, eps1)`` (or the element-wise moment), and each tile's sum of u**2.
+5. ``_norm_kernel`` (one program): RMS(u) -> the clipping scale, Fira's limiter on the norm, the
+   step count (``step += ok``, ``skipped += !ok``) and the status the update reads.
+6. ``_apply_kernel`` (programs over element tiles, as ``kernels/update.py``): recomputes ``u``,
+   scales it, updates the first moment (decode/encode by ``kernels/moments.py``) and writes the
+   master weight (``kernels/master.py``) with the shared stochastic-rounding hash.
+
+Recomputing ``u`` in (6) costs one more read of the gradient and the statistics but no
+parameter-sized buffer. CAME (``beta3``) is not in these kernels: its confidence statistics
+need a second pair of reductions; such updates run the PyTorch reference.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from fusedopt import rng
+from fusedopt.codecs.base import NO_MOMENT
+from fusedopt.kernels.hashing import step_hash, tile_bits
+from fusedopt.kernels.master import load_master, store_master
+from fusedopt.kernels.moments import commit_mask, load_moment, store_moment, tile_offsets
+from fusedopt.kernels.update import _moment_args
+from fusedopt.master import MASTER_CORRECTION
+
+# int32 words of the scratch buffer: [0] non-finite flag, [2] status (non-zero: skip the update),
+# [3] alpha, [4] the clipping scale, [5] 1 - beta2_t (fp32 bit patterns)
+SCRATCH_WORDS = 8
+BLOCK = 1024  # elements per program of the element-wise kernels (a multiple of every quantisation block)
+NUM_WARPS = 4
+REDUCE_TILE = 4096  # elements of a reduction program's tile
+SCALARS = ("lr", "beta2_decay", "eps1", "eps2", "d", "decay", "beta1", "growth_limit")
+
+
+@triton.jit
+def _f32(x):
+    return tl.cast(x, tl.float32)
+
+
+@triton.jit
+def _lerp(a, b, w):
+    """torch.lerp(a, b, w): a + w * (b - a) for w < 0.5, else b - (b - a) * (1 - w)."""
+    return tl.where(w < 0.5, a + w * (b - a), b - (b - a) * (1.0 - w))
+
+
+@triton.jit
+def _one_minus_beta2(t, beta2_decay):
+    """t**beta2_decay for the step count t (>= 1)."""
+    return tl.exp2(tl.log2(tl.maximum(t, 1.0)) * _f32(beta2_decay))
+
+
+@triton.jit
+def _load_grad(grad_ptr, accum_ptr, offs, mask, HAS_ACCUM: tl.constexpr):
+    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ACCUM:
+        g += tl.load(accum_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return g
+
+
+@triton.jit
+def _rows_kernel(
+    grad_ptr,
+    accum_ptr,
+    param_ptr,
+    corr_ptr,
+    rowsq_ptr,  # out: per row, sum of g**2
+    rowp_ptr,  # out: per row, sum of p**2
+    scratch_ptr,
+    n_rows,
+    n_cols,
+    HAS_ACCUM: tl.constexpr,
+    MASTER: tl.constexpr,
+    PARAM_BF16: tl.constexpr,
+    CORR_BITS: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR).to(tl.int64)
+    row_mask = rows < n_rows
+    gsq = tl.zeros([BR, BC], tl.float32)
+    psq = tl.zeros([BR, BC], tl.float32)
+    poison = tl.zeros([BR, BC], tl.float32)
+    for c0 in range(0, n_cols, BC):
+        cols = c0 + tl.arange(0, BC)
+        offs = rows[:, None] * n_cols + cols[None, :]
+        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        g = _load_grad(grad_ptr, accum_ptr, offs, mask, HAS_ACCUM)
+        p = load_master(param_ptr, corr_ptr, offs, mask, MASTER, PARAM_BF16, CORR_BITS)
+        gsq += g * g
+        psq += p * p
+        poison += g * 0.0  # NaN for an inf or a NaN
+    tl.store(rowsq_ptr + rows, tl.sum(gsq, axis=1), mask=row_mask)
+    tl.store(rowp_ptr + rows, tl.sum(psq, axis=1), mask=row_mask)
+    bad = tl.max((poison != poison).to(tl.int32), axis=1)
+    bad = tl.max(bad, axis=0)
+    tl.atomic_max(scratch_ptr, bad, mask=bad > 0)
+
+
+@triton.jit
+def _cols_kernel(grad_ptr, accum_ptr, colsq_ptr, n_rows, n_cols, HAS_ACCUM: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    col_mask = cols < n_cols
+    acc = tl.zeros([BR, BC], tl.float32)
+    base = b * n_rows * n_cols
+    for r0 in range(0, n_rows, BR):
+        rows = r0 + tl.arange(0, BR)
+        offs = base + rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+        mask = (rows < n_rows)[:, None] & col_mask[None, :]
+        g = _load_grad(grad_ptr, accum_ptr, offs, mask, HAS_ACCUM)
+        acc += g * g
+    tl.store(colsq_ptr + b * n_cols + cols, tl.sum(acc, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _factors_kernel(
+    row_ptr,  # state row_var [B * R]
+    col_ptr,  # state col_var [B * C]
+    rowsq_ptr,
+    colsq_ptr,
+    rowp_ptr,
+    rowmean_ptr,  # out: per slice, the mean of the new row statistic
+    step_ptr,
+    scratch_ptr,
+    n_rows,
+    n_cols,
+    n_all_rows,  # B * R: the rows whose p**2 sums program 0 adds
+    n_elements,
+    lr,
+    beta2_decay,
+    eps2,
+    FACTORED: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    ok = tl.load(scratch_ptr) == 0
+    t = tl.load(step_ptr) + ok.to(tl.float32)
+    w = _one_minus_beta2(t, beta2_decay)
+    if FACTORED:
+        total = tl.zeros([CHUNK], tl.float32)
+        for r0 in range(0, n_rows, CHUNK):
+            idx = r0 + tl.arange(0, CHUNK)
+            mask = idx < n_rows
+            old = tl.load(row_ptr + b * n_rows + idx, mask=mask, other=0.0)
+            mean = tl.load(rowsq_ptr + b * n_rows + idx, mask=mask, other=0.0) / n_cols.to(tl.float32)
+            new = _lerp(old, mean, w)
+            total += tl.where(mask, new, 0.0)
+            tl.store(row_ptr + b * n_rows + idx, new, mask=mask & ok)
+        tl.store(rowmean_ptr + b, tl.sum(total, axis=0) / n_rows.to(tl.float32))
+        for c0 in range(0, n_cols, CHUNK):
+            idx = c0 + tl.arange(0, CHUNK)
+            mask = idx < n_cols
+            old = tl.load(col_ptr + b * n_cols + idx, mask=mask, other=0.0)
+            mean = tl.load(colsq_ptr + b * n_cols + idx, mask=mask, other=0.0) / n_rows.to(tl.float32)
+            tl.store(col_ptr + b * n_cols + idx, _lerp(old, mean, w), mask=mask & ok)
+    if b == 0:
+        acc = tl.zeros([CHUNK], tl.float32)
+        for r0 in range(0, n_all_rows, CHUNK):
+            idx = r0 + tl.arange(0, CHUNK)
+            acc += tl.load(rowp_ptr + idx, mask=idx < n_all_rows, other=0.0)
+        rms_p = tl.sqrt_rn(tl.sum(acc, axis=0) / n_elements.to(tl.float32))
+        rho = tl.minimum(_f32(lr), 1.0 / tl.sqrt_rn(tl.maximum(t, 1.0)))
+        alpha = tl.maximum(rms_p, _f32(eps2)) * rho
+        tl.store(scratch_ptr + 3, alpha.to(tl.int32, bitcast=True))
+        tl.store(scratch_ptr + 5, w.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _u(g, offs, mask, row_ptr, col_ptr, rowmean_ptr, v_ptr, w, eps1, n_rows, n_cols, FACTORED: tl.constexpr):
+    """u = g / sqrt(max(v, eps1**2)) and the new element-wise moment (unfactored; else v)."""
+    if FACTORED:
+        row_index = offs // n_cols
+        slice_index = row_index // n_rows
+        col_index = slice_index * n_cols + offs % n_cols
+        r = tl.load(row_ptr + row_index, mask=mask, other=0.0)
+        c = tl.load(col_ptr + col_index, mask=mask, other=0.0)
+        mean = tl.load(rowmean_ptr + slice_index, mask=mask, other=1.0)
+        v = tl.div_rn(r * c, tl.maximum(mean, eps1))
+    else:
+        v = _lerp(tl.load(v_ptr + offs, mask=mask, other=0.0), g * g, w)
+    u = g / tl.sqrt_rn(tl.maximum(v, eps1 * eps1))
+    return u, v
+
+
+@triton.jit
+def _usq_kernel(
+    grad_ptr,
+    accum_ptr,
+    row_ptr,
+    col_ptr,
+    rowmean_ptr,
+    v_ptr,
+    part_ptr,  # out: per program, the sum of u**2
+    scratch_ptr,
+    n_elements,
+    n_rows,
+    n_cols,
+    eps1,
+    HAS_ACCUM: tl.constexpr,
+    FACTORED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offs < n_elements
+    g = _load_grad(grad_ptr, accum_ptr, offs, mask, HAS_ACCUM)
+    w = tl.load(scratch_ptr + 5).to(tl.float32, bitcast=True)
+    u, _ = _u(g, offs, mask, row_ptr, col_ptr, rowmean_ptr, v_ptr, w, _f32(eps1), n_rows, n_cols, FACTORED)
+    tl.store(part_ptr + pid, tl.sum(tl.where(mask, u * u, 0.0), axis=0))
+
+
+@triton.jit
+def _norm_kernel(
+    part_ptr,
+    norm_ptr,  # state update_norm (FIRA)
+    step_ptr,
+    skipped_ptr,
+    scratch_ptr,
+    n_parts,
+    n_elements,
+    d,
+    growth_limit,
+    FIRA: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    acc = tl.zeros([CHUNK], tl.float32)
+    for i0 in range(0, n_parts, CHUNK):
+        idx = i0 + tl.arange(0, CHUNK)
+        acc += tl.load(part_ptr + idx, mask=idx < n_parts, other=0.0)
+    total = tl.sum(acc, axis=0)
+    rms_u = tl.sqrt_rn(total / n_elements.to(tl.float32))
+    scale = 1.0 / tl.maximum(rms_u / _f32(d), 1.0)
+    flag = tl.load(scratch_ptr)
+    ok = flag == 0
+    if FIRA:
+        norm = tl.sqrt_rn(total) * scale
+        prev = tl.load(norm_ptr)
+        limit = _f32(growth_limit) * prev
+        limited = (prev > 0.0) & (norm > limit)
+        scale = tl.where(limited, scale * (limit / norm), scale)
+        tl.store(norm_ptr, tl.where(limited, limit, norm), mask=ok)
+    tl.store(scratch_ptr + 4, scale.to(tl.int32, bitcast=True))
+    tl.store(scratch_ptr + 2, flag)
+    tl.store(scratch_ptr, 0)
+    tl.store(step_ptr, tl.load(step_ptr) + ok.to(tl.float32))
+    tl.atomic_add(skipped_ptr, flag.to(tl.int64), mask=flag != 0)
+
+
+@triton.jit(do_not_specialize=["key_shared", "key_param"])
+def _apply_kernel(
+    param_ptr,
+    corr_ptr,
+    grad_ptr,
+    accum_ptr,
+    m_ptr,
+    m_scale_ptr,
+    row_ptr,
+    col_ptr,
+    rowmean_ptr,
+    v_ptr,
+    step_ptr,
+    scratch_ptr,
+    n_elements,
+    n_pairs,
+    n_rows,
+    n_cols,
+    key_shared,
+    key_param,
+    lr,
+    eps1,
+    decay,  # 1 - lr * weight_decay
+    beta1,
+    MASTER: tl.constexpr,
+    PARAM_BF16: tl.constexpr,
+    CORR_BITS: tl.constexpr,
+    STOCHASTIC_MASTER: tl.constexpr,
+    PARAM_OWN_DRAW: tl.constexpr,
+    HAS_ACCUM: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    FACTORED: tl.constexpr,
+    M_FMT: tl.constexpr,
+    M_SIGNED: tl.constexpr,
+    M_POWER: tl.constexpr,
+    M_QMAX: tl.constexpr,
+    M_K: tl.constexpr,
+    M_MIN_E: tl.constexpr,
+    M_THR: tl.constexpr,
+    M_TOP: tl.constexpr,
+    NB: tl.constexpr,
+    QBLOCK: tl.constexpr,
+):
+    start = tl.program_id(0).to(tl.int64) * (NB * QBLOCK)
+    offs = tile_offsets(start, NB, QBLOCK)
+    mask = offs < n_elements
+    status = tl.load(scratch_ptr + 2)
+    commit = mask & commit_mask(status, NB, QBLOCK)
+    g = _load_grad(grad_ptr, accum_ptr, offs, mask, HAS_ACCUM)
+    if MAXIMIZE:
+        g = -g
+    alpha = tl.load(scratch_ptr + 3).to(tl.float32, bitcast=True)
+    scale = tl.load(scratch_ptr + 4).to(tl.float32, bitcast=True)
+    w = tl.load(scratch_ptr + 5).to(tl.float32, bitcast=True)
+    u, v = _u(g, offs, mask, row_ptr, col_ptr, rowmean_ptr, v_ptr, w, _f32(eps1), n_rows, n_cols, FACTORED)
+    if not FACTORED:
+        tl.store(v_ptr + offs, v, mask=commit)
+    update = u * scale
+    step = tl.load(step_ptr)
+    shared = tile_bits(step_hash(key_shared, step), start, NB, QBLOCK)
+    if M_FMT != 0:
+        m = load_moment(
+            m_ptr, m_scale_ptr, start, n_elements, n_pairs, M_FMT, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, NB, QBLOCK
+        )
+        m = _lerp(m, update, 1.0 - _f32(beta1))
+        update = m
+        store_moment(
+            m,
+            (shared >> 20) << 20,
+            m_ptr,
+            m_scale_ptr,
+            start,
+            n_elements,
+            n_pairs,
+            M_FMT,
+            M_SIGNED,
+            M_POWER,
+            M_QMAX,
+            M_K,
+            M_MIN_E,
+            M_THR,
+            M_TOP,
+            NB,
+            QBLOCK,
+            status,
+        )
+    p = load_master(param_ptr, corr_ptr, offs, mask, MASTER, PARAM_BF16, CORR_BITS)
+    p = p * _f32(decay)
+    p = p - update * alpha
+    if PARAM_OWN_DRAW:
+        param_bits = tile_bits(step_hash(key_param, step), start, NB, QBLOCK)
+    else:
+        param_bits = shared << 24
+    store_master(p, param_bits, param_ptr, corr_ptr, offs, commit, MASTER, PARAM_BF16, CORR_BITS, STOCHASTIC_MASTER)
+
+
+# --- host side ------------------------------------------------------------------------------------
+
+
+def pack_scalars(named: dict) -> tuple:
+    """The kernels' runtime scalars from ``Adafactor.kernel_scalars`` (None: the option is off)."""
+    values = dict(named)
+    values["came"] = values.pop("beta3", None) is not None
+    values["decay"] = 1 - values["lr"] * values["weight_decay"]  # in fp64, as the reference
+    values.pop("came_eps", None)
+    out = tuple(0.0 if values[k] is None else float(values[k]) for k in SCALARS)
+    return out + (values["beta1"] is not None, values["growth_limit"] is not None, values["came"])
+
+
+def unsupported(algorithm, job) -> str | None:
+    """What these kernels cannot take (``fusedopt.dispatch`` checks devices and layout)."""
+    if job.hyper.get("beta3") is not None and len(job.param.shape) >= 2:
+        return "CAME (beta3) runs on the PyTorch reference"
+    if job.param.numel() == 0:
+        return "an empty parameter"
+    if job.first != 0:
+        return "a shard of a parameter (its row and column statistics need the whole tensor)"
+    m = job.codecs.get("exp_avg")
+    if m is not None and m.kernel_format is None:
+        return f"the fused kernel has no branch for the state format {m.name!r} (of 'exp_avg')"
+    return None
+
+
+def _pow2(n: int, cap: int) -> int:
+    return min(cap, triton.next_power_of_2(max(1, n)))
+
+
+@functools.lru_cache(maxsize=256)
+def _apply_constexprs(m_fmt, dtype, corr_bits, param_own_draw, factored):
+    qblock = m_fmt.block if m_fmt.fmt in (8, 4) else 32
+    return dict(
+        MASTER=0 if dtype == torch.float32 else (1 if corr_bits == 0 else 2),
+        PARAM_BF16=dtype == torch.bfloat16,
+        CORR_BITS=corr_bits,
+        STOCHASTIC_MASTER=not (dtype == torch.bfloat16 and corr_bits == 16),
+        PARAM_OWN_DRAW=param_own_draw,
+        FACTORED=factored,
+        **_moment_args("M", m_fmt),
+        NB=BLOCK // qblock,
+        QBLOCK=qblock,
+    )
+
+
+class PreparedFactored:
+    """One parameter's launches: its tensors, shapes, workspace and compile-time switches."""
+
+    bucketable = False  # launched alone (dispatch's buckets are the element-wise kernel's)
+
+    def __init__(self, job, scratch: torch.Tensor):
+        p, state = job.param, job.state
+        shape = p.shape
+        self.factored = len(shape) >= 2
+        n = p.numel()
+        if self.factored:
+            rows, cols = shape[-2], shape[-1]
+            slices = n // (rows * cols)
+        else:
+            rows, cols, slices = 1, n, 1
+        self.n, self.rows, self.cols, self.slices = n, rows, cols, slices
+        self.param = p
+        split = p.dtype != torch.float32 and job.master_weight_bits
+        self.corr = state.get(MASTER_CORRECTION) if split else None
+        corr_bits = 0 if self.corr is None else (16 if self.corr.dtype == torch.int16 else 8)
+        dummy = p
+        self.dummy = dummy
+        m_codec = job.codecs.get("exp_avg")
+        self.m_fmt = m_codec.kernel_format if m_codec is not None else NO_MOMENT
+        if m_codec is None:
+            self.m, self.m_scales = dummy, dummy
+        else:
+            self.m = state["exp_avg"] if self.m_fmt.fmt in (32, 16) else state["exp_avg.codes"]
+            self.m_scales = state.get("exp_avg.scales", dummy)
+        self.row = state["row_var"] if self.factored else dummy
+        self.col = state["col_var"] if self.factored else dummy
+        self.v = state["variance"] if not self.factored else dummy
+        self.norm = state.get("update_norm", dummy)
+        self.step, self.scratch, self.skipped = state["step"], scratch, job.skipped
+        self.programs = -(-n // BLOCK)
+        ws = [slices * rows, slices * cols, slices * rows, slices, self.programs]
+        work = torch.zeros(sum(ws), dtype=torch.float32, device=p.device)
+        self.rowsq, self.colsq, self.rowp, self.rowmean, self.parts = torch.split(work, ws)
+        self.keys = (
+            rng.host_key(job.seed, job.index, rng.STREAM_SHARED),
+            rng.host_key(job.seed, job.index, rng.STREAM_PARAM),
+        )
+        own_draw = not rng.param_shares_draw(p.dtype, job.master_weight_bits)
+        self.maximize = bool(job.hyper.get("maximize", False))
+        self.master = dict(
+            MASTER=0 if p.dtype == torch.float32 else (1 if corr_bits == 0 else 2),
+            PARAM_BF16=p.dtype == torch.bfloat16,
+            CORR_BITS=corr_bits,
+        )
+        self.apply = _apply_constexprs(self.m_fmt, p.dtype, corr_bits, own_draw, self.factored)
+        all_rows = slices * rows
+        self.row_tile = (_pow2(cols, 256), max(1, min(_pow2(all_rows, 1024), REDUCE_TILE // _pow2(cols, 256))))
+        self.col_tile = (_pow2(cols, 256), max(1, min(_pow2(rows, 1024), REDUCE_TILE // _pow2(cols, 256))))
+
+    def launch(self, grad: torch.Tensor, accum: torch.Tensor | None, scalars: tuple) -> None:
+        lr, beta2_decay, eps1, eps2, d, decay, beta1, growth_limit, has_m, fira, _ = scalars
+        has_accum = accum is not None
+        acc = accum if has_accum else grad
+        corr = self.corr if self.corr is not None else self.dummy
+        bc, br = self.row_tile
+        all_rows = self.slices * self.rows
+        _rows_kernel[(-(-all_rows // br),)](
+            grad, acc, self.param, corr, self.rowsq, self.rowp, self.scratch, all_rows, self.cols,
+            HAS_ACCUM=has_accum, **self.master, BR=br, BC=bc, num_warps=NUM_WARPS,
+        )  # fmt: skip
+        if self.factored:
+            bc, br = self.col_tile
+            _cols_kernel[(self.slices, -(-self.cols // bc))](
+                grad, acc, self.colsq, self.rows, self.cols, HAS_ACCUM=has_accum, BR=br, BC=bc, num_warps=NUM_WARPS
+            )
+        _factors_kernel[(self.slices,)](
+            self.row, self.col, self.rowsq, self.colsq, self.rowp, self.rowmean, self.step, self.scratch,
+            self.rows, self.cols, all_rows, self.n, lr, beta2_decay, eps2,
+            FACTORED=self.factored, CHUNK=1024, num_warps=NUM_WARPS,
+        )  # fmt: skip
+        _usq_kernel[(self.programs,)](
+            grad, acc, self.row, self.col, self.rowmean, self.v, self.parts, self.scratch,
+            self.n, self.rows, self.cols, eps1,
+            HAS_ACCUM=has_accum, FACTORED=self.factored, BLOCK_SIZE=BLOCK, num_warps=NUM_WARPS,
+        )  # fmt: skip
+        _norm_kernel[(1,)](
+            self.parts, self.norm, self.step, self.skipped, self.scratch, self.programs, self.n, d, growth_limit,
+            FIRA=fira, CHUNK=1024, num_warps=NUM_WARPS,
+        )  # fmt: skip
+        _apply_kernel[(self.programs,)](
+            self.param, corr, grad, acc, self.m, self.m_scales, self.row, self.col, self.rowmean, self.v,
+            self.step, self.scratch, self.n, (self.n + 1) // 2, self.rows, self.cols, *self.keys,
+            lr, eps1, decay, beta1,
+            HAS_ACCUM=has_accum, MAXIMIZE=self.maximize, **self.apply, num_warps=NUM_WARPS,
+        )  # fmt: skip
+
+
+def launch_job(algorithm, job, scratch: torch.Tensor, scalars: tuple) -> PreparedFactored:
+    """Prepare ``job``'s parameter (workspace, switches) and run its first update."""
+    prepared = PreparedFactored(job, scratch)
+    prepared.launch(job.grad, job.accum, scalars)
+    return prepared
+
