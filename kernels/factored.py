@@ -151,7 +151,9 @@ def _factors_kernel(
     CHUNK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
-    ok = tl.load(scratch_ptr) == 0
+    flag = tl.load(scratch_ptr)
+    ok = flag == 0
+    okt = (tl.zeros([CHUNK], tl.int32) + flag) == 0  # a tile: the interpreter takes no scalar mask
     t = tl.load(step_ptr) + ok.to(tl.float32)
     w = _one_minus_beta2(t, beta2_decay)
     if FACTORED:
@@ -163,14 +165,14 @@ def _factors_kernel(
             mean = tl.load(rowsq_ptr + b * n_rows + idx, mask=mask, other=0.0) / n_cols.to(tl.float32)
             new = _lerp(old, mean, w)
             total += tl.where(mask, new, 0.0)
-            tl.store(row_ptr + b * n_rows + idx, new, mask=mask & ok)
+            tl.store(row_ptr + b * n_rows + idx, new, mask=mask & okt)
         tl.store(rowmean_ptr + b, tl.sum(total, axis=0) / n_rows.to(tl.float32))
         for c0 in range(0, n_cols, CHUNK):
             idx = c0 + tl.arange(0, CHUNK)
             mask = idx < n_cols
             old = tl.load(col_ptr + b * n_cols + idx, mask=mask, other=0.0)
             mean = tl.load(colsq_ptr + b * n_cols + idx, mask=mask, other=0.0) / n_rows.to(tl.float32)
-            tl.store(col_ptr + b * n_cols + idx, _lerp(old, mean, w), mask=mask & ok)
+            tl.store(col_ptr + b * n_cols + idx, _lerp(old, mean, w), mask=mask & okt)
     if b == 0:
         acc = tl.zeros([CHUNK], tl.float32)
         for r0 in range(0, n_all_rows, CHUNK):
@@ -256,7 +258,7 @@ def _norm_kernel(
         limit = _f32(growth_limit) * prev
         limited = (prev > 0.0) & (norm > limit)
         scale = tl.where(limited, scale * (limit / norm), scale)
-        tl.store(norm_ptr, tl.where(limited, limit, norm), mask=ok)
+        tl.store(norm_ptr, tl.where(ok, tl.where(limited, limit, norm), prev))
     tl.store(scratch_ptr + 4, scale.to(tl.int32, bitcast=True))
     tl.store(scratch_ptr + 2, flag)
     tl.store(scratch_ptr, 0)
