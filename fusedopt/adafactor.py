@@ -145,26 +145,27 @@ def adafactor_math(
         var = new["variance"] = moments["variance"].lerp(g * g, w)
     u = var.clamp(min=eps1 * eps1).rsqrt() * g
     rms_u = u.norm().double() / _math.sqrt(numel)
-    scale = 1.0 / torch.clamp(rms_u / d, min=1.0)  # RMS clipping
+    denom = torch.clamp(rms_u / d, min=1.0)  # RMS clipping: u_hat = u / denom
     if growth_limit is not None:  # Fira: ||u_hat|| at most growth_limit * the previous one
-        norm = u.norm().double() * scale
+        norm = u.norm().double() / denom
         prev = moments["update_norm"].double()
         limit = growth_limit * prev
         limited = (prev > 0) & (norm > limit)
-        scale = torch.where(limited, scale * (limit / norm), scale)
+        denom = torch.where(limited, denom * (norm / limit), denom)
         new["update_norm"] = torch.where(limited, limit, norm).float()
-    u_hat = u * scale.float()
-    update = u_hat
-    if beta1 is not None:
-        m = new["exp_avg"] = moments["exp_avg"].lerp(u_hat, 1 - beta1)
-        update = m
-        if beta3 is not None and factored(g.shape):  # CAME: confidence of the momentum
-            res = (u_hat - m).square() + came_eps
-            res_row = moments["exp_avg_res_row"].lerp(res.mean(dim=-1, keepdim=True), 1 - beta3)
-            res_col = moments["exp_avg_res_col"].lerp(res.mean(dim=-2, keepdim=True), 1 - beta3)
-            new["exp_avg_res_row"], new["exp_avg_res_col"] = res_row, res_col
-            update = m * (res_row @ res_col / res_row.mean(dim=-2, keepdim=True)).rsqrt()
-    p = p - update * alpha.float()
+    if beta1 is None:
+        # p - (alpha / denom) * u with one fp32 coefficient, as torch's add_(u, alpha=-alpha / denom)
+        return torch.addcmul(p, u, (-alpha / denom).float()), new
+    u_hat = u * (1.0 / denom).float()
+    m = new["exp_avg"] = moments["exp_avg"].lerp(u_hat, 1 - beta1)
+    update = m
+    if beta3 is not None and factored(g.shape):  # CAME: confidence of the momentum
+        res = (u_hat - m).square() + came_eps
+        res_row = moments["exp_avg_res_row"].lerp(res.mean(dim=-1, keepdim=True), 1 - beta3)
+        res_col = moments["exp_avg_res_col"].lerp(res.mean(dim=-2, keepdim=True), 1 - beta3)
+        new["exp_avg_res_row"], new["exp_avg_res_col"] = res_row, res_col
+        update = m * (res_row @ res_col / res_row.mean(dim=-2, keepdim=True)).rsqrt()
+    p = torch.addcmul(p, update, -alpha.float())
     return p, new
 
 
