@@ -8,9 +8,9 @@ per-parameter workspace (row and column sums, partial sums) is allocated once, a
 1. ``_rows_kernel`` (programs over row blocks, each looping over the columns): per row, the sum
    of g**2 and of p**2 (the master weight: its RMS sets the step size), and whether every gradient
    element is finite (an integer ``atomic_max`` into the scratch flag: deterministic).
-2. ``_cols_kernel`` (factored only; programs over column blocks, each looping over the rows): per
-   column, the sum of g**2. Each program owns whole rows or whole columns, so every sum is made in
-   a fixed order: no float atomics, and ``fused=True`` and ``fused=False`` give the same bits.
+2. ``_cols_kernel`` (factored only; programs over column blocks and spans of ``SPLIT_ROWS`` rows):
+   per column and span, the sum of g**2, added up in span order by (3). Every sum is made in a
+   fixed order: no float atomics, so ``fused=True`` and ``fused=False`` give the same bits.
 3. ``_factors_kernel`` (one program per slice b): the new row and column statistics (lerp towards
    the means with weight ``t**beta2_decay``, committed only for a finite gradient) and the slice's
    row mean; its program 0 also computes the step size ``alpha = max(eps2, RMS(p)) * min(lr, 1/sqrt(t))``.
@@ -47,6 +47,7 @@ SCRATCH_WORDS = 8
 BLOCK = 1024  # elements per program of the element-wise kernels (a multiple of every quantisation block)
 NUM_WARPS = 4
 REDUCE_TILE = 4096  # elements of a reduction program's tile
+SPLIT_ROWS = 512  # rows of one column-sum program (more programs for tall matrices; partial sums in order)
 SCALARS = ("lr", "beta2_decay", "eps1", "eps2", "d", "decay", "beta1", "growth_limit")
 
 
@@ -115,19 +116,31 @@ def _rows_kernel(
 
 
 @triton.jit
-def _cols_kernel(grad_ptr, accum_ptr, colsq_ptr, n_rows, n_cols, HAS_ACCUM: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+def _cols_kernel(
+    grad_ptr,
+    accum_ptr,
+    colsq_ptr,  # out: [B, splits, C] partial column sums of g**2
+    n_rows,
+    n_cols,
+    HAS_ACCUM: tl.constexpr,
+    SPLIT: tl.constexpr,  # rows per program (a multiple of BR)
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    split = tl.program_id(2)
     col_mask = cols < n_cols
     acc = tl.zeros([BR, BC], tl.float32)
     base = b * n_rows * n_cols
-    for r0 in range(0, n_rows, BR):
-        rows = r0 + tl.arange(0, BR)
+    for r0 in range(0, SPLIT, BR):
+        rows = split * SPLIT + r0 + tl.arange(0, BR)
         offs = base + rows[:, None].to(tl.int64) * n_cols + cols[None, :]
         mask = (rows < n_rows)[:, None] & col_mask[None, :]
         g = _load_grad(grad_ptr, accum_ptr, offs, mask, HAS_ACCUM)
         acc += g * g
-    tl.store(colsq_ptr + b * n_cols + cols, tl.sum(acc, axis=0), mask=col_mask)
+    out = (b * tl.num_programs(2) + split) * n_cols + cols
+    tl.store(colsq_ptr + out, tl.sum(acc, axis=0), mask=col_mask)
 
 
 @triton.jit
@@ -144,6 +157,7 @@ def _factors_kernel(
     n_cols,
     n_all_rows,  # B * R: the rows whose p**2 sums program 0 adds
     n_elements,
+    n_splits,  # partial column sums per column (_cols_kernel's row splits)
     lr,
     beta2_decay,
     eps2,
@@ -171,7 +185,10 @@ def _factors_kernel(
             idx = c0 + tl.arange(0, CHUNK)
             mask = idx < n_cols
             old = tl.load(col_ptr + b * n_cols + idx, mask=mask, other=0.0)
-            mean = tl.load(colsq_ptr + b * n_cols + idx, mask=mask, other=0.0) / n_rows.to(tl.float32)
+            total_sq = tl.zeros([CHUNK], tl.float32)
+            for s in range(0, n_splits):  # in order: deterministic
+                total_sq += tl.load(colsq_ptr + (b * n_splits + s) * n_cols + idx, mask=mask, other=0.0)
+            mean = total_sq / n_rows.to(tl.float32)
             tl.store(col_ptr + b * n_cols + idx, _lerp(old, mean, w), mask=mask & okt)
     if b == 0:
         acc = tl.zeros([CHUNK], tl.float32)
@@ -444,7 +461,12 @@ class PreparedFactored:
         self.norm = state.get("update_norm", dummy)
         self.step, self.scratch, self.skipped = state["step"], scratch, job.skipped
         self.programs = -(-n // BLOCK)
-        ws = [slices * rows, slices * cols, slices * rows, slices, self.programs]
+        col_block = _pow2(cols, 64)
+        col_rows = max(1, min(_pow2(rows, 1024), REDUCE_TILE // col_block))
+        split = max(col_rows, min(SPLIT_ROWS, _pow2(rows, SPLIT_ROWS)))
+        self.col_tile = (col_block, col_rows, split)
+        self.splits = -(-rows // split)
+        ws = [slices * rows, slices * self.splits * cols, slices * rows, slices, self.programs]
         work = torch.zeros(sum(ws), dtype=torch.float32, device=p.device)
         self.rowsq, self.colsq, self.rowp, self.rowmean, self.parts = torch.split(work, ws)
         self.keys = (
@@ -461,7 +483,6 @@ class PreparedFactored:
         self.apply = _apply_constexprs(self.m_fmt, p.dtype, corr_bits, own_draw, self.factored)
         all_rows = slices * rows
         self.row_tile = (_pow2(cols, 256), max(1, min(_pow2(all_rows, 1024), REDUCE_TILE // _pow2(cols, 256))))
-        self.col_tile = (_pow2(cols, 256), max(1, min(_pow2(rows, 1024), REDUCE_TILE // _pow2(cols, 256))))
 
     def launch(self, grad: torch.Tensor, accum: torch.Tensor | None, scalars: tuple) -> None:
         lr, beta2_decay, eps1, eps2, d, decay, beta1, growth_limit, has_m, fira, _ = scalars
@@ -475,13 +496,14 @@ class PreparedFactored:
             HAS_ACCUM=has_accum, **self.master, BR=br, BC=bc, num_warps=NUM_WARPS,
         )  # fmt: skip
         if self.factored:
-            bc, br = self.col_tile
-            _cols_kernel[(self.slices, -(-self.cols // bc))](
-                grad, acc, self.colsq, self.rows, self.cols, HAS_ACCUM=has_accum, BR=br, BC=bc, num_warps=NUM_WARPS
-            )
+            bc, br, split = self.col_tile
+            _cols_kernel[(self.slices, -(-self.cols // bc), self.splits)](
+                grad, acc, self.colsq, self.rows, self.cols,
+                HAS_ACCUM=has_accum, SPLIT=split, BR=br, BC=bc, num_warps=NUM_WARPS,
+            )  # fmt: skip
         _factors_kernel[(self.slices,)](
             self.row, self.col, self.rowsq, self.colsq, self.rowp, self.rowmean, self.step, self.scratch,
-            self.rows, self.cols, all_rows, self.n, lr, beta2_decay, eps2,
+            self.rows, self.cols, all_rows, self.n, self.splits, lr, beta2_decay, eps2,
             FACTORED=self.factored, CHUNK=1024, num_warps=NUM_WARPS,
         )  # fmt: skip
         _usq_kernel[(self.programs,)](
