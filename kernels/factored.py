@@ -528,4 +528,3 @@ def launch_job(algorithm, job, scratch: torch.Tensor, scalars: tuple) -> Prepare
     prepared = PreparedFactored(job, scratch)
     prepared.launch(job.grad, job.accum, scalars)
     return prepared
-

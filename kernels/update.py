@@ -34,11 +34,11 @@ import triton.language as tl
 
 from fusedopt import rng
 from fusedopt.codecs.base import NO_MOMENT, KernelFormat
-from fusedopt.master import MASTER_CORRECTION
 from fusedopt.kernels.hashing import step_hash, tile_bits
 from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig, launch_remembered
 from fusedopt.kernels.master import load_master, store_master
 from fusedopt.kernels.moments import commit_mask, load_moment, store_moment, tile_offsets
+from fusedopt.master import MASTER_CORRECTION
 
 # The algorithm branches of _update_kernel (ALGO): an algorithm's file names its branch as kernel_id.
 KERNEL_IDS = {0: "AdamW", 1: "SGD", 2: "Lion"}
