@@ -191,6 +191,8 @@ KERNEL_CASES = [
     (torch.float16, 16, 0.9, {}),
     (torch.bfloat16, 8, None, dict(master_weight_bits=None)),
     (torch.bfloat16, 32, None, dict(master_weight_bits=32)),
+    # gradients ~1e-6: v below eps1, the clamps of the row mean and of v decide the update
+    (torch.float32, 32, None, dict(grad_scale=1e-6)),
 ]
 
 
@@ -203,7 +205,9 @@ def test_kernel_matches_reference(monkeypatch, device, dtype, bits, beta1, extra
     """Reductions in another order than torch's: fp32 state and master weights within a few ulps, codes
     equal (a rounding may flip at a level edge: at most one element in a hundred, or one), parameters
     within a rounding of their dtype."""
-    grads = [[g.to(device) for g in gs] for gs in _grads(SMALL_SHAPES, 3, dtype=dtype)]
+    extra = dict(extra)
+    scale = extra.pop("grad_scale", 1.0)
+    grads = [[(g * scale).to(device) for g in gs] for gs in _grads(SMALL_SHAPES, 3, dtype=dtype)]
     out = {}
     for backend in ("reference", "triton"):
         monkeypatch.setenv("FUSEDOPT_BACKEND", backend)
@@ -409,3 +413,19 @@ def test_accumulation_and_clipping_options():
     od.step()
     for x, y in zip(c, d):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+
+
+def test_planner_knows_adafactor():
+    from fusedopt.profile.planner import MOMENT_BYTES, byte_model, layout_model
+
+    shapes = [(4096, 4096), (4096,)]
+    for kwargs, moments in (
+        ({}, 0.0),
+        ({"beta1": 0.9}, MOMENT_BYTES[8]),
+        ({"beta1": 0.9, "state_bits": 4}, MOMENT_BYTES[4]),
+    ):
+        model = byte_model("fusedopt.Adafactor", kwargs, torch.bfloat16)
+        assert model.state == moments and model.corrections == 1
+        layout = layout_model("fusedopt.Adafactor", kwargs, torch.bfloat16, shapes)
+        assert layout.state == pytest.approx(moments, abs=0.01)  # + the factored statistics
+    assert byte_model("torch.Adafactor", {}, torch.float32).state == 0
