@@ -2,7 +2,7 @@
 
 A parameter is viewed as ``[B, R, C]`` (B the product of its leading dimensions, R and C its last
 two); one with fewer than two dimensions as ``[1, 1, N]`` with an element-wise second moment.
-One update is five launches on the parameter's stream, all on the device (no host sync); the
+One update is six launches on the parameter's stream (ten with CAME), all on the device (no host sync); the
 per-parameter workspace (row and column sums, partial sums) is allocated once, at the first update:
 
 1. ``_rows_kernel`` (programs over row blocks, each looping over the columns): per row, the sum
@@ -18,13 +18,17 @@ per-parameter workspace (row and column sums, partial sums) is allocated once, a
    ``v = row * col / max(row mean, eps1)`` (or the element-wise moment), and each tile's sum of u**2.
 5. ``_norm_kernel`` (one program): RMS(u) -> the clipping scale, Fira's limiter on the norm, the
    step count (``step += ok``, ``skipped += !ok``) and the status the update reads.
-6. ``_apply_kernel`` (programs over element tiles, as ``kernels/update.py``): recomputes ``u``,
-   scales it, updates the first moment (decode/encode by ``kernels/moments.py``) and writes the
-   master weight (``kernels/master.py``) with the shared stochastic-rounding hash.
+6. CAME only (``beta3``, factored tensors): ``_came_res_kernel`` writes the residuals
+   ``(u_hat - m)**2 + came_eps`` (m the new first moment) to a transient fp32 buffer, which
+   ``_sum_rows_kernel`` and ``_cols_kernel`` reduce and ``_factors_kernel`` turns into the new
+   confidence statistics, as for the second moment.
+7. ``_apply_kernel`` (programs over element tiles, as ``kernels/update.py``): recomputes ``u``,
+   scales it, updates the first moment (decode/encode by ``kernels/moments.py``), divides it by
+   the confidence (CAME) and writes the master weight (``kernels/master.py``) with the shared
+   stochastic-rounding hash.
 
-Recomputing ``u`` in (6) costs one more read of the gradient and the statistics but no
-parameter-sized buffer. CAME (``beta3``) is not in these kernels: its confidence statistics
-need a second pair of reductions; such updates run the PyTorch reference.
+Recomputing ``u`` in (7) costs one more read of the gradient and the statistics but no
+parameter-sized buffer (CAME's residuals excepted: their row and column sums need them twice).
 """
 
 import functools
@@ -48,7 +52,7 @@ BLOCK = 1024  # elements per program of the element-wise kernels (a multiple of 
 NUM_WARPS = 4
 REDUCE_TILE = 4096  # elements of a reduction program's tile
 SPLIT_ROWS = 512  # rows of one column-sum program (more programs for tall matrices; partial sums in order)
-SCALARS = ("lr", "beta2_decay", "eps1", "eps2", "d", "decay", "beta1", "growth_limit")
+SCALARS = ("lr", "beta2_decay", "eps1", "eps2", "d", "decay", "beta1", "growth_limit", "beta3", "came_eps")
 
 
 @triton.jit
@@ -116,6 +120,19 @@ def _rows_kernel(
 
 
 @triton.jit
+def _sum_rows_kernel(x_ptr, out_ptr, n_rows, n_cols, BR: tl.constexpr, BC: tl.constexpr):
+    """Per row, the sum of an fp32 buffer (CAME's residuals), in column order."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR).to(tl.int64)
+    row_mask = rows < n_rows
+    acc = tl.zeros([BR, BC], tl.float32)
+    for c0 in range(0, n_cols, BC):
+        cols = c0 + tl.arange(0, BC)
+        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        acc += tl.load(x_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + rows, tl.sum(acc, axis=1), mask=row_mask)
+
+
+@triton.jit
 def _cols_kernel(
     grad_ptr,
     accum_ptr,
@@ -123,6 +140,7 @@ def _cols_kernel(
     n_rows,
     n_cols,
     HAS_ACCUM: tl.constexpr,
+    SQUARE: tl.constexpr,  # sums of x**2 (the gradient), else of x (CAME's residuals)
     SPLIT: tl.constexpr,  # rows per program (a multiple of BR)
     BR: tl.constexpr,
     BC: tl.constexpr,
@@ -138,7 +156,10 @@ def _cols_kernel(
         offs = base + rows[:, None].to(tl.int64) * n_cols + cols[None, :]
         mask = (rows < n_rows)[:, None] & col_mask[None, :]
         g = _load_grad(grad_ptr, accum_ptr, offs, mask, HAS_ACCUM)
-        acc += g * g
+        if SQUARE:
+            acc += g * g
+        else:
+            acc += g
     out = (b * tl.num_programs(2) + split) * n_cols + cols
     tl.store(colsq_ptr + out, tl.sum(acc, axis=0), mask=col_mask)
 
@@ -161,15 +182,24 @@ def _factors_kernel(
     lr,
     beta2_decay,
     eps2,
+    came_weight,  # CAME_STATS: 1 - beta3
     FACTORED: tl.constexpr,
+    CAME_STATS: tl.constexpr,  # CAME's confidence statistics (after _norm_kernel), not the second moment
     CHUNK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
-    flag = tl.load(scratch_ptr)
+    if CAME_STATS:
+        flag = tl.load(scratch_ptr + 2)  # _norm_kernel moved the flag to the status word
+    else:
+        flag = tl.load(scratch_ptr)
     ok = flag == 0
     okt = (tl.zeros([CHUNK], tl.int32) + flag) == 0  # a tile: the interpreter takes no scalar mask
-    t = tl.load(step_ptr) + ok.to(tl.float32)
-    w = _one_minus_beta2(t, beta2_decay)
+    if CAME_STATS:
+        t = tl.load(step_ptr)  # unused
+        w = _f32(came_weight)
+    else:
+        t = tl.load(step_ptr) + ok.to(tl.float32)
+        w = _one_minus_beta2(t, beta2_decay)
     if FACTORED:
         total = tl.zeros([CHUNK], tl.float32)
         for r0 in range(0, n_rows, CHUNK):
@@ -190,7 +220,7 @@ def _factors_kernel(
                 total_sq += tl.load(colsq_ptr + (b * n_splits + s) * n_cols + idx, mask=mask, other=0.0)
             mean = total_sq / n_rows.to(tl.float32)
             tl.store(col_ptr + b * n_cols + idx, _lerp(old, mean, w), mask=mask & okt)
-    if b == 0:
+    if b == 0 and not CAME_STATS:
         acc = tl.zeros([CHUNK], tl.float32)
         for r0 in range(0, n_all_rows, CHUNK):
             idx = r0 + tl.arange(0, CHUNK)
@@ -283,6 +313,53 @@ def _norm_kernel(
     tl.atomic_add(skipped_ptr, flag.to(tl.int64), mask=flag != 0)
 
 
+@triton.jit
+def _came_res_kernel(
+    grad_ptr,
+    accum_ptr,
+    m_ptr,
+    m_scale_ptr,
+    row_ptr,
+    col_ptr,
+    rowmean_ptr,
+    res_ptr,  # out: (u_hat - m)**2 + came_eps per element (fp32)
+    scratch_ptr,
+    n_elements,
+    n_pairs,
+    n_rows,
+    n_cols,
+    eps1,
+    beta1,
+    came_eps,
+    HAS_ACCUM: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    M_FMT: tl.constexpr,
+    M_SIGNED: tl.constexpr,
+    M_POWER: tl.constexpr,
+    M_QMAX: tl.constexpr,
+    M_K: tl.constexpr,
+    M_MIN_E: tl.constexpr,
+    NB: tl.constexpr,
+    QBLOCK: tl.constexpr,
+):
+    start = tl.program_id(0).to(tl.int64) * (NB * QBLOCK)
+    offs = tile_offsets(start, NB, QBLOCK)
+    mask = offs < n_elements
+    g = _load_grad(grad_ptr, accum_ptr, offs, mask, HAS_ACCUM)
+    if MAXIMIZE:
+        g = -g
+    scale = tl.load(scratch_ptr + 4).to(tl.float32, bitcast=True)
+    w = tl.load(scratch_ptr + 5).to(tl.float32, bitcast=True)
+    u, _ = _u(g, offs, mask, row_ptr, col_ptr, rowmean_ptr, row_ptr, w, _f32(eps1), n_rows, n_cols, True)
+    u_hat = u * scale
+    m = load_moment(
+        m_ptr, m_scale_ptr, start, n_elements, n_pairs, M_FMT, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, NB, QBLOCK
+    )
+    m = _lerp(m, u_hat, 1.0 - _f32(beta1))
+    d = u_hat - m
+    tl.store(res_ptr + offs, d * d + _f32(came_eps), mask=mask)
+
+
 @triton.jit(do_not_specialize=["key_shared", "key_param"])
 def _apply_kernel(
     param_ptr,
@@ -295,6 +372,9 @@ def _apply_kernel(
     col_ptr,
     rowmean_ptr,
     v_ptr,
+    res_row_ptr,  # CAME: the confidence statistics and their row means
+    res_col_ptr,
+    res_rowmean_ptr,
     step_ptr,
     scratch_ptr,
     n_elements,
@@ -315,6 +395,7 @@ def _apply_kernel(
     HAS_ACCUM: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     FACTORED: tl.constexpr,
+    CAME: tl.constexpr,
     M_FMT: tl.constexpr,
     M_SIGNED: tl.constexpr,
     M_POWER: tl.constexpr,
@@ -349,6 +430,14 @@ def _apply_kernel(
         )
         m = _lerp(m, update, 1.0 - _f32(beta1))
         update = m
+        if CAME:  # m / sqrt(S), S the factored confidence statistic
+            row_index = offs // n_cols
+            slice_index = row_index // n_rows
+            col_index = slice_index * n_cols + offs % n_cols
+            r = tl.load(res_row_ptr + row_index, mask=mask, other=1.0)
+            c = tl.load(res_col_ptr + col_index, mask=mask, other=1.0)
+            mean = tl.load(res_rowmean_ptr + slice_index, mask=mask, other=1.0)
+            update = m * (1.0 / tl.sqrt_rn(tl.div_rn(r * c, mean)))
         store_moment(
             m,
             (shared >> 20) << 20,
@@ -385,17 +474,13 @@ def _apply_kernel(
 def pack_scalars(named: dict) -> tuple:
     """The kernels' runtime scalars from ``Adafactor.kernel_scalars`` (None: the option is off)."""
     values = dict(named)
-    values["came"] = values.pop("beta3", None) is not None
     values["decay"] = 1 - values["lr"] * values["weight_decay"]  # in fp64, as the reference
-    values.pop("came_eps", None)
     out = tuple(0.0 if values[k] is None else float(values[k]) for k in SCALARS)
-    return out + (values["beta1"] is not None, values["growth_limit"] is not None, values["came"])
+    return out + (values["growth_limit"] is not None, values["beta3"] is not None)
 
 
 def unsupported(algorithm, job) -> str | None:
     """What these kernels cannot take (``fusedopt.dispatch`` checks devices and layout)."""
-    if job.hyper.get("beta3") is not None and len(job.param.shape) >= 2:
-        return "CAME (beta3) runs on the PyTorch reference"
     if job.param.numel() == 0:
         return "an empty parameter"
     if job.first != 0:
@@ -411,7 +496,7 @@ def _pow2(n: int, cap: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _apply_constexprs(m_fmt, dtype, corr_bits, param_own_draw, factored):
+def _apply_constexprs(m_fmt, dtype, corr_bits, param_own_draw, factored, came):
     qblock = m_fmt.block if m_fmt.fmt in (8, 4) else 32
     return dict(
         MASTER=0 if dtype == torch.float32 else (1 if corr_bits == 0 else 2),
@@ -420,6 +505,7 @@ def _apply_constexprs(m_fmt, dtype, corr_bits, param_own_draw, factored):
         STOCHASTIC_MASTER=not (dtype == torch.bfloat16 and corr_bits == 16),
         PARAM_OWN_DRAW=param_own_draw,
         FACTORED=factored,
+        CAME=came,
         **_moment_args("M", m_fmt),
         NB=BLOCK // qblock,
         QBLOCK=qblock,
@@ -459,6 +545,8 @@ class PreparedFactored:
         self.col = state["col_var"] if self.factored else dummy
         self.v = state["variance"] if not self.factored else dummy
         self.norm = state.get("update_norm", dummy)
+        self.came = "exp_avg_res_row" in state  # factored, with beta1 and beta3
+        self.res_row, self.res_col = state.get("exp_avg_res_row", dummy), state.get("exp_avg_res_col", dummy)
         self.step, self.scratch, self.skipped = state["step"], scratch, job.skipped
         self.programs = -(-n // BLOCK)
         col_block = _pow2(cols, 64)
@@ -467,8 +555,10 @@ class PreparedFactored:
         self.col_tile = (col_block, col_rows, split)
         self.splits = -(-rows // split)
         ws = [slices * rows, slices * self.splits * cols, slices * rows, slices, self.programs]
+        ws += [slices * rows, slices * self.splits * cols, slices] if self.came else [0, 0, 0]
         work = torch.zeros(sum(ws), dtype=torch.float32, device=p.device)
-        self.rowsq, self.colsq, self.rowp, self.rowmean, self.parts = torch.split(work, ws)
+        self.rowsq, self.colsq, self.rowp, self.rowmean, self.parts, *came_work = torch.split(work, ws)
+        self.res_rowsum, self.res_colsq, self.res_rowmean = came_work if self.came else (dummy, dummy, dummy)
         self.keys = (
             rng.host_key(job.seed, job.index, rng.STREAM_SHARED),
             rng.host_key(job.seed, job.index, rng.STREAM_PARAM),
@@ -480,12 +570,12 @@ class PreparedFactored:
             PARAM_BF16=p.dtype == torch.bfloat16,
             CORR_BITS=corr_bits,
         )
-        self.apply = _apply_constexprs(self.m_fmt, p.dtype, corr_bits, own_draw, self.factored)
+        self.apply = _apply_constexprs(self.m_fmt, p.dtype, corr_bits, own_draw, self.factored, self.came)
         all_rows = slices * rows
         self.row_tile = (_pow2(cols, 256), max(1, min(_pow2(all_rows, 1024), REDUCE_TILE // _pow2(cols, 256))))
 
     def launch(self, grad: torch.Tensor, accum: torch.Tensor | None, scalars: tuple) -> None:
-        lr, beta2_decay, eps1, eps2, d, decay, beta1, growth_limit, has_m, fira, _ = scalars
+        lr, beta2_decay, eps1, eps2, d, decay, beta1, growth_limit, beta3, came_eps, fira, _ = scalars
         has_accum = accum is not None
         acc = accum if has_accum else grad
         corr = self.corr if self.corr is not None else self.dummy
@@ -499,12 +589,12 @@ class PreparedFactored:
             bc, br, split = self.col_tile
             _cols_kernel[(self.slices, -(-self.cols // bc), self.splits)](
                 grad, acc, self.colsq, self.rows, self.cols,
-                HAS_ACCUM=has_accum, SPLIT=split, BR=br, BC=bc, num_warps=NUM_WARPS,
+                HAS_ACCUM=has_accum, SQUARE=True, SPLIT=split, BR=br, BC=bc, num_warps=NUM_WARPS,
             )  # fmt: skip
         _factors_kernel[(self.slices,)](
             self.row, self.col, self.rowsq, self.colsq, self.rowp, self.rowmean, self.step, self.scratch,
-            self.rows, self.cols, all_rows, self.n, self.splits, lr, beta2_decay, eps2,
-            FACTORED=self.factored, CHUNK=1024, num_warps=NUM_WARPS,
+            self.rows, self.cols, all_rows, self.n, self.splits, lr, beta2_decay, eps2, 0.0,
+            FACTORED=self.factored, CAME_STATS=False, CHUNK=1024, num_warps=NUM_WARPS,
         )  # fmt: skip
         _usq_kernel[(self.programs,)](
             grad, acc, self.row, self.col, self.rowmean, self.v, self.parts, self.scratch,
@@ -515,11 +605,40 @@ class PreparedFactored:
             self.parts, self.norm, self.step, self.skipped, self.scratch, self.programs, self.n, d, growth_limit,
             FIRA=fira, CHUNK=1024, num_warps=NUM_WARPS,
         )  # fmt: skip
+        if self.came:
+            self._came_statistics(grad, acc, has_accum, eps1, beta1, beta3, came_eps)
         _apply_kernel[(self.programs,)](
             self.param, corr, grad, acc, self.m, self.m_scales, self.row, self.col, self.rowmean, self.v,
-            self.step, self.scratch, self.n, (self.n + 1) // 2, self.rows, self.cols, *self.keys,
+            self.res_row, self.res_col, self.res_rowmean, self.step, self.scratch,
+            self.n, (self.n + 1) // 2, self.rows, self.cols, *self.keys,
             lr, eps1, decay, beta1,
             HAS_ACCUM=has_accum, MAXIMIZE=self.maximize, **self.apply, num_warps=NUM_WARPS,
+        )  # fmt: skip
+
+    def _came_statistics(self, grad, acc, has_accum, eps1, beta1, beta3, came_eps) -> None:
+        """CAME's factored confidence statistics: the residuals (u_hat - m)**2 + came_eps into a
+        transient fp32 buffer (4 bytes per element of this parameter, freed after the update), then
+        their row and column sums, then the EMAs (committed only for a finite gradient)."""
+        res = torch.empty(self.n, dtype=torch.float32, device=self.param.device)
+        m_args = {k: v for k, v in self.apply.items() if k.startswith("M_") and k not in ("M_THR", "M_TOP")}
+        _came_res_kernel[(self.programs,)](
+            grad, acc, self.m, self.m_scales, self.row, self.col, self.rowmean, res, self.scratch,
+            self.n, (self.n + 1) // 2, self.rows, self.cols, eps1, beta1, came_eps,
+            HAS_ACCUM=has_accum, MAXIMIZE=self.maximize, **m_args, NB=self.apply["NB"], QBLOCK=self.apply["QBLOCK"],
+            num_warps=NUM_WARPS,
+        )  # fmt: skip
+        bc, br = self.row_tile
+        all_rows = self.slices * self.rows
+        _sum_rows_kernel[(-(-all_rows // br),)](res, self.res_rowsum, all_rows, self.cols, BR=br, BC=bc)
+        bc, br, split = self.col_tile
+        _cols_kernel[(self.slices, -(-self.cols // bc), self.splits)](
+            res, res, self.res_colsq, self.rows, self.cols,
+            HAS_ACCUM=False, SQUARE=False, SPLIT=split, BR=br, BC=bc, num_warps=NUM_WARPS,
+        )  # fmt: skip
+        _factors_kernel[(self.slices,)](
+            self.res_row, self.res_col, self.res_rowsum, self.res_colsq, self.res_rowsum, self.res_rowmean,
+            self.step, self.scratch, self.rows, self.cols, all_rows, self.n, self.splits, 0.0, 0.0, 0.0, 1.0 - beta3,
+            FACTORED=True, CAME_STATS=True, CHUNK=1024, num_warps=NUM_WARPS,
         )  # fmt: skip
 
 

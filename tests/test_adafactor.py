@@ -188,6 +188,8 @@ KERNEL_CASES = [
     (torch.float32, 32, 0.9, dict(weight_decay=0.1, maximize=True)),
     (torch.bfloat16, 8, 0.9, {}),
     (torch.bfloat16, 4, 0.9, dict(growth_limit=1.01)),
+    (torch.float32, 32, 0.9, dict(beta3=0.99, maximize=True)),  # CAME
+    (torch.bfloat16, 8, 0.9, dict(beta3=0.999, came_eps=1e-6, growth_limit=1.05)),
     (torch.float16, 16, 0.9, {}),
     (torch.bfloat16, 8, None, dict(master_weight_bits=None)),
     (torch.bfloat16, 32, None, dict(master_weight_bits=32)),
@@ -229,7 +231,10 @@ def test_kernel_matches_reference(monkeypatch, device, dtype, bits, beta1, extra
                 torch.testing.assert_close(sb[key], sa[key], rtol=1e-5, atol=1e-7)
             else:
                 assert (sa[key] != sb[key]).sum().item() <= max(1, sa[key].numel() // 100), key
-        torch.testing.assert_close(ob.master_weight(y), oa.master_weight(x), rtol=1e-5, atol=1e-6)
+        # masters within fp32 round-off, but where a flipped moment code moved an element
+        ref, got = oa.master_weight(x), ob.master_weight(y)
+        off = (got - ref).abs() > 1e-6 + 1e-5 * ref.abs()
+        assert off.sum().item() <= (max(1, ref.numel() // 100) if bits in (8, 4) else 0)
 
 
 def test_kernel_tall_matrix(monkeypatch, device):
@@ -248,15 +253,15 @@ def test_kernel_tall_matrix(monkeypatch, device):
     torch.testing.assert_close(out[1][1]["col_var"], out[0][1]["col_var"], rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("beta1", [None, 0.9])
+@pytest.mark.parametrize("beta1,extra", [(None, {}), (0.9, {}), (0.9, dict(beta3=0.99, growth_limit=1.01))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_fused_equals_unfused(monkeypatch, device, dtype, beta1):
+def test_kernel_fused_equals_unfused(monkeypatch, device, dtype, beta1, extra):
     monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
     shapes = [(9, 17), (5,)]
     grads = [[g.to(device) for g in gs] for gs in _grads(shapes, 3, dtype=dtype)]
     a = [p.detach().to(device).requires_grad_() for p in _params(shapes, dtype)]
     b = [p.detach().to(device).requires_grad_() for p in _params(shapes, dtype)]
-    oa, ob = _kernel_opt(a, 8, beta1, {}), _kernel_opt(b, 8, beta1, {}, fused=True)
+    oa, ob = _kernel_opt(a, 8, beta1, extra), _kernel_opt(b, 8, beta1, extra, fused=True)
     _run(oa, a, grads, fused=False)
     _run(ob, b, grads, fused=True)
     assert ob._dispatch._prepared
@@ -281,16 +286,6 @@ def test_non_finite_gradient_skips(monkeypatch, device, backend):
         assert torch.equal(opt.state[params[0]][key], value), key
     assert not torch.equal(params[1], before[1])  # the finite one was updated
     assert int(opt.num_skipped_updates) == 1
-
-
-def test_came_runs_the_reference_under_triton(monkeypatch):
-    """CAME is not in the kernels: FUSEDOPT_BACKEND=triton says so; auto takes the reference."""
-    monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
-    p = _params([(6, 7)])
-    opt = fusedopt.Adafactor(p, beta1=0.9, beta3=0.999)
-    p[0].grad = torch.ones(6, 7)
-    with pytest.raises(RuntimeError, match="CAME"):
-        opt.step()
 
 
 # --- state, checkpoints, errors -------------------------------------------------------------------

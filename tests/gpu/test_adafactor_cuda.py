@@ -5,7 +5,8 @@
   on all but 0.1% of elements, moment codes differing on at most 0.5% of bytes.
 * With fp32 parameters, state_bits=32 and no first moment, the CUDA kernels equal torch.optim.Adafactor
   on CUDA over 30 steps (rtol 1e-5, atol 1e-7), in both fused modes.
-* fused=True equals fused=False bit for bit on the GPU, bf16 and fp32, state_bits 8 and 4, beta1 None/0.9.
+* fused=True equals fused=False bit for bit on the GPU, bf16 and fp32, state_bits 8 and 4, beta1 None/0.9,
+  and with CAME and the Fira limiter.
 * A step never synchronises with the host: it runs under CUDA graph capture (which refuses a sync).
 * A non-finite gradient leaves the parameter and its state untouched, and is counted.
 """
@@ -52,6 +53,8 @@ CASES = [
     (torch.bfloat16, dict(beta1=0.9, state_bits=4, growth_limit=1.01)),
     (torch.bfloat16, dict(beta1=0.9, state_bits=16, master_weight_bits=None)),
     (torch.float16, dict(beta1=0.9, master_weight_bits=32)),
+    (torch.float32, dict(state_bits=32, beta1=0.9, beta3=0.9999)),  # CAME
+    (torch.bfloat16, dict(beta1=0.9, beta3=0.999, growth_limit=1.01)),
 ]
 
 
@@ -94,13 +97,13 @@ def test_cuda_equals_torch_adafactor(fused):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("beta1", [None, 0.9])
+@pytest.mark.parametrize("beta1,extra", [(None, {}), (0.9, {}), (0.9, dict(beta3=0.999, growth_limit=1.01))])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_fused_equals_unfused(dtype, bits, beta1):
+def test_cuda_fused_equals_unfused(dtype, bits, beta1, extra):
     params, grads = _tensors(SHAPES[2:], dtype, "cpu", 2, 4)
-    a, oa = _train(params, grads, "cuda", state_bits=bits, beta1=beta1)
-    b, ob = _train(params, grads, "cuda", fused=True, state_bits=bits, beta1=beta1)
+    a, oa = _train(params, grads, "cuda", state_bits=bits, beta1=beta1, **extra)
+    b, ob = _train(params, grads, "cuda", fused=True, state_bits=bits, beta1=beta1, **extra)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
         for key in oa.state[x]:
@@ -111,7 +114,7 @@ def test_step_has_no_host_sync():
     """Captured in a CUDA graph: any synchronisation (.item(), a host branch on a value) raises."""
     params, grads = _tensors([(1000, 999), (2049,)], torch.bfloat16, "cpu", 3, 1)
     ps = [p.cuda().requires_grad_() for p in params]
-    opt = fusedopt.Adafactor(ps, beta1=0.9, growth_limit=1.01)
+    opt = fusedopt.Adafactor(ps, beta1=0.9, beta3=0.999, growth_limit=1.01)
     for p, g in zip(ps, grads[0]):
         p.grad = g.cuda()
     opt.step()  # the first step prepares the launches and the workspace
