@@ -40,6 +40,7 @@ import triton.language as tl
 from fusedopt import rng
 from fusedopt.codecs.base import NO_MOMENT
 from fusedopt.kernels.hashing import step_hash, tile_bits
+from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig, launch_remembered
 from fusedopt.kernels.master import load_master, store_master
 from fusedopt.kernels.moments import commit_mask, load_moment, store_moment, tile_offsets
 from fusedopt.kernels.update import _moment_args
@@ -139,15 +140,19 @@ def _cols_kernel(
     colsq_ptr,  # out: [B, splits, C] partial column sums of g**2
     n_rows,
     n_cols,
+    n_col_blocks,
+    n_splits,
     HAS_ACCUM: tl.constexpr,
     SQUARE: tl.constexpr,  # sums of x**2 (the gradient), else of x (CAME's residuals)
     SPLIT: tl.constexpr,  # rows per program (a multiple of BR)
     BR: tl.constexpr,
     BC: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BC + tl.arange(0, BC)
-    split = tl.program_id(2)
+    pid = tl.program_id(0)  # (slice, column block, span of rows), the span fastest
+    split = pid % n_splits
+    col_block = (pid // n_splits) % n_col_blocks
+    b = (pid // (n_splits * n_col_blocks)).to(tl.int64)
+    cols = col_block * BC + tl.arange(0, BC)
     col_mask = cols < n_cols
     acc = tl.zeros([BR, BC], tl.float32)
     base = b * n_rows * n_cols
@@ -160,7 +165,7 @@ def _cols_kernel(
             acc += g * g
         else:
             acc += g
-    out = (b * tl.num_programs(2) + split) * n_cols + cols
+    out = (b * n_splits + split) * n_cols + cols
     tl.store(colsq_ptr + out, tl.sum(acc, axis=0), mask=col_mask)
 
 
@@ -470,13 +475,27 @@ def _apply_kernel(
 
 # --- host side ------------------------------------------------------------------------------------
 
+# Direct launches (kernels/launcher.py): runtime arguments as tensors, then ints, then floats
+_ROWS = DirectLauncher(_rows_kernel, tensors=7, ints=2)
+_SUM_ROWS = DirectLauncher(_sum_rows_kernel, tensors=2, ints=2)
+_COLS = DirectLauncher(_cols_kernel, tensors=3, ints=4)
+_FACTORS = DirectLauncher(_factors_kernel, tensors=8, ints=5)
+_USQ = DirectLauncher(_usq_kernel, tensors=8, ints=3)
+_NORM = DirectLauncher(_norm_kernel, tensors=5, ints=2)
+_CAME_RES = DirectLauncher(_came_res_kernel, tensors=9, ints=4)
+_APPLY = DirectLauncher(_apply_kernel, tensors=15, ints=6)
+
+
+def _config(num_warps: int = NUM_WARPS, **constexprs) -> LaunchConfig:
+    return LaunchConfig(constexprs, {"num_warps": num_warps})
+
 
 def pack_scalars(named: dict) -> tuple:
     """The kernels' runtime scalars from ``Adafactor.kernel_scalars`` (None: the option is off)."""
     values = dict(named)
     values["decay"] = 1 - values["lr"] * values["weight_decay"]  # in fp64, as the reference
     out = tuple(0.0 if values[k] is None else float(values[k]) for k in SCALARS)
-    return out + (values["growth_limit"] is not None, values["beta3"] is not None)
+    return out
 
 
 def unsupported(algorithm, job) -> str | None:
@@ -573,73 +592,76 @@ class PreparedFactored:
         self.apply = _apply_constexprs(self.m_fmt, p.dtype, corr_bits, own_draw, self.factored, self.came)
         all_rows = slices * rows
         self.row_tile = (_pow2(cols, 256), max(1, min(_pow2(all_rows, 1024), REDUCE_TILE // _pow2(cols, 256))))
+        self.row_programs = -(-all_rows // self.row_tile[1])
+        self.col_blocks = -(-cols // col_block)
+        self.col_programs = slices * self.col_blocks * self.splits
+        self.fira = "update_norm" in state
+        self.configs = {False: self._configs(False), True: self._configs(True)}
+        self.remembered: dict = {}  # resolved direct launches, by kernel and gradient variant
+
+    def _configs(self, has_accum: bool) -> dict:
+        """The compile-time switches of every launch, for gradients with or without an accumulated part."""
+        row_bc, row_br = self.row_tile
+        col_bc, col_br, split = self.col_tile
+        m_args = {k: v for k, v in self.apply.items() if k.startswith("M_") and k not in ("M_THR", "M_TOP")}
+        return dict(
+            rows=_config(HAS_ACCUM=has_accum, **self.master, BR=row_br, BC=row_bc),
+            cols=_config(HAS_ACCUM=has_accum, SQUARE=True, SPLIT=split, BR=col_br, BC=col_bc),
+            factors=_config(FACTORED=self.factored, CAME_STATS=False, CHUNK=1024),
+            usq=_config(HAS_ACCUM=has_accum, FACTORED=self.factored, BLOCK_SIZE=BLOCK),
+            norm=_config(FIRA=self.fira, CHUNK=1024),
+            came_res=_config(
+                HAS_ACCUM=has_accum, MAXIMIZE=self.maximize, **m_args, NB=self.apply["NB"], QBLOCK=self.apply["QBLOCK"]
+            ),
+            sum_rows=_config(BR=row_br, BC=row_bc),
+            came_cols=_config(HAS_ACCUM=False, SQUARE=False, SPLIT=split, BR=col_br, BC=col_bc),
+            came_factors=_config(FACTORED=True, CAME_STATS=True, CHUNK=1024),
+            apply=_config(HAS_ACCUM=has_accum, MAXIMIZE=self.maximize, **self.apply),
+        )
+
+    def _go(self, name: str, launcher, grid: int, args: tuple, variant) -> None:
+        config = self.configs[variant[-1]][name]
+        launch_remembered(launcher, self.remembered.setdefault(name, {}), variant, grid, args, config)
 
     def launch(self, grad: torch.Tensor, accum: torch.Tensor | None, scalars: tuple) -> None:
-        lr, beta2_decay, eps1, eps2, d, decay, beta1, growth_limit, beta3, came_eps, fira, _ = scalars
+        lr, beta2_decay, eps1, eps2, d, decay, beta1, growth_limit, beta3, came_eps = scalars[:10]
         has_accum = accum is not None
         acc = accum if has_accum else grad
+        # all the launch keys can vary in from step to step: the gradients' dtypes and alignment
+        variant = (grad.dtype, not grad.data_ptr() & 15, acc.dtype, not acc.data_ptr() & 15, has_accum)
         corr = self.corr if self.corr is not None else self.dummy
-        bc, br = self.row_tile
-        all_rows = self.slices * self.rows
-        _rows_kernel[(-(-all_rows // br),)](
-            grad, acc, self.param, corr, self.rowsq, self.rowp, self.scratch, all_rows, self.cols,
-            HAS_ACCUM=has_accum, **self.master, BR=br, BC=bc, num_warps=NUM_WARPS,
-        )  # fmt: skip
+        all_rows, n, rows, cols = self.slices * self.rows, self.n, self.rows, self.cols
+        go = self._go
+        args = (grad, acc, self.param, corr, self.rowsq, self.rowp, self.scratch, all_rows, cols)
+        go("rows", _ROWS, self.row_programs, args, variant)
         if self.factored:
-            bc, br, split = self.col_tile
-            _cols_kernel[(self.slices, -(-self.cols // bc), self.splits)](
-                grad, acc, self.colsq, self.rows, self.cols,
-                HAS_ACCUM=has_accum, SQUARE=True, SPLIT=split, BR=br, BC=bc, num_warps=NUM_WARPS,
-            )  # fmt: skip
-        _factors_kernel[(self.slices,)](
-            self.row, self.col, self.rowsq, self.colsq, self.rowp, self.rowmean, self.step, self.scratch,
-            self.rows, self.cols, all_rows, self.n, self.splits, lr, beta2_decay, eps2, 0.0,
-            FACTORED=self.factored, CAME_STATS=False, CHUNK=1024, num_warps=NUM_WARPS,
-        )  # fmt: skip
-        _usq_kernel[(self.programs,)](
-            grad, acc, self.row, self.col, self.rowmean, self.v, self.parts, self.scratch,
-            self.n, self.rows, self.cols, eps1,
-            HAS_ACCUM=has_accum, FACTORED=self.factored, BLOCK_SIZE=BLOCK, num_warps=NUM_WARPS,
-        )  # fmt: skip
-        _norm_kernel[(1,)](
-            self.parts, self.norm, self.step, self.skipped, self.scratch, self.programs, self.n, d, growth_limit,
-            FIRA=fira, CHUNK=1024, num_warps=NUM_WARPS,
-        )  # fmt: skip
+            args = (grad, acc, self.colsq, rows, cols, self.col_blocks, self.splits)
+            go("cols", _COLS, self.col_programs, args, variant)
+        args = (self.row, self.col, self.rowsq, self.colsq, self.rowp, self.rowmean, self.step, self.scratch)
+        args += (rows, cols, all_rows, n, self.splits, lr, beta2_decay, eps2, 0.0)
+        go("factors", _FACTORS, self.slices, args, variant)
+        args = (grad, acc, self.row, self.col, self.rowmean, self.v, self.parts, self.scratch, n, rows, cols, eps1)
+        go("usq", _USQ, self.programs, args, variant)
+        args = (self.parts, self.norm, self.step, self.skipped, self.scratch, self.programs, n, d, growth_limit)
+        go("norm", _NORM, 1, args, variant)
         if self.came:
-            self._came_statistics(grad, acc, has_accum, eps1, beta1, beta3, came_eps)
-        _apply_kernel[(self.programs,)](
-            self.param, corr, grad, acc, self.m, self.m_scales, self.row, self.col, self.rowmean, self.v,
-            self.res_row, self.res_col, self.res_rowmean, self.step, self.scratch,
-            self.n, (self.n + 1) // 2, self.rows, self.cols, *self.keys,
-            lr, eps1, decay, beta1,
-            HAS_ACCUM=has_accum, MAXIMIZE=self.maximize, **self.apply, num_warps=NUM_WARPS,
-        )  # fmt: skip
-
-    def _came_statistics(self, grad, acc, has_accum, eps1, beta1, beta3, came_eps) -> None:
-        """CAME's factored confidence statistics: the residuals (u_hat - m)**2 + came_eps into a
-        transient fp32 buffer (4 bytes per element of this parameter, freed after the update), then
-        their row and column sums, then the EMAs (committed only for a finite gradient)."""
-        res = torch.empty(self.n, dtype=torch.float32, device=self.param.device)
-        m_args = {k: v for k, v in self.apply.items() if k.startswith("M_") and k not in ("M_THR", "M_TOP")}
-        _came_res_kernel[(self.programs,)](
-            grad, acc, self.m, self.m_scales, self.row, self.col, self.rowmean, res, self.scratch,
-            self.n, (self.n + 1) // 2, self.rows, self.cols, eps1, beta1, came_eps,
-            HAS_ACCUM=has_accum, MAXIMIZE=self.maximize, **m_args, NB=self.apply["NB"], QBLOCK=self.apply["QBLOCK"],
-            num_warps=NUM_WARPS,
-        )  # fmt: skip
-        bc, br = self.row_tile
-        all_rows = self.slices * self.rows
-        _sum_rows_kernel[(-(-all_rows // br),)](res, self.res_rowsum, all_rows, self.cols, BR=br, BC=bc)
-        bc, br, split = self.col_tile
-        _cols_kernel[(self.slices, -(-self.cols // bc), self.splits)](
-            res, res, self.res_colsq, self.rows, self.cols,
-            HAS_ACCUM=False, SQUARE=False, SPLIT=split, BR=br, BC=bc, num_warps=NUM_WARPS,
-        )  # fmt: skip
-        _factors_kernel[(self.slices,)](
-            self.res_row, self.res_col, self.res_rowsum, self.res_colsq, self.res_rowsum, self.res_rowmean,
-            self.step, self.scratch, self.rows, self.cols, all_rows, self.n, self.splits, 0.0, 0.0, 0.0, 1.0 - beta3,
-            FACTORED=True, CAME_STATS=True, CHUNK=1024, num_warps=NUM_WARPS,
-        )  # fmt: skip
+            # CAME's factored confidence statistics: the residuals (u_hat - m)**2 + came_eps into a
+            # transient fp32 buffer (4 bytes per element of this parameter, freed after the update),
+            # their row and column sums, then the EMAs (committed only for a finite gradient)
+            res = torch.empty(n, dtype=torch.float32, device=self.param.device)
+            args = (grad, acc, self.m, self.m_scales, self.row, self.col, self.rowmean, res, self.scratch)
+            args += (n, (n + 1) // 2, rows, cols, eps1, beta1, came_eps)
+            go("came_res", _CAME_RES, self.programs, args, variant)
+            go("sum_rows", _SUM_ROWS, self.row_programs, (res, self.res_rowsum, all_rows, cols), variant)
+            args = (res, res, self.res_colsq, rows, cols, self.col_blocks, self.splits)
+            go("came_cols", _COLS, self.col_programs, args, variant)
+            args = (self.res_row, self.res_col, self.res_rowsum, self.res_colsq, self.res_rowsum, self.res_rowmean)
+            args += (self.step, self.scratch, rows, cols, all_rows, n, self.splits, 0.0, 0.0, 0.0, 1.0 - beta3)
+            go("came_factors", _FACTORS, self.slices, args, variant)
+        args = (self.param, corr, grad, acc, self.m, self.m_scales, self.row, self.col, self.rowmean, self.v)
+        args += (self.res_row, self.res_col, self.res_rowmean, self.step, self.scratch)
+        args += (n, (n + 1) // 2, rows, cols, *self.keys, lr, eps1, decay, beta1)
+        go("apply", _APPLY, self.programs, args, variant)
 
 
 def launch_job(algorithm, job, scratch: torch.Tensor, scalars: tuple) -> PreparedFactored:
