@@ -27,6 +27,7 @@ import math as _math
 
 import torch
 
+from .clipping import DEFAULT_CLIP_METHOD
 from .codecs import MomentCodec, codec_for, register_codec
 from .optimizer import FusedOptimizer, check_number, check_refused_options
 
@@ -233,6 +234,8 @@ class Adafactor(FusedOptimizer):
         fused: bool = False,
         accumulation_steps: int = 1,
         max_grad_norm: float | None = None,
+        release_clipping: str = DEFAULT_CLIP_METHOD,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ):
         check_refused_options(foreach=foreach)
         defaults = dict(
@@ -254,7 +257,14 @@ class Adafactor(FusedOptimizer):
             min_compress_numel=min_compress_numel,
         )
         super().__init__(
-            params, defaults, fused=fused, accumulation_steps=accumulation_steps, seed=seed, max_grad_norm=max_grad_norm
+            params,
+            defaults,
+            fused=fused,
+            accumulation_steps=accumulation_steps,
+            seed=seed,
+            max_grad_norm=max_grad_norm,
+            release_clipping=release_clipping,
+            grad_scaler=grad_scaler,
         )
 
     def check_hyperparameters(self, group):

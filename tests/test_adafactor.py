@@ -444,3 +444,36 @@ def test_planner_knows_adafactor():
         layout = layout_model("fusedopt.Adafactor", kwargs, torch.bfloat16, shapes)
         assert layout.state == pytest.approx(moments, abs=0.01)  # + the factored statistics
     assert byte_model("torch.Adafactor", {}, torch.float32).state == 0
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_clipping_and_grad_scaler(fused):
+    """max_grad_norm and a GradScaler as with every fusedopt optimizer: a scaled run (a power-of-two
+    scale, no overflow) equals the unscaled run bit for bit, clipping included; opt.grad_norm is the
+    exact global norm of the (unscaled) gradients."""
+    shapes = [(9, 10), (4,)]
+    grads = _grads(shapes, 3)
+    runs = []
+    for scaled in (False, True):
+        params = _params(shapes)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=100) if scaled else None
+        opt = fusedopt.Adafactor(
+            params, beta1=0.9, max_grad_norm=2.0, fused=fused, grad_scaler=scaler if fused else None
+        )
+        for gs in grads:
+            loss = sum((p * g).sum() for p, g in zip(params, gs))
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            norm = opt.grad_norm.clone()  # kept after step()
+            opt.zero_grad()
+            expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in gs]))
+            torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+            assert expected > 2.0  # the gradients were clipped
+        runs.append(params)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
