@@ -4,6 +4,7 @@ Compressed optimizer state, master-weight splitting, one fused Triton kernel per
 and gradient release during backward. ``fusedopt.kernels`` is internal.
 """
 
+from .adafactor import Adafactor
 from .adamw import AdamW
 from .lion import Lion
 from .optimizer import FusedOptimizer
@@ -15,6 +16,7 @@ __all__ = [
     "AdamW",
     "SGD",
     "Lion",
+    "Adafactor",
     "FusedOptimizer",
     "master_state_dict",
     "load_master_state_dict",

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -33,7 +34,6 @@ from dataclasses import dataclass
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from . import rng
 from .master import MASTER_CORRECTION
 from .reference import ParamUpdate, reference_update
 from .sharding import local
@@ -83,6 +83,15 @@ def _kernels():
     return update, bucket
 
 
+@functools.cache
+def kernel_module(name: str):
+    """The kernels module an algorithm names as its ``kernel`` (``fusedopt.kernels.<name>``), imported
+    at its first use. It provides ``SCRATCH_WORDS``, ``pack_scalars``, ``unsupported`` (what its
+    kernels cannot take, beyond the checks here) and ``launch_job`` (the first launch, returning the
+    prepared launch of later steps)."""
+    return importlib.import_module(f"fusedopt.kernels.{name}")
+
+
 def check_gradient(p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None, optimizer_name: str) -> None:
     """Refuse a gradient (or accumulated buffer) the update cannot take, naming the problem. The
     kernel reads as many gradient elements as the parameter has: one of another shape (``p.grad.data
@@ -108,11 +117,9 @@ def unsupported_reason(algorithm, job: ParamUpdate) -> str | None:
     """Why the kernel cannot run this update of ``algorithm`` (an optimizer class; None: it can)."""
     if algorithm.kernel_id is None:
         return f"the fused kernel has no branch for fusedopt.{algorithm.__name__}"
-    if len(job.codecs) > 2:
-        return f"the fused kernel takes at most two moments, fusedopt.{algorithm.__name__} keeps {len(job.codecs)}"
-    for slot, codec in job.codecs.items():
-        if codec.kernel_format is None:
-            return f"the fused kernel has no branch for the state format {codec.name!r} (of {slot!r})"
+    reason = kernel_module(algorithm.kernel).unsupported(algorithm, job)
+    if reason is not None:
+        return reason
     p = job.param
     if job.state["step"].device != p.device or job.skipped.device != p.device:
         return _DEVICES
@@ -216,7 +223,7 @@ class UpdateDispatcher:
             allowed = backend_choice() != "reference"
             scalars = None
             if allowed and algorithm.kernel_id is not None:
-                scalars = _kernels()[0].pack_scalars(algorithm.kernel_scalars(hyper))
+                scalars = kernel_module(algorithm.kernel).pack_scalars(algorithm.kernel_scalars(hyper))
             flags = tuple(v for v in hyper.values() if isinstance(v, bool))
             formats = (
                 group["state_bits"],
@@ -352,13 +359,13 @@ class UpdateDispatcher:
             return None
         with on_default_stream(job.param):  # as the state: other streams may use it
             scratch = self._scratch_of(job.param)
-        return _launch(algorithm, job, scratch, settings.scalars)
+        return kernel_module(algorithm.kernel).launch_job(algorithm, job, scratch, settings.scalars)
 
     def _scratch_of(self, p: torch.Tensor) -> torch.Tensor:
         """The kernel's per-parameter scratch words (flags and per-step scalars), kept between updates."""
         scratch = self._scratch.get(p)
         if scratch is None:
-            words = _kernels()[0].SCRATCH_WORDS  # zeroed; the kernels leave them reusable
+            words = kernel_module(self._algorithm.kernel).SCRATCH_WORDS  # zeroed; the kernels leave them reusable
             scratch = self._scratch[p] = torch.zeros(words, dtype=torch.int32, device=p.device)
         return scratch
 
@@ -413,32 +420,3 @@ class UpdateDispatcher:
                     self._built.clear()
                 built = self._built[key] = _kernels()[1].PreparedBucket(members)  # holds the members
             built.launch(pending.grads, pending.scalars)
-
-
-def _launch(algorithm, job: ParamUpdate, scratch: torch.Tensor, scalars: tuple):
-    update = _kernels()[0]
-    state = job.state
-    moments = []
-    for slot, codec in job.codecs.items():
-        fmt = codec.kernel_format
-        values = state[slot] if fmt.fmt in (32, 16) else state[slot + ".codes"]
-        moments.append((fmt, values, state.get(slot + ".scales")))
-    split = job.param.dtype != torch.float32 and job.master_weight_bits
-    hyper = job.hyper
-    return update.launch_update(
-        algorithm.kernel_id,
-        algorithm.bias_corrections,
-        job.param,
-        job.grad,
-        job.accum,
-        state.get(MASTER_CORRECTION) if split else None,
-        moments,
-        state["step"],
-        scratch,
-        job.skipped,
-        (rng.host_key(job.seed, job.index, rng.STREAM_SHARED), rng.host_key(job.seed, job.index, rng.STREAM_PARAM)),
-        not rng.param_shares_draw(job.param.dtype, job.master_weight_bits),
-        (bool(hyper.get("maximize", False)), bool(hyper.get("nesterov", False))),
-        scalars,
-        job.first,
-    )

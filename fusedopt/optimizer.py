@@ -69,7 +69,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     math: UpdateMath  # the fp32 math of one update: the CPU path and the kernel's oracle
     slots: tuple[str, ...] = ()  # the moments it may keep (``state_slots`` says which a group keeps)
     nonnegative_slots: tuple[str, ...] = ()  # moments never negative (stored unsigned)
-    kernel_id: int | None = None  # its branch in the fused kernel (None: the reference runs it)
+    kernel: str = "update"  # the kernels module that runs it (fusedopt.kernels.<kernel>)
+    kernel_id: int | None = None  # its branch in that module's kernel (None: the reference runs it)
     bias_corrections: bool = False  # the kernel's check pass computes Adam's bias corrections
     torch_group_keys: dict | None = None  # the torch.optim counterpart's extra group keys (None: none)
     torch_saves_step: bool = True  # whether the torch.optim counterpart's state has a step count

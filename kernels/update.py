@@ -32,11 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedopt import rng
 from fusedopt.codecs.base import NO_MOMENT, KernelFormat
 from fusedopt.kernels.hashing import step_hash, tile_bits
 from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig, launch_remembered
 from fusedopt.kernels.master import load_master, store_master
 from fusedopt.kernels.moments import commit_mask, load_moment, store_moment, tile_offsets
+from fusedopt.master import MASTER_CORRECTION
 
 # The algorithm branches of _update_kernel (ALGO): an algorithm's file names its branch as kernel_id.
 KERNEL_IDS = {0: "AdamW", 1: "SGD", 2: "Lion"}
@@ -474,6 +476,45 @@ def _moment_args(prefix: str, fmt: KernelFormat) -> dict:
         f"{prefix}_THR": fmt.threshold,
         f"{prefix}_TOP": fmt.top,
     }
+
+
+def unsupported(algorithm, job) -> str | None:
+    """What this kernel cannot take in ``job`` (``fusedopt.dispatch`` checks devices and layout)."""
+    if len(job.codecs) > 2:
+        return f"the fused kernel takes at most two moments, fusedopt.{algorithm.__name__} keeps {len(job.codecs)}"
+    for slot, codec in job.codecs.items():
+        if codec.kernel_format is None:
+            return f"the fused kernel has no branch for the state format {codec.name!r} (of {slot!r})"
+    return None
+
+
+def launch_job(algorithm, job, scratch: torch.Tensor, scalars: tuple) -> "PreparedUpdate":
+    """``launch_update`` of a checked ``fusedopt.reference.ParamUpdate`` (``fusedopt.dispatch``)."""
+    state = job.state
+    moments = []
+    for slot, codec in job.codecs.items():
+        fmt = codec.kernel_format
+        values = state[slot] if fmt.fmt in (32, 16) else state[slot + ".codes"]
+        moments.append((fmt, values, state.get(slot + ".scales")))
+    split = job.param.dtype != torch.float32 and job.master_weight_bits
+    hyper = job.hyper
+    return launch_update(
+        algorithm.kernel_id,
+        algorithm.bias_corrections,
+        job.param,
+        job.grad,
+        job.accum,
+        state.get(MASTER_CORRECTION) if split else None,
+        moments,
+        state["step"],
+        scratch,
+        job.skipped,
+        (rng.host_key(job.seed, job.index, rng.STREAM_SHARED), rng.host_key(job.seed, job.index, rng.STREAM_PARAM)),
+        not rng.param_shares_draw(job.param.dtype, job.master_weight_bits),
+        (bool(hyper.get("maximize", False)), bool(hyper.get("nesterov", False))),
+        scalars,
+        job.first,
+    )
 
 
 def launch_update(

@@ -51,10 +51,24 @@ class Algorithm:
 
     @property
     def slots(self) -> tuple[str, ...]:
-        """The state slots these options keep (SGD's momentum buffer only with a momentum)."""
+        """The state slots these options keep for a matrix (SGD's momentum buffer only with a momentum)."""
+        return self.slots_of((8, 8))
+
+    def slots_of(self, shape) -> tuple[str, ...]:
+        """The state slots these options keep for a parameter of ``shape`` (Adafactor's second moment is
+        factored for two or more dimensions, element-wise below)."""
         if self.cls is fusedopt.SGD and not self.kwargs.get("momentum"):
             return ()
+        if self.cls is fusedopt.Adafactor:
+            p = torch.nn.Parameter(torch.empty(shape, device="meta"))
+            opt = self.make([p])
+            return tuple(opt.codecs(p, opt.param_groups[0]))
         return tuple(self.cls.slots)
+
+    @property
+    def elementwise(self) -> bool:
+        """Whether the update is element-wise (the fused kernel of kernels/update.py runs it)."""
+        return self.cls.kernel == "update"
 
     def options(self, **extra) -> dict:
         """The case's constructor options, ``extra`` added (and winning)."""
@@ -72,10 +86,15 @@ ALGORITHMS: tuple[Algorithm, ...] = (
     Algorithm("sgd-momentum", fusedopt.SGD, {"momentum": 0.9}),
     Algorithm("sgd-nesterov", fusedopt.SGD, {"momentum": 0.9, "nesterov": True}),
     Algorithm("lion", fusedopt.Lion),
+    # with a first moment: a moment in the state format under test beside the factored statistics
+    Algorithm("adafactor", fusedopt.Adafactor, {"beta1": 0.9}),
 )
 ALGORITHM: dict[str, Algorithm] = {a.id: a for a in ALGORITHMS}
 # one case per class: where a variant adds nothing a test checks (say why where it is used)
 PRIMARY_ALGORITHMS: tuple[Algorithm, ...] = tuple(ALGORITHM[i] for i in ("adamw", "sgd-momentum", "lion"))
+# the algorithms of the element-wise kernel (kernels/update.py), whose updates equal the reference bit for
+# bit; Adafactor's kernels reduce in another order than torch: tests/test_adafactor.py holds them to it
+ELEMENTWISE_ALGORITHMS: tuple[Algorithm, ...] = tuple(a for a in ALGORITHMS if a.elementwise)
 
 
 # --- state formats ------------------------------------------------------------------------------

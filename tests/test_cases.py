@@ -28,7 +28,7 @@ def test_every_public_optimizer_has_a_case():
 @pytest.mark.parametrize("algo", algorithm_cases())
 def test_every_algorithm_case_keeps_state(algo):
     """Each case's options exercise the class's state: its slots are there after a step."""
-    assert algo.slots == tuple(algo.cls.slots) and algo.slots
+    assert set(algo.slots) <= set(algo.cls.slots) and algo.slots
     w = torch.nn.Parameter(torch.randn(8, 8))
     opt = algo.make([w], state_bits=32)
     w.grad = torch.randn(8, 8)

@@ -43,3 +43,28 @@ def test_fp32_adamw_reference_point():
     opt.step()
     state = [t for k, t in opt.state[p].items() if k != "step"]
     assert (p.numel() * 4 + sum(t.numel() * t.element_size() for t in state)) / p.numel() == 12
+
+
+# fusedopt.Adafactor (beta1, state_bits, master_weight_bits) -> bytes per parameter of a large bf16 matrix,
+# the factored statistics left out (the README's second table; they are added below)
+ADAFACTOR_TABLE = {
+    (None, 8, 24): 2 + 1,
+    (None, 8, None): 2,
+    (0.9, 8, 24): 2 + 1 + 1.0625,
+    (0.9, 4, 24): 2 + 1 + 0.5625,
+    (0.9, 32, 32): 2 + 2 + 4,
+}
+
+
+@pytest.mark.parametrize("config", list(ADAFACTOR_TABLE))
+def test_adafactor_bytes_per_parameter(config):
+    beta1, state_bits, master_weight_bits = config
+    rows, cols = 256, 1024
+    p = torch.nn.Parameter(torch.randn(rows, cols, dtype=torch.bfloat16))
+    opt = fusedopt.Adafactor([p], beta1=beta1, state_bits=state_bits, master_weight_bits=master_weight_bits)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    state = {k: v for k, v in opt.state[p].items() if k != "step"}
+    nbytes = p.numel() * p.element_size() + sum(t.numel() * t.element_size() for t in state.values())
+    factored = 4 * (rows + cols) / (rows * cols)
+    assert nbytes / p.numel() == pytest.approx(ADAFACTOR_TABLE[config] + factored, abs=1e-9), state.keys()

@@ -23,7 +23,7 @@ def _blocks(lang: str) -> list[str]:
 
 def test_readme_python_blocks_run(tmp_path, monkeypatch):
     # the FSDP2 block needs torchrun: examples/finetune_fsdp.py runs the same code (tests/test_examples.py)
-    quick_start, options, _fsdp = _blocks("python")
+    quick_start, options, adafactor, _fsdp = _blocks("python")
     monkeypatch.chdir(tmp_path)
     ns: dict = {}
     exec(compile(quick_start, "README quick start", "exec"), ns)
@@ -53,6 +53,11 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
     opt = ns["opt"]
     assert opt.defaults["state_bits"] == 8 and opt.defaults["master_weight_bits"] == 24
     assert opt.fused is False and opt.accumulation_steps == 1 and opt.seed == 0
+
+    exec(compile(adafactor, "README Adafactor", "exec"), ns)
+    opt = ns["opt"]
+    assert isinstance(opt, fusedopt.Adafactor) and opt.defaults["beta1"] is None
+    assert opt.defaults["state_bits"] == 8 and opt.defaults["master_weight_bits"] == 24
 
 
 def test_readme_test_command_is_what_ci_runs():

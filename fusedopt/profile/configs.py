@@ -13,7 +13,15 @@ from fusedopt.profile.competitors import COMPETITORS, LOOP_OPTIONS, torch_adamw_
 from fusedopt.profile.competitors import lookup as lookup_competitor
 from fusedopt.profile.models import UserError
 
-_BUILTIN = ("torch.AdamW", "torch.SGD", "fusedopt.AdamW", "fusedopt.SGD", "fusedopt.Lion")
+_BUILTIN = (
+    "torch.AdamW",
+    "torch.SGD",
+    "torch.Adafactor",
+    "fusedopt.AdamW",
+    "fusedopt.SGD",
+    "fusedopt.Lion",
+    "fusedopt.Adafactor",
+)
 # Other libraries' optimizers (fusedopt.profile.competitors), built as their documentation says.
 OPTIMIZERS = _BUILTIN + tuple(COMPETITORS)
 _ALIASES = {"torch": "torch.AdamW", "fusedopt": "fusedopt.AdamW", "adamw": "torch.AdamW"}

@@ -60,11 +60,20 @@ FUSEDOPT_DEFAULTS = {"state_bits": 8, "master_weight_bits": 24, "fused": False}
 
 
 def moments_of(optimizer: str, kwargs: dict) -> int:
-    """How many moment tensors the algorithm keeps per parameter."""
+    """How many parameter-sized moment tensors the algorithm keeps per parameter (Adafactor's factored
+    second moment, R + C values per R x C matrix, counts as none)."""
     algo = optimizer.split(".")[-1].lower()
-    cls = {"adamw": fusedopt.AdamW, "adam": fusedopt.AdamW, "lion": fusedopt.Lion, "sgd": fusedopt.SGD}.get(algo)
+    cls = {
+        "adamw": fusedopt.AdamW,
+        "adam": fusedopt.AdamW,
+        "lion": fusedopt.Lion,
+        "sgd": fusedopt.SGD,
+        "adafactor": fusedopt.Adafactor,
+    }.get(algo)
     if cls is None:
         raise ValueError(f"no byte model for {optimizer}")
+    if cls is fusedopt.Adafactor:
+        return 1 if kwargs.get("beta1") is not None else 0  # only the first moment is parameter-sized
     if cls is fusedopt.SGD and not kwargs.get("momentum", 0):
         return 0  # plain SGD keeps no moment
     return len(cls.slots)
