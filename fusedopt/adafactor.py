@@ -70,7 +70,7 @@ ROWS = StatisticCodec("fp32-rows", row_shape)
 COLS = StatisticCodec("fp32-cols", col_shape)
 SCALAR = StatisticCodec("fp32-scalar", lambda shape: torch.Size([]))
 for _codec in (ROWS, COLS, SCALAR):
-    register_codec(_codec.name, lambda signed, shape, codec=_codec: codec)
+    register_codec(_codec.name, lambda signed, shape, codec=_codec: codec, selectable=False)
 
 FACTORED_SLOTS = ("row_var", "col_var")
 CAME_SLOTS = ("exp_avg_res_row", "exp_avg_res_col")
@@ -204,6 +204,7 @@ class Adafactor(FusedOptimizer):
     """
 
     algorithm = "adafactor"
+    shardable = False  # row, column and update statistics of the whole tensor
     math = staticmethod(adafactor_math)
     slots = ("exp_avg", "row_var", "col_var", "variance", *CAME_SLOTS, "update_norm")
     nonnegative_slots = ("row_var", "col_var", "variance", *CAME_SLOTS, "update_norm")

@@ -30,7 +30,7 @@ import torch
 
 from . import rng
 from .clipping import ReleaseClipping
-from .codecs import MomentCodec, codec_named, registered_formats
+from .codecs import MomentCodec, codec_named, known_formats
 from .codecs.blockwise import BlockCodec
 from .master import MASTER_CORRECTION, convert_correction
 from .sharding import as_sharded, element_offset, is_sharded, local
@@ -151,7 +151,7 @@ def _from_elements(p: torch.Tensor, saved: dict, names: dict, signed_of, where: 
         codes, scales = saved.pop(slot + _ELEMENT_CODES, None), saved.pop(slot + _ELEMENT_SCALES, None)
         if codes is None and scales is None:
             continue
-        if name not in registered_formats():
+        if name not in known_formats():
             raise ValueError(f"state {slot!r} of {where} was saved in the state format {name!r}, unknown here")
         codec = codec_named(name, signed_of(slot), lp.shape)
         for what, t in (("codes", codes), ("scales", scales)):
@@ -399,10 +399,10 @@ def _saved_codec(
     if not any(_of_slot(key, slot) for key in saved):
         return None  # not saved at all: the caller says what is missing
     if name is not None:
-        if name not in registered_formats():
+        if name not in known_formats():
             raise ValueError(
                 f"state {slot!r} of {where} was saved in the state format {name!r}, which this fusedopt does not "
-                f"know (known: {', '.join(registered_formats())})"
+                f"know (known: {', '.join(known_formats())})"
             )
         codec = codec_named(name, signed, torch.Size(shape))
         layout = codec.layout(shape)

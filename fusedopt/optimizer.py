@@ -74,6 +74,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     bias_corrections: bool = False  # the kernel's check pass computes Adam's bias corrections
     torch_group_keys: dict | None = None  # the torch.optim counterpart's extra group keys (None: none)
     torch_saves_step: bool = True  # whether the torch.optim counterpart's state has a step count
+    shardable: bool = True  # whether it can update a shard of a parameter (FSDP2) on its own
     # torch.amp.GradScaler.step(opt) hands step() its scale as ``opt.grad_scale`` (loss_scaling.py)
     _step_supports_amp_scaling = True
 
@@ -363,8 +364,15 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise
 
     def _check_sharded_release(self, params) -> None:
-        """Refuse clipping and loss scaling under release on sharded parameters: each rank's hooks see
+        """Refuse an algorithm that cannot update a shard on its own (``shardable``), and clipping and
+        loss scaling under release on sharded parameters: each rank's hooks see
         only its own shard, so neither the global norm nor an overflow elsewhere is known there."""
+        params = list(params)
+        if not self.shardable and any(is_sharded(p) for p in params):
+            raise ValueError(
+                f"fusedopt.{type(self).__name__} does not support sharded (FSDP2) parameters yet: its update "
+                "needs statistics of the whole tensor (rows, columns, norms), and a rank holds only its shard"
+            )
         if not self.fused or (self.max_grad_norm is None and self._grad_scaler is None):
             return
         if any(is_sharded(p) for p in params):

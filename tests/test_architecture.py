@@ -233,3 +233,12 @@ def test_forcing_the_kernel_on_an_algorithm_without_a_kernel_branch_is_a_clear_e
         opt.step()
     assert torch.equal(w, before)
     assert not opt.state[w] or float(opt.state[w]["step"]) == 0
+
+
+def test_an_algorithms_internal_formats_are_not_state_formats():
+    """Adafactor's row and column statistics are registered for its checkpoints, not for users."""
+    from fusedopt.codecs import known_formats, registered_formats
+
+    assert "fp32-rows" in known_formats() and "fp32-rows" not in registered_formats()
+    with pytest.raises(ValueError, match="Invalid state_format: 'fp32-rows'"):
+        fusedopt.AdamW([torch.nn.Parameter(torch.zeros(64, 64))], state_format="fp32-rows")

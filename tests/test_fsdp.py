@@ -447,6 +447,13 @@ def _unsupported(rank, world_size, out):
             assert "not supported yet" in str(exc), exc
         else:
             raise AssertionError(f"fused=True with {options} on sharded parameters was not refused")
+    for fused in (False, True):
+        try:
+            fusedopt.Adafactor(model.parameters(), fused=fused)
+        except ValueError as exc:
+            assert "does not support sharded (FSDP2) parameters" in str(exc), exc
+        else:
+            raise AssertionError("Adafactor on sharded parameters was not refused")
 
 
 test_unsupported_sharded_setups_are_refused = scenario((TWO, _unsupported))

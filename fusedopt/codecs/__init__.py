@@ -33,6 +33,7 @@ __all__ = [
     "codec_for",
     "codec_named",
     "register_codec",
+    "known_formats",
     "registered_formats",
 ]
 
@@ -40,20 +41,30 @@ __all__ = [
 # moment that is never negative (an unsigned code spends its sign bit on precision).
 CodecFactory = Callable[[bool, torch.Size], MomentCodec]
 _REGISTRY: dict[str, CodecFactory] = {}
+_INTERNAL: set[str] = set()  # formats an algorithm uses for its own statistics, not state_format values
 
 
-def register_codec(name: str, factory: CodecFactory) -> None:
-    """Make the format ``name`` available to ``state_format=name`` and to checkpoint loading."""
+def register_codec(name: str, factory: CodecFactory, *, selectable: bool = True) -> None:
+    """Make the format ``name`` available to checkpoint loading and (``selectable``) to
+    ``state_format=name``."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"a codec name must be a non-empty string, got {name!r}")
     if name in _REGISTRY and _REGISTRY[name] is not factory:
         raise ValueError(f"a state format named {name!r} is registered already")
     _REGISTRY[name] = factory
+    if not selectable:
+        _INTERNAL.add(name)
     codec_named.cache_clear()
 
 
-def registered_formats() -> tuple[str, ...]:
+def known_formats() -> tuple[str, ...]:
+    """Every registered name (what a checkpoint may record)."""
     return tuple(_REGISTRY)
+
+
+def registered_formats() -> tuple[str, ...]:
+    """The names ``state_format`` accepts."""
+    return tuple(name for name in _REGISTRY if name not in _INTERNAL)
 
 
 @functools.lru_cache(maxsize=4096)
