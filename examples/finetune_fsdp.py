@@ -127,6 +127,7 @@ def main(argv=None) -> int:
     dcp.save(state, checkpoint_id=path)
     if rank == 0:
         print(f"saved {path} (step {step}, {world} ranks)", flush=True)
+    dist.barrier()  # no rank tears the group down while another is still in a collective (gloo aborts)
     dist.destroy_process_group()
     return 0
 
