@@ -23,7 +23,6 @@ import argparse
 import concurrent.futures
 import contextlib
 import json
-import math
 import multiprocessing
 import os
 import statistics
@@ -33,7 +32,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare_quality import corpus, evaluate, next_token_loss, windows  # noqa: E402
+from compare_quality import corpus, evaluate, next_token_loss, warmup_cosine, windows  # noqa: E402
 
 import fusedopt  # noqa: E402
 from fusedopt.clipping import CLIP_METHODS  # noqa: E402
@@ -68,12 +67,7 @@ def train_one(config: str, seed: int, spiky: bool, args) -> dict:
         opt = fusedopt.AdamW(model.parameters(), **options, fused=True, max_grad_norm=1.0, release_clipping=config)
     warm, total = args.warmup, args.steps
 
-    def factor(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(warm, total))
     spikes = set(spike_steps(seed, total, warm)) if spiky else set()
     gen = torch.Generator().manual_seed(10_000 + seed)
     losses, norms = [], []

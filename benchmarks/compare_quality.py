@@ -81,6 +81,17 @@ def next_token_loss(model, x, y) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+def warmup_cosine(warm: int, total: int):
+    """The quality benchmarks' LR multiplier: ``warm`` linear steps, then cosine to 0 at ``total``."""
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
+
+    return factor
+
+
 @torch.no_grad()
 def evaluate(model, held: torch.Tensor, autocast, seq: int, n: int = EVAL_SEQS) -> float:
     starts = torch.linspace(0, held.numel() - seq - 2, n, device=held.device).long()
@@ -104,12 +115,7 @@ def train_one(entry, seed: int, args, device: str, train: torch.Tensor, held: to
     opt = config.build(model.parameters(), model=model, device_type=device)
     warm, total = args.warmup, args.steps
 
-    def factor(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(warm, total))
     gen = torch.Generator(device="cpu").manual_seed(10_000 + seed)
     losses, evals = [], []
     t0 = time.perf_counter()

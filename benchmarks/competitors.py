@@ -2,7 +2,7 @@
 
 Each entry is a ``fusedopt-profile --config`` string (see ``fusedopt/profile/competitors.py``
 for how each library is built, as its own documentation recommends) plus what the benchmarks
-need to know about it. The keys A..I follow ``shared/research/anchors_measured.md``; the FO*
+need to know about it. The keys A..I are the other libraries' configurations; the FO*
 keys are fusedopt. Every entry gets the same hyperparameters (:data:`HPARAMS`, overriding the
 libraries' own defaults) unless a benchmark sets its own schedule.
 

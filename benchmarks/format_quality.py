@@ -43,7 +43,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare_quality import corpus, evaluate, next_token_loss, windows  # noqa: E402
+from compare_quality import corpus, evaluate, next_token_loss, warmup_cosine, windows  # noqa: E402
 
 import fusedopt  # noqa: E402
 from fusedopt.profile.models import PRESETS, TinyLM, parse_shape  # noqa: E402
@@ -121,12 +121,7 @@ def train_one(key: str, seed: int, args, device: str, train: torch.Tensor, held:
     opt = make(list(model.parameters()), args.lr)
     warm, total = args.warmup, args.steps
 
-    def factor(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(warm, total))
     gen = torch.Generator().manual_seed(10_000 + seed)  # the same batches, in the same order
     losses = []
     t0 = time.perf_counter()
