@@ -38,6 +38,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import time
@@ -253,8 +254,16 @@ def _run_workers(argv: list[str], todo: list[tuple[str, int]], args, data: dict)
         cmd = [sys.executable, os.path.abspath(__file__), *passthrough, "--out", part]
         cmd += ["--pairs", ",".join(f"{k}:{s}" for k, s in mine)]
         procs.append((part, subprocess.Popen(cmd)))
-    failed = [p.wait() for _, p in procs]
-    _merge_parts(out, data)
+    # a SIGTERM (e.g. from `timeout`) must not leave workers training on: stop them, keep their runs
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        failed = [p.wait() for _, p in procs]
+    finally:
+        for _, p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        _merge_parts(out, data)
     if any(failed):
         raise SystemExit(f"a worker failed (exit codes {failed}); finished runs are kept in {out}")
 
@@ -269,6 +278,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="JSON file: runs are appended, finished ones skipped")
     parser.add_argument("--jobs", type=int, default=1, help="runs trained at a time, one process each")
     parser.add_argument("--pairs", default=None, help=argparse.SUPPRESS)  # a worker's KEY:SEED list
+    parser.add_argument("--report-only", action="store_true", help="merge part files and report; train nothing")
     args = parser.parse_args(argv)
     base = QUICK if args.quick else GPU
     for name, value in base.items():
@@ -300,7 +310,9 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     # seed order: an interrupted run has whole seeds first
     todo = [(key, seed) for seed in seeds for key in keys if (key, seed) not in done]
-    if args.pairs is not None:
+    if args.report_only:
+        todo = []
+    elif args.pairs is not None:
         todo = [(k, int(s)) for k, s in (p.split(":") for p in args.pairs.split(",")) if (k, int(s)) not in done]
     elif args.jobs > 1 and todo:
         _run_workers(argv if argv is not None else sys.argv[1:], todo, args, data)
