@@ -13,7 +13,7 @@ towards the corpus's byte entropy; a diverging or non-finite loss fails the run)
     python benchmarks/fit_7b.py --shape vocab=256,d_model=64,layers=2,heads=2,kv_heads=2,ffn=192 \\
         --device cpu --steps 5 --config block4-nomaster        # CPU smoke test (no cap)
 
-``--config`` names one of ``CONFIGS`` (optimizer keyword arguments); ``--opt k=v,...`` adds or
+``--config`` names one of ``CONFIGS`` (fusedopt.AdamW or fusedopt.Adafactor, keyword arguments, peak lr); ``--opt k=v,...`` adds or
 overrides keyword arguments (``master_weight_bits=None``, ``state_format=rot4``...).
 """
 
@@ -36,12 +36,17 @@ import fusedopt  # noqa: E402
 from fusedopt.profile.models import PRESETS, TinyLM, parse_shape  # noqa: E402
 
 GIB = 1 << 30
-HPARAMS = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+ADAMW = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+# key -> (optimizer class, keyword arguments, peak learning rate). Adafactor's lr is torch's relative
+# step: the update is scaled by max(eps2, RMS(param)) * min(lr, 1/sqrt(step)).
 CONFIGS = {
-    "default": dict(),
-    "nomaster": dict(master_weight_bits=None),
-    "block4": dict(state_bits=4),
-    "block4-nomaster": dict(state_bits=4, master_weight_bits=None),
+    "default": (fusedopt.AdamW, dict(ADAMW), 1e-4),
+    "nomaster": (fusedopt.AdamW, dict(ADAMW, master_weight_bits=None), 1e-4),
+    "block4": (fusedopt.AdamW, dict(ADAMW, state_bits=4), 1e-4),
+    "block4-nomaster": (fusedopt.AdamW, dict(ADAMW, state_bits=4, master_weight_bits=None), 1e-4),
+    "adafactor": (fusedopt.Adafactor, dict(weight_decay=0.1), 1e-2),
+    "adafactor-nomaster": (fusedopt.Adafactor, dict(weight_decay=0.1, master_weight_bits=None), 1e-2),
+    "adafactor-m4": (fusedopt.Adafactor, dict(weight_decay=0.1, beta1=0.9, state_bits=4), 1e-2),
 }
 
 
@@ -76,7 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-gib", type=float, default=24.0)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=30)
-    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the config's)")
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--device", default="cuda")
@@ -84,7 +89,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     shape = PRESETS[args.shape] if args.shape in PRESETS else parse_shape(args.shape, PRESETS["7b"])
-    kwargs = {**HPARAMS, **CONFIGS[args.config], **parse_opt(args.opt)}
+    opt_class, kwargs, lr = CONFIGS[args.config]
+    kwargs = {**kwargs, **parse_opt(args.opt)}
+    lr = args.lr if args.lr is not None else lr
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     if cuda:
@@ -96,7 +103,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     model = TinyLM(shape, checkpointing=True, device=device, dtype=torch.bfloat16)
     n_params = sum(p.numel() for p in model.parameters())
-    opt = fusedopt.AdamW(model.parameters(), lr=args.lr, fused=True, **kwargs)
+    opt = opt_class(model.parameters(), lr=lr, fused=True, **kwargs)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps))
     gen = torch.Generator().manual_seed(0)
     losses, times, error = [], [], None
@@ -125,6 +132,8 @@ def main(argv=None) -> int:
         "shape": str(shape),
         "params": n_params,
         "config": args.config,
+        "optimizer": opt_class.__name__,
+        "lr": lr,
         "optimizer_kwargs": {k: (list(v) if isinstance(v, tuple) else v) for k, v in kwargs.items()},
         "budget_gib": args.budget_gib if cuda else None,
         "steps_run": len(times),
