@@ -13,8 +13,9 @@ towards the corpus's byte entropy; a diverging or non-finite loss fails the run)
     python benchmarks/fit_7b.py --shape vocab=256,d_model=64,layers=2,heads=2,kv_heads=2,ffn=192 \\
         --device cpu --steps 5 --config block4-nomaster        # CPU smoke test (no cap)
 
-``--config`` names one of ``CONFIGS`` (fusedopt.AdamW or fusedopt.Adafactor, keyword arguments, peak lr); ``--opt k=v,...`` adds or
-overrides keyword arguments (``master_weight_bits=None``, ``state_format=rot4``...).
+``--config`` names one of ``CONFIGS`` (fusedopt.AdamW or fusedopt.Adafactor, its keyword arguments
+and peak lr); ``--opt k=v,...`` adds or overrides keyword arguments (``master_weight_bits=None``,
+``state_format=rot4``...).
 """
 
 from __future__ import annotations
