@@ -5,7 +5,7 @@ Device twin of ``fusedopt.codecs.rotated`` (its docstring defines the format): a
 program. The same operations in the same order as the reference, so the interpreter agrees with
 it bit for bit:
 
-* the rotation is the reference's four radix-4 stages (``hadamard``), with the same adds in the
+* the rotation is the reference's four radix-4 stages (``butterflies``), with the same adds in the
   same order, not a ``tl.dot``: a dot's summation order is the compiler's (and numpy's in the
   interpreter), and the rotated increment is rounded stochastically right after;
 * divisions and the square root are IEEE (``div_rn``, ``sqrt_rn``), fp fusion is off (update.py);
@@ -28,9 +28,9 @@ _BIG = tl.constexpr(2.0**50)  # the reference's saturation of the storage-domain
 
 
 @triton.jit
-def hadamard(x, NB: tl.constexpr):
-    """``H y`` for every row ``y`` of the ``[NB, 256]`` tile ``x``: the reference's four stages, each
-    ``0.5 * H4`` along one base-4 digit of the index, most significant first.
+def butterflies(x, NB: tl.constexpr):
+    """``16 H y`` for every row ``y`` of the ``[NB, 256]`` tile ``x``: the reference's four stages, each
+    ``2 H4`` along one base-4 digit of the index, most significant first.
 
     Each stage brings the block's leading digit last (a transpose of the ``[4, 64]`` view), splits
     it into its four values and joins the four outputs back as the last digit; after four stages
@@ -44,8 +44,8 @@ def hadamard(x, NB: tl.constexpr):
         dab = a - b
         scd = c + d
         dcd = c - d
-        low = tl.join((sab + dcd) * 0.5, (dab + scd) * 0.5)  # outputs 0 and 2
-        high = tl.join((sab - dcd) * 0.5, (scd - dab) * 0.5)  # outputs 1 and 3
+        low = tl.join(sab + dcd, dab + scd)  # outputs 0 and 2
+        high = tl.join(sab - dcd, scd - dab)  # outputs 1 and 3
         x = tl.reshape(tl.join(low, high), [NB, 256])
     return x
 
@@ -90,7 +90,7 @@ def load_rotated(codes_ptr, scale_ptr, start, n_elements, SIGNED: tl.constexpr, 
         codes = tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), [NB, 256])
         codes = (codes ^ 2) - 2
     c = codes.to(tl.float32)
-    t = hadamard(c, NB) * scales[:, None]  # H c is exact in fp32: one rounding, the scale's
+    t = butterflies(c, NB) * (scales * 0.0625)[:, None]  # 16 H c is exact in fp32: one rounding
     if not SIGNED:
         t = tl.maximum(t, scales[:, None])  # the floor of sqrt(v)
         x = t * t
@@ -124,7 +124,9 @@ def store_rotated(
     if SIGNED:
         y = x
     else:
-        y = tl.sqrt_rn(tl.maximum(x, 0.0))
+        # sqrt(max(x, 0)) as the reference, but for x < 0 (NaN here, 0 below) and the sign of a zero,
+        # which does not reach the codes or scales; AdamW's denominator computes the same sqrt_rn
+        y = tl.sqrt_rn(x)
     y = tl.where(y != y, 0.0, tl.minimum(tl.maximum(y, -_BIG), _BIG))  # nan_to_num, saturated
     increment = tl.where(local < n_elements, y - decay * t_old, 0.0)  # padding: no increment
     if local.dtype == tl.int64:
@@ -132,14 +134,15 @@ def store_rotated(
     else:
         index = local.to(tl.uint32)
     u = (fmix32(word ^ index) >> 8).to(tl.float32) * (2.0**-24)
-    r = hadamard(increment, NB)
+    r = butterflies(increment, NB) * 0.0625
     kept = scales * decay
-    q = codes + tl.floor(tl.div_rn(r, tl.maximum(kept, _TINY)[:, None]) + u)
+    one = tl.full([NB], 1.0, tl.float32)
+    q = codes + tl.floor(r * tl.div_rn(one, tl.maximum(kept, _TINY))[:, None] + u)
     over = tl.max(tl.abs(q), axis=1) > QMAX
     values = codes * kept[:, None] + r
     rescaled = tl.max(tl.abs(values), axis=1) * INVERSE_RESCALE
     new_scales = tl.where(over, rescaled, kept)
-    fresh = tl.floor(tl.div_rn(values, tl.maximum(new_scales, _TINY)[:, None]) + u)
+    fresh = tl.floor(values * tl.div_rn(one, tl.maximum(new_scales, _TINY))[:, None] + u)
     q = tl.where(over[:, None], fresh, q)
     q = tl.minimum(tl.maximum(q, -QMAX * 1.0), QMAX * 1.0).to(tl.int32)
     blocks, has_block = _blocks(start, n_elements, NB)
