@@ -85,7 +85,8 @@ def _assert_close_to_reference(ref_ws, ref_opt, got_ws, got_opt):
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["step", "release"])
-@pytest.mark.parametrize("dtype,master", [(torch.float32, None), (torch.bfloat16, 24), (torch.bfloat16, None)])
+# (bf16 without a correction: tests/test_kernels.py in the interpreter; one compile less per format here)
+@pytest.mark.parametrize("dtype,master", [(torch.float32, None), (torch.bfloat16, 24)])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_kernel_on_cuda_matches_the_cpu_reference(monkeypatch, fmt, dtype, master, fused):
     # whole blocks over many programs; an odd size with a padded last block; one padded block
