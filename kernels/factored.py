@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from fusedopt import rng
-from fusedopt.codecs.base import NO_MOMENT
+from fusedopt.codecs.base import NO_MOMENT, ROTATED
 from fusedopt.kernels.hashing import step_hash, tile_bits
 from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig, launch_remembered
 from fusedopt.kernels.master import load_master, store_master
@@ -507,8 +507,8 @@ def unsupported(algorithm, job) -> str | None:
     if job.first != 0:
         return "a shard of a parameter (its row and column statistics need the whole tensor)"
     m = job.codecs.get("exp_avg")
-    if m is not None and m.kernel_format is None:
-        return f"the fused kernel has no branch for the state format {m.name!r} (of 'exp_avg')"
+    if m is not None and (m.kernel_format is None or m.kernel_format.fmt > ROTATED):
+        return f"the factored kernels have no branch for the state format {m.name!r} (of 'exp_avg')"
     return None
 
 
