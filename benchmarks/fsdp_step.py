@@ -187,7 +187,7 @@ def table(rows: list[dict]) -> str:
         return f"{r[key] / ref[key]:6.3f}"
 
     def num(x, fmt):
-        return "     -" if x is None else format(x, fmt)
+        return "-".rjust(int(fmt.split(".")[0])) if x is None else format(x, fmt)
 
     lines = [
         f"{'configuration':22s} {'peak GiB':>9s} {'persist GiB':>11s} {'step ms':>8s}   "
