@@ -21,9 +21,11 @@ multiples of the block size), else decoded exactly and re-encoded (with the roun
 DCP's ``get_optimizer_state_dict`` drops the top-level ``"fusedopt"`` entry, so for sharded
 parameters its optimizer-wide part (format, algorithm, seed, skipped-update counter, the clipping
 history's totals) is also written into every saved param group under ``"fusedopt"``, and each
-parameter's clipping history into its own ``"fusedopt"`` entry, as plain Python values (DCP
-stores them as they are, whatever the loading optimizer's template holds). Loading reads them
-where the top-level entry is missing.
+parameter's clipping history into its own ``"fusedopt"`` entry, as plain Python values. DCP
+loads into a template the loading optimizer makes, and fails on a key the checkpoint lacks, so each
+history is one tuple (a single entry for DCP) or None, present whether the optimizer clips or not:
+``max_grad_norm`` may be turned on or off at a resume. Loading reads them where the top-level entry
+is missing.
 """
 
 from __future__ import annotations
@@ -93,17 +95,14 @@ def _fold_for_dcp(packed: dict, sharded: list[int]) -> None:
     wide = {key: meta[key] for key in ("format", "algorithm", "seed")}
     wide["num_skipped_updates"] = _number(meta["num_skipped_updates"])
     clipping = meta.get("release_clipping")
+    wide["release_clipping"] = None
     if clipping is not None:
-        wide["release_clipping"] = {
-            "method": clipping["method"],
-            "known": _number(clipping["known"]),
-            "last_total": _number(clipping["last_total"]),
-        }
-        for i in sharded:
-            entry = clipping["params"].get(i)
-            if entry is not None:
-                folded = {k: _number(v) if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
-                packed["state"][i][STATE_META]["release_clipping"] = folded
+        wide["release_clipping"] = (clipping["method"], _number(clipping["known"]), _number(clipping["last_total"]))
+    for i in sharded:
+        entry = None if clipping is None else clipping["params"].get(i)
+        if entry is not None:
+            entry = (_number(entry.get("norm_sq")), _number(entry.get("average")), entry.get("updates"))
+        packed["state"][i][STATE_META]["release_clipping"] = entry
     for group in packed["param_groups"]:
         group[STATE_META] = dict(wide)
 
@@ -115,15 +114,21 @@ def _unfold_from_dcp(saved_groups: list[dict]) -> dict | None:
     if wide is None:
         return None
     meta = dict(wide)
-    clipping = wide.get("release_clipping")
-    if isinstance(clipping, dict):
-        meta["release_clipping"] = {
-            "method": clipping.get("method"),
-            "known": _tensor(clipping.get("known")),
-            "last_total": _tensor(clipping.get("last_total")),
-            "params": {},
-        }
+    clipping = meta.pop("release_clipping", None)
+    if clipping is not None:
+        method, known, last_total = clipping
+        meta["release_clipping"] = {"method": method, "known": _tensor(known), "last_total": _tensor(last_total)}
+        meta["release_clipping"]["params"] = {}
     return meta
+
+
+def _unfold_history(folded) -> dict:
+    """A parameter's clipping history as ``ReleaseClipping.state_dict`` holds it, from its folded tuple."""
+    norm_sq, average, updates = folded
+    entry = {} if norm_sq is None else {"norm_sq": _tensor(norm_sq)}
+    if average is not None:
+        entry.update(average=_tensor(average), updates=updates)
+    return entry
 
 
 def _tensor(value):
@@ -244,11 +249,14 @@ def _from_elements(p: torch.Tensor, saved: dict, names: dict, signed_of, where: 
 
 def _load_release_clipping(optimizer, meta: dict | None, ids: dict):
     """The history of clipping under release from a checkpoint, in a new ``ReleaseClipping`` (None:
-    nothing to load, or this optimizer does not clip)."""
-    saved = meta.get("release_clipping") if meta is not None else None
-    if saved is None or optimizer._released_clipping is None:
+    this optimizer does not clip). A checkpoint without one gives an empty history: the optimizer's
+    own (DCP's template step made one of zeros) would not belong to the loaded state."""
+    if optimizer._released_clipping is None:
         return None
+    saved = meta.get("release_clipping") if meta is not None else None
     clipping = ReleaseClipping(optimizer.max_grad_norm, optimizer.release_clipping)
+    if saved is None:
+        return clipping
     indices = {pid: (optimizer.param_index(p), p.device) for pid, (p, _) in ids.items()}
     try:
         clipping.load_state_dict(saved, indices)
@@ -317,9 +325,8 @@ def load_state_dict(optimizer, saved: dict) -> None:
             if isinstance(meta_p, dict):
                 names = dict(meta_p.get("codecs", {}))
                 history = meta_p.get("release_clipping")
-                if folded and meta is not None and "release_clipping" in meta and isinstance(history, dict):
-                    entry = {k: _tensor(v) if isinstance(v, float) else v for k, v in history.items()}
-                    meta["release_clipping"]["params"][pid] = entry
+                if folded and meta is not None and "release_clipping" in meta and history is not None:
+                    meta["release_clipping"]["params"][pid] = _unfold_history(history)
                 if meta_p.get("layout") == "elementwise":
                     signed_of = lambda slot: slot not in optimizer.nonnegative_slots  # noqa: E731
                     _from_elements(p, param_state, names, signed_of, where)

@@ -772,6 +772,15 @@ def _dcp_entry_on_one(rank, world_size, out):
     load(model, opt, out / "clipped")
     entry, _ = torch.load(out / "clipped.rank0.pt")
     assert_same_entry(wide_entry(opt), entry, "2 -> 1 rank")
+    # max_grad_norm turned off, then on again, at a resume: DCP finds every key its template asks for
+    model = shard(make_mlp(torch.bfloat16, seed=1))
+    opt = fusedopt.AdamW(model.parameters(), lr=1e-2, state_bits=8, min_compress_numel=0, fused=True)
+    load(model, opt, out / "clipped")
+    assert opt.seed == 7 and opt.grad_norm is None
+    save(model, opt, out / "unclipped")
+    model, opt, _ = _clipped()
+    load(model, opt, out / "unclipped")
+    assert opt.seed == 7 and opt.grad_norm is None  # no history: the next backward starts one
 
 
 test_dcp_keeps_seed_counter_and_clipping_history = scenario((TWO, _dcp_entry_on_two), (ONE_AFTER, _dcp_entry_on_one))
