@@ -208,11 +208,13 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     on_cuda = args.device == "cuda"
-    dist.init_process_group("nccl" if on_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_cuda else torch.device("cpu")
     if on_cuda:
         torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
     baseline = allocated(device)
     rows = []
     for name in args.only:

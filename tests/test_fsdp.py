@@ -384,39 +384,56 @@ def same_on_every_rank(t: torch.Tensor) -> bool:
 def _release_clipping(rank, world_size, out):
     """max_grad_norm with fused=True: each parameter's norm is its whole gradient's (an all-reduce
     of the shards' squared norms), so every rank clips alike."""
-    # nothing clips: fused=True equals fused=False bit for bit, and grad_norm is the same norm
-    for bits, dtype in ((32, torch.float32), (4, torch.bfloat16)):
-        results = []
-        for fused in (False, True):
-            model = shard(make_mlp(dtype))
-            opt = fusedopt.AdamW(
-                model.parameters(), lr=1e-2, state_bits=bits, min_compress_numel=0, fused=fused, max_grad_norm=100.0
-            )
-            norms = torch.stack([train_step(model, opt, rank, world_size, step, dtype).float() for step in range(3)])
-            results.append((params_of(model), state_of(opt), norms))
-        what = f"nothing clipped, state_bits={bits} {dtype}"
-        assert_equal(results[1][0], results[0][0], what + " parameters")
-        assert_equal(results[1][1], results[0][1], what + " state")
-        tolerance = 1e-6 if dtype == torch.float32 else 2**-7  # fused=False's norm is in the gradients' dtype
-        torch.testing.assert_close(results[1][2], results[0][2], rtol=tolerance, atol=0)
+    # nothing clips: fused=True equals fused=False bit for bit (4-bit state, bf16), and grad_norm is
+    # the same norm (fused=False's is in the gradients' dtype, bf16; fp32 below)
+    results = []
+    for fused in (False, True):
+        model = shard(make_mlp(torch.bfloat16))
+        opt = fusedopt.AdamW(
+            model.parameters(), lr=1e-2, state_bits=4, min_compress_numel=0, fused=fused, max_grad_norm=100.0
+        )
+        norms = [train_step(model, opt, rank, world_size, step, torch.bfloat16).float() for step in range(3)]
+        results.append((params_of(model), state_of(opt), torch.stack(norms)))
+    assert_equal(results[1][0], results[0][0], "nothing clipped, parameters")
+    assert_equal(results[1][1], results[0][1], "nothing clipped, state")
+    torch.testing.assert_close(results[1][2], results[0][2], rtol=2**-7, atol=0)
     # clipping at every step: 2 ranks equal one process (the same hook order) within fp32 round-off
     mesh = own_mesh()
-    for method in ("scaled", "adagc"):
-        runs = []
-        for alone in (False, True):
-            model = shard(make_mlp(), mesh=mesh) if alone else shard(make_mlp())
-            opt = fusedopt.AdamW(
-                model.parameters(), lr=1e-2, state_bits=32, fused=True, max_grad_norm=0.05, release_clipping=method
-            )
-            ranks = (0, 1) if alone else (rank, world_size)
-            norms = torch.stack([train_step(model, opt, *ranks, step) for step in range(4)])
-            runs.append((params_of(model), norms))
-        (two, two_norms), (one, one_norms) = runs
-        assert (one_norms > 0.05).all(), one_norms  # clipped at every step
-        assert same_on_every_rank(two_norms)
-        torch.testing.assert_close(two_norms, one_norms, rtol=1e-5, atol=0)
-        for got, want in zip(two, one):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    runs = []
+    for alone in (False, True):  # "adagc": the default "scaled" estimate and a per-tensor average on top
+        model = shard(make_mlp(), mesh=mesh) if alone else shard(make_mlp())
+        opt = fusedopt.AdamW(
+            model.parameters(), lr=1e-2, state_bits=32, fused=True, max_grad_norm=0.05, release_clipping="adagc"
+        )
+        ranks = (0, 1) if alone else (rank, world_size)
+        norms = torch.stack([train_step(model, opt, *ranks, step) for step in range(4)])
+        runs.append((params_of(model), norms))
+    (two, two_norms), (one, one_norms) = runs
+    assert (one_norms > 0.05).all(), one_norms  # clipped at every step
+    assert same_on_every_rank(two_norms)
+    torch.testing.assert_close(two_norms, one_norms, rtol=1e-5, atol=0)
+    for got, want in zip(two, one):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    # updates left to step(): set_requires_gradient_sync(False) on the first of two micro-batches
+    # and accumulation_steps=2 (step() clips them, against the same reduced norms)
+    runs = []
+    for fused, alone, clip in ((False, False, 100.0), (True, False, 100.0), (True, False, 0.05), (True, True, 0.05)):
+        model = shard(make_mlp(), mesh=mesh) if alone else shard(make_mlp())
+        opt = fusedopt.AdamW(
+            model.parameters(), lr=1e-2, state_bits=32, fused=fused, max_grad_norm=clip, accumulation_steps=2
+        )
+        ranks = (0, 1) if alone else (rank, world_size)
+        norms = []
+        for step in range(3):
+            train(model, opt, *ranks, steps=1, first_step=step, micro=2, no_sync=True)
+            norms.append(full(opt.grad_norm).float())
+        runs.append((params_of(model), torch.stack(norms)))
+    assert_equal(runs[1][0], runs[0][0], "accumulated in FSDP2, nothing clipped, parameters")
+    torch.testing.assert_close(runs[1][1], runs[0][1], rtol=1e-6, atol=0)
+    assert (runs[3][1] > 0.05).all()
+    torch.testing.assert_close(runs[2][1], runs[3][1], rtol=1e-5, atol=0)
+    for got, want in zip(runs[2][0], runs[3][0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
     # HSDP: the replicas hold the same reduced gradient, so the norm is not summed over them
     from torch.distributed.device_mesh import init_device_mesh
 
