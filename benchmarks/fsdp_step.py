@@ -2,12 +2,13 @@
 
 The 1.1B Llama shape (the profiler's ``1b`` preset: TinyLlama's shapes), every block and the root
 wrapped in ``fully_shard`` over all ranks, non-reentrant activation checkpointing, micro-batch
-1 x 1024 per rank, for: fusedopt defaults (``fused=False``), ``fused=True``, 4-bit state +
+1 x 1024 per rank, for: fusedopt defaults (``fused=False``), ``fused=True`` (without and with
+``max_grad_norm``: its per-parameter all-reduce of the squared shard norm), 4-bit state +
 ``fused=True``, torch AdamW (fp32 parameters, bf16 compute: FSDP2's ``MixedPrecisionPolicy``) and
 FlashOptim's FlashAdamW with its gradient release (``enable_gradient_release``). Gradients are
 reduced in fp32 for every configuration. Every configuration runs in this one process, one after
-another; between them everything is freed and the allocated bytes must be back at the baseline
-(reported), so each peak counts only its own tensors.
+another; between them everything is freed (what stays allocated is reported as ``left_after_gib``,
+expected 0), so each peak counts only its own tensors.
 
     torchrun --nproc-per-node 1 benchmarks/fsdp_step.py --out fsdp_step.json          # one GPU
     torchrun --nproc-per-node 2 benchmarks/fsdp_step.py --out fsdp_step.json          # two GPUs
@@ -46,6 +47,7 @@ REFERENCE = "torch-adamw"
 CONFIGS = {
     "fusedopt": (torch.bfloat16, "fusedopt.AdamW defaults (8-bit state, 24-bit master), fused=False"),
     "fusedopt-fused": (torch.bfloat16, "fusedopt.AdamW, fused=True (gradient release)"),
+    "fusedopt-fused-clip": (torch.bfloat16, "fusedopt.AdamW, fused=True, max_grad_norm=1.0"),
     "fusedopt-4bit-fused": (torch.bfloat16, "fusedopt.AdamW state_bits=4, fused=True"),
     "torch-adamw": (torch.float32, "torch.optim.AdamW(fused=True), fp32 params, bf16 compute"),
     "flashoptim-release": (torch.bfloat16, "flashoptim.FlashAdamW + enable_gradient_release"),
@@ -91,7 +93,9 @@ def build(name: str, args, device):
         return model, torch.optim.AdamW(params, **HPARAMS, fused=device.type == "cuda")
     if name.startswith("fusedopt"):
         bits = 4 if "4bit" in name else 8
-        return model, fusedopt.AdamW(params, **HPARAMS, state_bits=bits, fused=name.endswith("fused"))
+        fused = "fused" in name
+        clip = 1.0 if name.endswith("clip") else None
+        return model, fusedopt.AdamW(params, **HPARAMS, state_bits=bits, fused=fused, max_grad_norm=clip)
     import flashoptim  # benchmark-only dependency (benchmarks/wheels)
 
     optimizer = flashoptim.FlashAdamW(params, **HPARAMS)
