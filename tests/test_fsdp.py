@@ -502,6 +502,20 @@ def _release_loss_scaling(rank, world_size, out):
             assert scaler.get_scale() == 2.0**11, f"{what}: the scaler did not back off"
         assert same_on_every_rank(torch.stack([opt.state[p]["step"] for p in model.parameters()]))
         opt.state_dict()  # the step counts agree between ranks: it can be saved
+    # without either, no rank knows of another's overflow: only the shard holding it skips, the
+    # step counts differ, and saving says so
+    model = shard(make_mlp())
+    when = {"now": True}
+    poison_on_rank(model[2].weight, 1, when)
+    opt = fusedopt.AdamW(model.parameters(), lr=1e-2, fused=True)
+    train_step(model, opt, rank, world_size, 0)
+    assert int(opt.state[model[2].weight]["step"]) == (0 if rank == 1 else 1)
+    try:
+        opt.state_dict()
+    except RuntimeError as exc:
+        assert "differ between ranks" in str(exc), exc
+    else:
+        raise AssertionError("state with step counts that differ between ranks was saved")
 
 
 test_loss_scaling_with_fused_true_under_fsdp2 = scenario((TWO, _release_loss_scaling))
