@@ -65,7 +65,8 @@ def _run(rank, world_size, bits, dtype, fused, algorithm="AdamW", max_grad_norm=
             scaler.update()
         opt.zero_grad()
         if max_grad_norm is not None:
-            norms.append(opt.grad_norm.float().cpu())
+            norm = opt.grad_norm  # fused=False: a DTensor (torch's clip_grad_norm_ on sharded gradients)
+            norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float().cpu())
         if fused:
             assert all(p.grad is None for p in model.parameters())
     params = [p.detach().full_tensor().cpu() for p in model.parameters()]
