@@ -6,6 +6,8 @@ backward, as soon as FSDP2 has reduce-scattered its gradient, and frees that gra
 update runs inside backward, the loss must be normalised across ranks *before* ``backward()``:
 here by the global number of target tokens, all-reduced first (FSDP2 averages the gradients over
 ranks, so each rank's loss is its summed token loss times world size / global tokens).
+Gradients are clipped by their global norm (``--max-grad-norm``): each rank's update hook sums the
+squared norm of its shard over the ranks, so every rank clips with the same factor.
 
 Checkpoints go through ``torch.distributed.checkpoint`` (one directory, each rank writing its
 shards) and load on any number of ranks.
@@ -48,6 +50,12 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=None, help="default: 1024 on CUDA, 64 on CPU")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--state-bits", type=int, default=8, choices=(32, 16, 8, 4))
+    p.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=1.0,
+        help="clip gradients to this global L2 norm inside backward (0: no clipping)",
+    )
     p.add_argument("--out", default="out/finetune_fsdp")
     p.add_argument("--resume", default=None, help="a checkpoint directory written by this script")
     args = p.parse_args(argv)
@@ -96,7 +104,13 @@ def main(argv=None) -> int:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     optimizer = fusedopt.AdamW(
-        model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, state_bits=args.state_bits, fused=True
+        model.parameters(),
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        weight_decay=0.1,
+        state_bits=args.state_bits,
+        fused=True,
+        max_grad_norm=args.max_grad_norm or None,  # the whole model's norm, summed over the ranks' shards
     )
     step = 0
     if args.resume:
@@ -118,7 +132,11 @@ def main(argv=None) -> int:
         step += 1
         dist.all_reduce(mean)  # for the log only: the mean token loss over all ranks
         if rank == 0:
-            print(f"step {step}/{args.steps}  loss {mean.item():.4f}  {time.perf_counter() - start:.1f}s", flush=True)
+            norm = "" if optimizer.grad_norm is None else f"  grad norm {float(optimizer.grad_norm):.3f}"
+            print(
+                f"step {step}/{args.steps}  loss {mean.item():.4f}{norm}  {time.perf_counter() - start:.1f}s",
+                flush=True,
+            )
         if not math.isfinite(mean.item()):
             return 1
     state = checkpoint_state(model, optimizer)

@@ -18,6 +18,14 @@ as ``<slot>.element_codes`` (a code per element, 4-bit codes unpacked) and
 codecs. Loaded on any number of ranks, each shard's blocks are rebuilt from its elements: bit for
 bit where every block's elements share one scale (the same sharding, or shards starting on
 multiples of the block size), else decoded exactly and re-encoded (with the rounding warning).
+DCP's ``get_optimizer_state_dict`` drops the top-level ``"fusedopt"`` entry, so for sharded
+parameters its optimizer-wide part (format, algorithm, seed, skipped-update counter, the clipping
+history's totals) is also written into every saved param group under ``"fusedopt"``, and each
+parameter's clipping history into its own ``"fusedopt"`` entry, as plain Python values. DCP
+loads into a template the loading optimizer makes, and fails on a key the checkpoint lacks, so each
+history is one tuple (a single entry for DCP) or None, present whether the optimizer clips or not:
+``max_grad_norm`` may be turned on or off at a resume. Loading reads them where the top-level entry
+is missing.
 """
 
 from __future__ import annotations
@@ -71,7 +79,61 @@ def state_dict(optimizer, packed: dict) -> dict:
     if optimizer._released_clipping is not None:  # the history of clipping under release (clipping.py)
         pids = {optimizer.param_index(p): i for i, p in enumerate(params)}
         packed["fusedopt"]["release_clipping"] = optimizer._released_clipping.state_dict(pids)
+    if sharded:
+        _fold_for_dcp(packed, sharded)
     return packed
+
+
+def _number(t):
+    """A 0-d tensor as a Python number (float64 values exactly); None stays None."""
+    return None if t is None else t.item()
+
+
+def _fold_for_dcp(packed: dict, sharded: list[int]) -> None:
+    """Copy the top-level ``"fusedopt"`` entry where DCP keeps it (see the module docstring)."""
+    meta = packed["fusedopt"]
+    wide = {key: meta[key] for key in ("format", "algorithm", "seed")}
+    wide["num_skipped_updates"] = _number(meta["num_skipped_updates"])
+    clipping = meta.get("release_clipping")
+    wide["release_clipping"] = None
+    if clipping is not None:
+        wide["release_clipping"] = (clipping["method"], _number(clipping["known"]), _number(clipping["last_total"]))
+    for i in sharded:
+        entry = None if clipping is None else clipping["params"].get(i)
+        if entry is not None:
+            entry = (_number(entry.get("norm_sq")), _number(entry.get("average")), entry.get("updates"))
+        packed["state"][i][STATE_META]["release_clipping"] = entry
+    for group in packed["param_groups"]:
+        group[STATE_META] = dict(wide)
+
+
+def _unfold_from_dcp(saved_groups: list[dict]) -> dict | None:
+    """The top-level ``"fusedopt"`` entry rebuilt from the param groups' copies (None: none), its
+    per-parameter clipping history left to fill (``params``)."""
+    wide = next((g[STATE_META] for g in saved_groups if isinstance(g.get(STATE_META), dict)), None)
+    if wide is None:
+        return None
+    meta = dict(wide)
+    clipping = meta.pop("release_clipping", None)
+    if clipping is not None:
+        method, known, last_total = clipping
+        meta["release_clipping"] = {"method": method, "known": _tensor(known), "last_total": _tensor(last_total)}
+        meta["release_clipping"]["params"] = {}
+    return meta
+
+
+def _unfold_history(folded) -> dict:
+    """A parameter's clipping history as ``ReleaseClipping.state_dict`` holds it, from its folded tuple."""
+    norm_sq, average, updates = folded
+    entry = {} if norm_sq is None else {"norm_sq": _tensor(norm_sq)}
+    if average is not None:
+        entry.update(average=_tensor(average), updates=updates)
+    return entry
+
+
+def _tensor(value):
+    """A folded number back as the float64 device-independent tensor the clipping history holds."""
+    return None if value is None else torch.tensor(value, dtype=torch.float64)
 
 
 # a sharded parameter's saved state: the codec names and the element-wise layout
@@ -187,11 +249,14 @@ def _from_elements(p: torch.Tensor, saved: dict, names: dict, signed_of, where: 
 
 def _load_release_clipping(optimizer, meta: dict | None, ids: dict):
     """The history of clipping under release from a checkpoint, in a new ``ReleaseClipping`` (None:
-    nothing to load, or this optimizer does not clip)."""
-    saved = meta.get("release_clipping") if meta is not None else None
-    if saved is None or optimizer._released_clipping is None:
+    this optimizer does not clip). A checkpoint without one gives an empty history: the optimizer's
+    own (DCP's template step made one of zeros) would not belong to the loaded state."""
+    if optimizer._released_clipping is None:
         return None
+    saved = meta.get("release_clipping") if meta is not None else None
     clipping = ReleaseClipping(optimizer.max_grad_norm, optimizer.release_clipping)
+    if saved is None:
+        return clipping
     indices = {pid: (optimizer.param_index(p), p.device) for pid, (p, _) in ids.items()}
     try:
         clipping.load_state_dict(saved, indices)
@@ -217,6 +282,9 @@ def load_state_dict(optimizer, saved: dict) -> None:
             saved = result
 
     meta = saved.get("fusedopt")
+    folded = meta is None  # through DCP: the entry is rebuilt from the copies it keeps
+    if folded:
+        meta = _unfold_from_dcp(saved["param_groups"])
     if meta is not None:
         if meta.get("format", 0) > FORMAT:
             raise ValueError(f"checkpoint format {meta.get('format')} is newer than this fusedopt ({FORMAT})")
@@ -256,6 +324,9 @@ def load_state_dict(optimizer, saved: dict) -> None:
             meta_p = param_state.pop(STATE_META, None)
             if isinstance(meta_p, dict):
                 names = dict(meta_p.get("codecs", {}))
+                history = meta_p.get("release_clipping")
+                if folded and meta is not None and "release_clipping" in meta and history is not None:
+                    meta["release_clipping"]["params"][pid] = _unfold_history(history)
                 if meta_p.get("layout") == "elementwise":
                     signed_of = lambda slot: slot not in optimizer.nonnegative_slots  # noqa: E731
                     _from_elements(p, param_state, names, signed_of, where)
@@ -294,8 +365,8 @@ def load_state_dict(optimizer, saved: dict) -> None:
 def _merge_group(optimizer, group: dict, saved_group: dict) -> dict:
     merged = dict(group)
     for key, value in saved_group.items():
-        if key == "params" or key in _IGNORED_FOREIGN_KEYS:
-            continue
+        if key in ("params", STATE_META) or key in _IGNORED_FOREIGN_KEYS:
+            continue  # (STATE_META: fusedopt's optimizer-wide entry, folded for DCP)
         if key == "amsgrad" and key not in optimizer.defaults:
             if value:
                 raise ValueError("checkpoint was saved with amsgrad=True, which fusedopt does not support")
@@ -481,7 +552,7 @@ def torch_state_dict(optimizer) -> dict:
             for slot in optimizer.slots:
                 entry.setdefault(slot, None)
         state[index] = entry
-    fusedopt_only = ("state_bits", "state_format", "master_weight_bits", "min_compress_numel")
+    fusedopt_only = ("state_bits", "state_format", "master_weight_bits", "min_compress_numel", STATE_META)
     groups = []
     for group in packed["param_groups"]:
         torch_group = {k: v for k, v in group.items() if k not in fusedopt_only}

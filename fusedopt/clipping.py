@@ -90,10 +90,17 @@ class ReleaseClipping:
         total = self._seen_total if self._seen_total is not None else self._last_total
         return None if total is None else total.sqrt().float()
 
-    def clip(self, index: int, grads: list[torch.Tensor]) -> None:
+    def clip(self, index: int, grads: list[torch.Tensor], sq: torch.Tensor | None = None) -> None:
         """Scale ``grads`` (parameter ``index``'s gradient and its accumulated buffer) in place by
-        the coefficient of this method's estimate of the global norm."""
-        sq = squared_norm(grads).double()  # float64 sums: a spike's squares come and go without cancellation
+        the coefficient of this method's estimate of the global norm.
+
+        ``sq``: the whole gradient's squared norm (float64) where ``grads`` are one rank's shard of it
+        (summed over the ranks: every rank then computes the same coefficient). A non-finite one
+        makes the coefficient NaN, so every rank skips the parameter, not only the rank whose shard
+        held the non-finite values."""
+        skip_nonfinite = sq is not None
+        if sq is None:
+            sq = squared_norm(grads).double()  # float64 sums: a spike's squares come and go without cancellation
         finite = torch.isfinite(sq)
         sq_finite = torch.where(finite, sq, 0.0)
         if self._seen is None:  # the first gradient of a window
@@ -113,6 +120,8 @@ class ReleaseClipping:
         if self.method == "adagc":
             coefficient = self._adagc(index, sq_finite, finite, coefficient)
         coefficient = coefficient.float()  # fp32, as clip_grad_norm_'s
+        if skip_nonfinite:
+            coefficient = torch.where(finite, coefficient, torch.nan)
         for g in grads:
             g.mul_(coefficient)  # as clip_grad_norm_ multiplies
         new_last = torch.where(finite, sq, last) if last is not None else sq_finite

@@ -10,6 +10,11 @@ know the scaler beforehand (``grad_scaler=scaler``). Each released gradient is u
 scaler's current scale (read from its device tensor: no host synchronisation) and checked for
 non-finite values; ``step()`` hands what was found to the scaler, so ``scaler.update()`` backs off
 as it would have.
+
+Sharded parameters (FSDP2): a rank unscales only its shard, so it alone cannot know whether the
+parameter's gradient is finite. The optimizer sums the shards' squared norms over the ranks
+(``sharding.py``) and passes the verdict as ``skip``: every rank then skips the parameter (its
+gradient made NaN) and records an overflow, so the ranks' updates and the scaler's found_inf agree.
 """
 
 from __future__ import annotations
@@ -41,7 +46,11 @@ class ReleasedUnscaling:
         self._inv_scale: dict[torch.device, torch.Tensor] = {}  # per device, for one update window
         self._found_inf: dict[torch.device, torch.Tensor] = {}
 
-    def unscale_(self, scaler: torch.amp.GradScaler, grads: list[torch.Tensor]) -> None:
+    def unscale_(
+        self, scaler: torch.amp.GradScaler, grads: list[torch.Tensor], skip: torch.Tensor | None = None
+    ) -> None:
+        """Unscale ``grads`` in place; ``skip`` (a 0-d bool device tensor): the whole gradient, over
+        every rank, is not finite, so make these NaN (the update skips them) and record an overflow."""
         device = grads[0].device
         inv_scale = self._inv_scale.get(device)
         if inv_scale is None:
@@ -53,7 +62,18 @@ class ReleasedUnscaling:
                 )
             inv_scale = self._inv_scale[device] = inverse(scale.to(device))
             self._found_inf[device] = torch.zeros((), dtype=torch.float32, device=device)
+        if skip is not None:
+            inv_scale = torch.where(skip, torch.nan, inv_scale)
         unscale_(grads, inv_scale, self._found_inf[device])
+        if skip is not None:
+            self.note_nonfinite(skip)
+
+    def note_nonfinite(self, skip: torch.Tensor) -> None:
+        """Record an overflow when ``skip`` (a 0-d bool device tensor) is set."""
+        found = self._found_inf.get(skip.device)
+        if found is None:
+            found = self._found_inf[skip.device] = torch.zeros((), dtype=torch.float32, device=skip.device)
+        found.masked_fill_(skip, 1.0)
 
     def report(self, scaler: torch.amp.GradScaler, optimizer) -> None:
         """Add what the released gradients showed to the scaler's record for ``optimizer``, which

@@ -16,7 +16,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint
-from .clipping import DEFAULT_CLIP_METHOD, ReleaseClipping, check_clip_method, clip_exactly_
+from .clipping import DEFAULT_CLIP_METHOD, ReleaseClipping, check_clip_method, clip_exactly_, squared_norm
 from .codecs import SUPPORTED_STATE_BITS, MomentCodec, codec_for, codec_named, registered_formats
 from .dispatch import CheckedUpdate, UpdateDispatcher, check_gradient
 from .loss_scaling import ReleasedUnscaling, check_grad_scaler, inverse, unscale_
@@ -24,7 +24,16 @@ from .master import MASTER_CORRECTION, check_master_weight_bits, correction_layo
 from .reference import UpdateMath
 from .release import GradientRelease
 from .rng import valid_seed
-from .sharding import as_sharded, check_sharded_gradient, check_sharded_param, element_offset, is_sharded, local
+from .sharding import (
+    as_sharded,
+    check_sharded_gradient,
+    check_sharded_param,
+    element_offset,
+    is_sharded,
+    local,
+    shard_groups,
+    sum_over_shards,
+)
 from .state_memory import SharedCorrections, pack
 
 # Options that apply to the whole optimizer; a parameter group may not set them.
@@ -113,6 +122,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._position: dict[torch.Tensor, tuple[int, int]] = {}  # param -> (group index, param index)
         self._next_index = 0  # a new parameter's index (a hash input: it never changes or repeats)
         self._offsets: dict[torch.Tensor, int] = {}  # sharded param -> its shard's first global element index
+        self._shard_groups: dict[torch.Tensor, tuple] = {}  # sharded param -> groups its shards span
         self._groups_seen: list = []  # param_groups as _position last saw them (sync_groups)
         self._release: GradientRelease | None = None
         self._corrections = SharedCorrections()
@@ -154,7 +164,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 self.param_groups.pop()
                 raise
         try:
-            self._check_sharded_release(group["params"])
+            self._check_sharded(group["params"])
         except Exception:
             self.param_groups.pop()
             raise
@@ -265,6 +275,15 @@ class FusedOptimizer(torch.optim.Optimizer):
             offset = self._offsets[p] = element_offset(p)
         return offset
 
+    def shard_groups(self, p: torch.Tensor) -> tuple:
+        """The process groups over which ``p``'s gradient is split in shards (empty: each rank has all of it)."""
+        if not is_sharded(p):
+            return ()
+        groups = self._shard_groups.get(p)
+        if groups is None:
+            groups = self._shard_groups[p] = shard_groups(p)
+        return groups
+
     def ensure_state(self, p: torch.Tensor) -> dict:
         """The state of ``p``, created (step 0, zero moments) on first use (of its local shard's
         shape for a sharded parameter)."""
@@ -357,30 +376,13 @@ class FusedOptimizer(torch.optim.Optimizer):
     def grad_scaler(self, scaler) -> None:
         check_grad_scaler(scaler)
         self._grad_scaler = scaler
-        try:
-            self._check_sharded_release(p for g in self.param_groups for p in g["params"])
-        except ValueError:
-            self._grad_scaler = None
-            raise
 
-    def _check_sharded_release(self, params) -> None:
-        """Refuse an algorithm that cannot update a shard on its own (``shardable``), and clipping and
-        loss scaling under release on sharded parameters: each rank's hooks see
-        only its own shard, so neither the global norm nor an overflow elsewhere is known there."""
-        params = list(params)
+    def _check_sharded(self, params) -> None:
+        """Refuse an algorithm that cannot update a shard on its own (``shardable``)."""
         if not self.shardable and any(is_sharded(p) for p in params):
             raise ValueError(
                 f"fusedopt.{type(self).__name__} does not support sharded (FSDP2) parameters yet: its update "
                 "needs statistics of the whole tensor (rows, columns, norms), and a rank holds only its shard"
-            )
-        if not self.fused or (self.max_grad_norm is None and self._grad_scaler is None):
-            return
-        if any(is_sharded(p) for p in params):
-            option = "max_grad_norm" if self.max_grad_norm is not None else "grad_scaler"
-            raise ValueError(
-                f"fused=True with {option} on sharded (FSDP2) parameters is not supported yet: each rank's "
-                "release hooks see only its own shard of each gradient, so the global norm (or an overflow on "
-                "another rank) is not known when a shard is updated. Use fused=False under FSDP2 to clip or scale"
             )
 
     def _releasing(self) -> bool:
@@ -388,14 +390,34 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def prepare_released_gradient(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None) -> None:
         """Unscale (``grad_scaler``) and clip (``max_grad_norm``) a gradient gradient release is about
-        to update ``p`` from, in place, with its accumulated buffer."""
-        if self.grad_scaler is None and self._released_clipping is None:
+        to update ``p`` from, in place, with its accumulated buffer (local tensors: a sharded
+        parameter's shard)."""
+        scaler, clipping = self.grad_scaler, self._released_clipping
+        if scaler is not None and not scaler.is_enabled():
+            scaler = None
+        if scaler is None and clipping is None:
             return
         grads = [grad] if accum is None else [grad, accum]
-        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
-            self._released_unscaling.unscale_(self.grad_scaler, grads)
-        if self._released_clipping is not None:
-            self._released_clipping.clip(self.param_index(p), grads)
+        groups = self.shard_groups(p)
+        if not groups:  # this rank holds the whole gradient
+            if scaler is not None:
+                self._released_unscaling.unscale_(scaler, grads)
+            if clipping is not None:
+                clipping.clip(self.param_index(p), grads)
+            return
+        # The gradient is split over ranks: one all-reduce of its squared norm serves the clipping
+        # estimate and the verdict every rank must share on skipping it (sharding.py).
+        if clipping is None:
+            # the scaled gradient's norm: not finite exactly where the unscaled one is not
+            sq = sum_over_shards(squared_norm(grads).double(), groups)
+            self._released_unscaling.unscale_(scaler, grads, skip=~torch.isfinite(sq))
+            return
+        if scaler is not None:
+            self._released_unscaling.unscale_(scaler, grads)
+        sq = sum_over_shards(squared_norm(grads).double(), groups)
+        if scaler is not None:
+            self._released_unscaling.note_nonfinite(~torch.isfinite(sq))
+        clipping.clip(self.param_index(p), grads, sq)
 
     def _unscale_and_clip(self, updates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> None:
         """step()'s gradients (parameter, gradient, accumulated buffer), in place: unscaled by a
@@ -408,7 +430,13 @@ class FusedOptimizer(torch.optim.Optimizer):
                 "already updated parameters inside backward from the scaled gradients. Pass grad_scaler=scaler to "
                 "the optimizer (or set opt.grad_scaler = scaler) before the first backward"
             )
-        if releasing and self.grad_scaler is not None and not hasattr(self, "grad_scale") and updates:
+        if (
+            releasing
+            and self.grad_scaler is not None
+            and not hasattr(self, "grad_scale")
+            and updates
+            and self._release.hooks_ran()  # (not torch.distributed.checkpoint's zero-gradient step)
+        ):
             raise RuntimeError(
                 "step() of a fused=True optimizer with a grad_scaler was called directly while gradients wait for "
                 "it: call scaler.step(optimizer), which hands step() the scale to unscale them with"
@@ -417,17 +445,40 @@ class FusedOptimizer(torch.optim.Optimizer):
             inv_scale = inverse(grad_scale)
             found_inf = torch.zeros((), dtype=torch.float32, device=inv_scale.device)  # the scaler has checked
             for _, grad, accum in updates:
-                unscale_([g for g in (grad, accum) if g is not None], inv_scale.to(grad.device), found_inf)
+                grads = [local(g) for g in (grad, accum) if g is not None]
+                unscale_(grads, inv_scale.to(grads[0].device), found_inf)
+        if releasing:  # the rest of the window, as release treated the rest
+            self._prepare_rest_of_window(updates, scaled=grad_scale is not None)
         if releasing and self.grad_scaler is not None:
             self._released_unscaling.report(self.grad_scaler, self)
-        if self.max_grad_norm is None or not updates:
-            return
-        if releasing:  # the rest of the window, clipped as release clipped the rest
-            for p, grad, accum in updates:
-                self._released_clipping.clip(self.param_index(p), [grad] if accum is None else [grad, accum])
-        else:  # exactly torch.nn.utils.clip_grad_norm_ over every gradient of this step (no host sync)
+        if self.max_grad_norm is not None and updates and not releasing:
+            # exactly torch.nn.utils.clip_grad_norm_ over every gradient of this step (no host sync)
             tensors = [g for _, grad, accum in updates for g in (grad, accum) if g is not None]
             self._grad_norm = clip_exactly_(tensors, self.max_grad_norm)
+
+    def _prepare_rest_of_window(self, updates, *, scaled: bool) -> None:
+        """Clip the (unscaled) gradients ``step()`` updates for a releasing optimizer, as release
+        clips; a sharded parameter's, against its whole gradient's norm, and, where it is not finite
+        (a clipping or loss-scaling run), skipped on every rank and reported to the scaler."""
+        clipping = self._released_clipping
+        if clipping is None and not scaled:
+            return
+        for p, grad, accum in updates:
+            grads = [local(g) for g in (grad, accum) if g is not None]
+            groups = self.shard_groups(p)
+            if not groups:
+                if clipping is not None:
+                    clipping.clip(self.param_index(p), grads)
+                continue
+            sq = sum_over_shards(squared_norm(grads).double(), groups)
+            skip = ~torch.isfinite(sq)
+            if scaled:
+                self._released_unscaling.note_nonfinite(skip)
+            if clipping is not None:
+                clipping.clip(self.param_index(p), grads, sq)
+            else:
+                for g in grads:
+                    g.mul_(torch.where(skip, torch.nan, 1.0))
 
     # --- the update ------------------------------------------------------------------------
 

@@ -8,6 +8,11 @@ dimension ``Shard(0)`` or ``Replicate()``. Each shard then knows its first eleme
 whole parameter (``element_offset``); the random draws of stochastic rounding are indexed by the
 global element index, so they do not depend on the number of ranks.
 
+A hook sees only its rank's shard of a gradient. What needs the whole gradient (its norm, for
+clipping; whether it is finite, for skipping it) comes from one all-reduce of the shard's squared
+norm over the ranks that shard it (``shard_groups``): the mesh dimensions placed ``Shard(0)``. A
+``Replicate()`` dimension holds copies of the same reduced gradient, which must not be counted twice.
+
 Checkpoints (``torch.distributed.checkpoint``) hold every state entry of a sharded parameter as a
 DTensor of the parameter's global shape and placements, so DCP can reshard it (``checkpoint.py``).
 """
@@ -81,3 +86,25 @@ def check_sharded_gradient(p: torch.Tensor, grad: torch.Tensor) -> None:
 def as_sharded(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """The local tensor ``t`` (of ``p``'s local shape) as a DTensor laid out as ``p``."""
     return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def shard_groups(p: torch.Tensor) -> tuple:
+    """The process groups whose ranks' local shards together make up ``p``: one per mesh dimension
+    that shards it (``Shard(0)``) over more than one rank. Empty for a plain tensor, or where every
+    rank holds all of ``p``."""
+    if not is_sharded(p):
+        return ()
+    mesh = p.device_mesh
+    return tuple(
+        mesh.get_group(dim)
+        for dim, placement in enumerate(p.placements)
+        if isinstance(placement, Shard) and mesh.size(dim) > 1
+    )
+
+
+def sum_over_shards(t: torch.Tensor, groups: tuple) -> torch.Tensor:
+    """Sum ``t`` in place over every rank of ``groups`` (``shard_groups``). An all-reduce enqueued
+    on the current stream: no host synchronisation (NCCL); gloo on CPU blocks, as CPU work does."""
+    for group in groups:
+        torch.distributed.all_reduce(t, group=group)
+    return t

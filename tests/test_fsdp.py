@@ -349,6 +349,178 @@ def _clipping(rank, world_size, out):
 test_clipping_with_fused_false_under_fsdp2_equals_one_process = scenario((TWO, _clipping))
 
 
+# --- clipping and loss scaling under release (fused=True) --------------------------------
+
+
+def own_mesh():
+    """A device mesh of this rank alone: ``fully_shard`` over it is a one-process run on the whole
+    batch that calls the release hooks in the same order as the sharded run (plain autograd does not)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank creates every group
+    return DeviceMesh.from_group(groups[dist.get_rank()], "cpu")
+
+
+def train_step(model, opt, rank, world_size, step, dtype=torch.float32, scaler=None) -> torch.Tensor:
+    """One step (with ``scaler``: fp16-style loss scaling); returns ``opt.grad_norm`` (gathered)."""
+    loss = loss_of(model, local_batch(step, rank, world_size, dtype))
+    if scaler is None:
+        loss.backward()
+        opt.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    opt.zero_grad()
+    return None if opt.grad_norm is None else full(opt.grad_norm).clone()
+
+
+def same_on_every_rank(t: torch.Tensor) -> bool:
+    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, t.contiguous())
+    return all(torch.equal(g, t) for g in gathered)
+
+
+def _release_clipping(rank, world_size, out):
+    """max_grad_norm with fused=True: each parameter's norm is its whole gradient's (an all-reduce
+    of the shards' squared norms), so every rank clips alike."""
+    # nothing clips: fused=True equals fused=False bit for bit (4-bit state, bf16), and grad_norm is
+    # the same norm (fused=False's is in the gradients' dtype, bf16; fp32 below)
+    results = []
+    for fused in (False, True):
+        model = shard(make_mlp(torch.bfloat16))
+        opt = fusedopt.AdamW(
+            model.parameters(), lr=1e-2, state_bits=4, min_compress_numel=0, fused=fused, max_grad_norm=100.0
+        )
+        norms = [train_step(model, opt, rank, world_size, step, torch.bfloat16).float() for step in range(3)]
+        results.append((params_of(model), state_of(opt), torch.stack(norms)))
+    assert_equal(results[1][0], results[0][0], "nothing clipped, parameters")
+    assert_equal(results[1][1], results[0][1], "nothing clipped, state")
+    torch.testing.assert_close(results[1][2], results[0][2], rtol=2**-7, atol=0)
+    # clipping at every step: 2 ranks equal one process (the same hook order) within fp32 round-off
+    mesh = own_mesh()
+    runs = []
+    for alone in (False, True):  # "adagc": the default "scaled" estimate and a per-tensor average on top
+        model = shard(make_mlp(), mesh=mesh) if alone else shard(make_mlp())
+        opt = fusedopt.AdamW(
+            model.parameters(), lr=1e-2, state_bits=32, fused=True, max_grad_norm=0.05, release_clipping="adagc"
+        )
+        ranks = (0, 1) if alone else (rank, world_size)
+        norms = torch.stack([train_step(model, opt, *ranks, step) for step in range(4)])
+        runs.append((params_of(model), norms))
+    (two, two_norms), (one, one_norms) = runs
+    assert (one_norms > 0.05).all(), one_norms  # clipped at every step
+    assert same_on_every_rank(two_norms)
+    torch.testing.assert_close(two_norms, one_norms, rtol=1e-5, atol=0)
+    for got, want in zip(two, one):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    # updates left to step(): set_requires_gradient_sync(False) on the first of two micro-batches
+    # and accumulation_steps=2 (step() clips them, against the same reduced norms)
+    runs = []
+    for fused, alone, clip in ((False, False, 100.0), (True, False, 100.0), (True, False, 0.05), (True, True, 0.05)):
+        model = shard(make_mlp(), mesh=mesh) if alone else shard(make_mlp())
+        opt = fusedopt.AdamW(
+            model.parameters(), lr=1e-2, state_bits=32, fused=fused, max_grad_norm=clip, accumulation_steps=2
+        )
+        ranks = (0, 1) if alone else (rank, world_size)
+        norms = []
+        for step in range(3):
+            train(model, opt, *ranks, steps=1, first_step=step, micro=2, no_sync=True)
+            norms.append(full(opt.grad_norm).float())
+        runs.append((params_of(model), torch.stack(norms)))
+    assert_equal(runs[1][0], runs[0][0], "accumulated in FSDP2, nothing clipped, parameters")
+    torch.testing.assert_close(runs[1][1], runs[0][1], rtol=1e-6, atol=0)
+    assert (runs[3][1] > 0.05).all()
+    torch.testing.assert_close(runs[2][1], runs[3][1], rtol=1e-5, atol=0)
+    for got, want in zip(runs[2][0], runs[3][0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    # HSDP: the replicas hold the same reduced gradient, so the norm is not summed over them
+    from torch.distributed.device_mesh import init_device_mesh
+
+    hsdp = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("replicate", "shard"))
+    model = shard(make_mlp(), mesh=hsdp)
+    opt = fusedopt.AdamW(
+        model.parameters(), lr=1e-2, state_bits=32, fused=True, max_grad_norm=0.05, release_clipping="adagc"
+    )
+    norms = torch.stack([train_step(model, opt, rank, world_size, step) for step in range(4)])
+    torch.testing.assert_close(norms, one_norms, rtol=1e-5, atol=0)
+    for got, want in zip(params_of(model), one):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+test_clipping_with_fused_true_under_fsdp2 = scenario((TWO, _release_clipping))
+
+
+def poison_on_rank(p: torch.Tensor, rank: int, when: dict) -> None:
+    """Make one element of ``rank``'s shard of ``p``'s gradient infinite while ``when["now"]``: a hook
+    registered before the optimizer's runs first, as an overflow in one shard would look to it."""
+
+    def hook(param):
+        if when["now"] and dist.get_rank() == rank:
+            local(param.grad).view(-1)[0] = float("inf")
+
+    p.register_post_accumulate_grad_hook(hook)
+
+
+def _release_loss_scaling(rank, world_size, out):
+    """grad_scaler with fused=True on sharded parameters."""
+    # a power-of-two scale: bit for bit the unscaled run
+    for bits, dtype in ((32, torch.float32), (8, torch.bfloat16)):
+        results = []
+        for scaled in (False, True):
+            model = shard(make_mlp(dtype))
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12) if scaled else None
+            opt = fusedopt.AdamW(
+                model.parameters(), lr=1e-2, state_bits=bits, min_compress_numel=0, fused=True, grad_scaler=scaler
+            )
+            for step in range(3):
+                train_step(model, opt, rank, world_size, step, dtype, scaler)
+            results.append((params_of(model), state_of(opt)))
+        assert_equal(results[1][0], results[0][0], f"scaled, state_bits={bits} {dtype}, parameters")
+        assert_equal(results[1][1], results[0][1], f"scaled, state_bits={bits} {dtype}, state")
+    # an overflow in rank 1's shard of one weight skips that weight on both ranks (clipping or a
+    # scaler makes the verdict common), and the scaler backs off on both
+    for scaled, clip in ((True, None), (False, 0.05), (True, 0.05)):
+        model = shard(make_mlp())
+        target, when = model[2].weight, {"now": False}
+        poison_on_rank(target, 1, when)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12) if scaled else None
+        opt = fusedopt.AdamW(model.parameters(), lr=1e-2, fused=True, grad_scaler=scaler, max_grad_norm=clip)
+        train_step(model, opt, rank, world_size, 0, scaler=scaler)
+        before = params_of(model)
+        when["now"] = True
+        train_step(model, opt, rank, world_size, 1, scaler=scaler)
+        after = params_of(model)
+        what = f"overflow in one shard, scaler={scaled} max_grad_norm={clip}"
+        index = next(i for i, p in enumerate(model.parameters()) if p is target)
+        for i, (a, b) in enumerate(zip(after, before)):
+            updated = "was" if i == index else "was not"
+            assert torch.equal(a, b) == (i == index), f"{what}: parameter {i} {updated} updated"
+        assert int(opt.num_skipped_updates) == 1, what
+        assert all(int(opt.state[p]["step"]) == (1 if p is target else 2) for p in model.parameters()), what
+        if scaled:
+            assert scaler.get_scale() == 2.0**11, f"{what}: the scaler did not back off"
+        assert same_on_every_rank(torch.stack([opt.state[p]["step"] for p in model.parameters()]))
+        opt.state_dict()  # the step counts agree between ranks: it can be saved
+    # without either, no rank knows of another's overflow: only the shard holding it skips, the
+    # step counts differ, and saving says so
+    model = shard(make_mlp())
+    when = {"now": True}
+    poison_on_rank(model[2].weight, 1, when)
+    opt = fusedopt.AdamW(model.parameters(), lr=1e-2, fused=True)
+    train_step(model, opt, rank, world_size, 0)
+    assert int(opt.state[model[2].weight]["step"]) == (0 if rank == 1 else 1)
+    try:
+        opt.state_dict()
+    except RuntimeError as exc:
+        assert "differ between ranks" in str(exc), exc
+    else:
+        raise AssertionError("state with step counts that differ between ranks was saved")
+
+
+test_loss_scaling_with_fused_true_under_fsdp2 = scenario((TWO, _release_loss_scaling))
+
+
 # --- DDP and replicate ---------------------------------------------------------------------
 
 
@@ -440,13 +612,6 @@ def _unsupported(rank, world_size, out):
         else:
             raise AssertionError("a parameter sharded on its last dimension was not refused")
     model = shard(make_mlp())
-    for options in (dict(max_grad_norm=1.0), dict(grad_scaler=torch.amp.GradScaler("cpu"))):
-        try:
-            fusedopt.AdamW(model.parameters(), fused=True, **options)
-        except ValueError as exc:
-            assert "not supported yet" in str(exc), exc
-        else:
-            raise AssertionError(f"fused=True with {options} on sharded parameters was not refused")
     for fused in (False, True):
         try:
             fusedopt.Adafactor(model.parameters(), fused=fused)
@@ -569,3 +734,84 @@ def _load_two_on_one(rank, world_size, out):
 test_checkpoints_through_dcp_between_one_and_two_ranks = scenario(
     (ONE_BEFORE, _save_on_one), (TWO, _checkpoints_on_two), (ONE_AFTER, _load_two_on_one)
 )
+
+
+# --- DCP keeps fusedopt's optimizer-wide entry (seed, skipped updates, clipping history) ----
+
+
+def _clipped(seed=0, when=None):
+    model = shard(make_mlp(torch.bfloat16, seed=1))
+    if when is not None:
+        poison_on_rank(model[2].weight, 1, when)  # before the optimizer's hook
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    opt = fusedopt.AdamW(
+        model.parameters(),
+        lr=1e-2,
+        state_bits=8,
+        min_compress_numel=0,
+        fused=True,
+        max_grad_norm=0.05,
+        release_clipping="adagc",
+        grad_scaler=scaler,
+        seed=seed,  # stochastic rounding draws from it: a lost seed changes the bf16 weights
+    )
+    return model, opt, scaler
+
+
+def wide_entry(opt) -> dict:
+    """The optimizer-wide entry as ``opt.state_dict()`` keeps it (seed, counter, clipping history)."""
+    meta = opt.state_dict()["fusedopt"]
+    return {key: meta[key] for key in ("seed", "num_skipped_updates", "release_clipping")}
+
+
+def assert_same_entry(got, want, what: str) -> None:
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), f"{what}: {got} != {want}"
+        for key in want:
+            assert_same_entry(got[key], want[key], f"{what}.{key}")
+    elif isinstance(want, torch.Tensor):
+        assert torch.equal(got.cpu(), want.cpu()), f"{what}: {got} != {want}"
+    else:
+        assert got == want, f"{what}: {got} != {want}"
+
+
+def _dcp_entry_on_two(rank, world_size, out):
+    when = {"now": False}
+    model, opt, scaler = _clipped(seed=7, when=when)
+    for step in range(2):  # an overflow in one shard at step 1: one skipped update, the scale backs off
+        when["now"] = step == 1
+        train_step(model, opt, rank, world_size, step, torch.bfloat16, scaler)
+    when["now"] = False
+    save(model, opt, out / "clipped")
+    torch.save((wide_entry(opt), scaler.state_dict()), out / f"clipped.rank{rank}.pt")
+    norms = [train_step(model, opt, rank, world_size, step, torch.bfloat16, scaler) for step in (2, 3)]
+    expected = params_of(model), state_of(opt), norms
+    model, opt, scaler = _clipped()
+    load(model, opt, out / "clipped")  # DCP's template comes from a zero-gradient step, with the scaler set
+    entry, scaler_state = torch.load(out / f"clipped.rank{rank}.pt")
+    scaler.load_state_dict(scaler_state)
+    assert_same_entry(wide_entry(opt), entry, "2 -> 2 ranks")
+    assert entry["seed"] == 7 and int(entry["num_skipped_updates"]) == 1
+    norms = [train_step(model, opt, rank, world_size, step, torch.bfloat16, scaler) for step in (2, 3)]
+    assert_equal(params_of(model), expected[0], "resumed with clipping history, parameters")
+    assert_equal(state_of(opt), expected[1], "resumed with clipping history, state")
+    assert_equal(norms, expected[2], "resumed with clipping history, grad_norm")
+
+
+def _dcp_entry_on_one(rank, world_size, out):
+    model, opt, _ = _clipped()
+    load(model, opt, out / "clipped")
+    entry, _ = torch.load(out / "clipped.rank0.pt")
+    assert_same_entry(wide_entry(opt), entry, "2 -> 1 rank")
+    # max_grad_norm turned off, then on again, at a resume: DCP finds every key its template asks for
+    model = shard(make_mlp(torch.bfloat16, seed=1))
+    opt = fusedopt.AdamW(model.parameters(), lr=1e-2, state_bits=8, min_compress_numel=0, fused=True)
+    load(model, opt, out / "clipped")
+    assert opt.seed == 7 and opt.grad_norm is None
+    save(model, opt, out / "unclipped")
+    model, opt, _ = _clipped()
+    load(model, opt, out / "unclipped")
+    assert opt.seed == 7 and opt.grad_norm is None  # no history: the next backward starts one
+
+
+test_dcp_keeps_seed_counter_and_clipping_history = scenario((TWO, _dcp_entry_on_two), (ONE_AFTER, _dcp_entry_on_one))
