@@ -116,7 +116,7 @@ CONFIGS.update(
         ),
     }
 )
-PEAK_LR = {k: 1e-2 for k in ("adafactor-fp32", "adafactor", "adafactor-m8", "adafactor-m4")}
+PEAK_LR = {k: 0.3 for k in ("adafactor-fp32", "adafactor", "adafactor-m8", "adafactor-m4")}
 # Also paired against these (configuration -> references besides fp32 AdamW) in the report.
 ALSO_AGAINST = {
     "adafactor-fp32": ("default",),
