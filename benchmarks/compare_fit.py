@@ -18,6 +18,12 @@ then bisects to ``--resolution`` layers. All trials of one optimizer run in one 
 (one JIT / torch.compile per library); memory left allocated between trials is recorded. Results
 merge into ``--out`` per (key, budget); ``--budget-s`` starts no optimizer whose search would
 not finish in time.
+
+``--base PRESET`` searches another family's depth; ``--layers N`` trains that one depth instead of
+searching (``--base 7b --layers 32``: the Llama-2-7B shape, 6.74B parameters): whether it trains
+in the budget, its peak and its step time (median of the steps after the first).
+
+    python benchmarks/compare_fit.py --budgets 24 --base 7b --layers 32 --steps 6 --only AFR,FO4NR --out fit_7b.json
 """
 
 from __future__ import annotations

@@ -13,7 +13,11 @@ training steps on random tokens in its own process through ``fusedopt.profile``:
 steps, one tracked step (peak, persistent, breakdown of the peak, phase holding it), then
 timed steps whose median is the step time of part 3. Ratios are to torch AdamW with fp32
 parameters and bf16 autocast (key A). Results merge into ``--out`` by key, so a part can run
-in slices (``--only``) and a killed run keeps what it finished.
+in slices (``--only``) and a killed run keeps what it finished. Each row also holds what the
+planner (``fusedopt-profile plan``) predicts for it without a measurement, reported beside it.
+The line-up's AF* keys are fusedopt.Adafactor (``benchmarks/competitors.py``):
+
+    python benchmarks/compare_memory.py --regime a --only A,FOR,FO4R,AFR,AFM8R,AFM4R --out $OUT/memory_af.json
 """
 
 from __future__ import annotations
