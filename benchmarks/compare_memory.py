@@ -111,7 +111,8 @@ def report(data: dict) -> str:
             planner.append(
                 [key, f"{p['state_corr_per_param']:.3f}", f"{measured:.3f}"]
                 + [f"{p['persistent'] / scale:.2f}", f"{r['persistent'] / scale:.2f}"]
-                + [f"{p['peak'] / scale:.2f}", f"{r['peak'] / scale:.2f}", p["source"]]
+                + [f"{p['peak'] / scale:.2f}" + ("+" if p["activations"] is None else ""), f"{r['peak'] / scale:.2f}"]
+                + [p["source"]]
             )
         ratio = {k: f"{r[k] / ref[k]:.2f}" if ref else "-" for k in ("peak", "persistent")}
         n = r["num_params"]
@@ -138,7 +139,8 @@ def report(data: dict) -> str:
     if planner:
         lines += [
             "",
-            "The planner's prediction (fusedopt-profile plan, no measurement; activations estimated) against it",
+            "The planner's prediction (fusedopt-profile plan, no measurement; activations estimated from the "
+            "embedded model's shape, '+': not included, a Hugging Face model) against the measurement",
             compare_io.table(
                 ["key", "state+corr B/param: plan", "measured", f"persistent {unit}: plan", "measured"]
                 + [f"peak {unit}: plan", "measured", "plan from"],
