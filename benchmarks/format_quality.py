@@ -108,6 +108,11 @@ CONFIGS.update(
             "Adafactor, no momentum, fp32 master weights (its own reference)",
         ),
         "adafactor": (torch.bfloat16, _adafactor(beta1=None), "Adafactor, no momentum, 24-bit master"),
+        "adafactor-m32": (
+            torch.bfloat16,
+            _adafactor(beta1=0.9, state_bits=32, master_weight_bits=32),
+            "Adafactor, fp32 momentum, fp32 master weights (the momentum configurations' reference)",
+        ),
         "adafactor-m8": (torch.bfloat16, _adafactor(beta1=0.9), "Adafactor, 8-bit momentum, 24-bit master"),
         "adafactor-m4": (
             torch.bfloat16,
@@ -116,13 +121,14 @@ CONFIGS.update(
         ),
     }
 )
-PEAK_LR = {k: 0.3 for k in ("adafactor-fp32", "adafactor", "adafactor-m8", "adafactor-m4")}
+PEAK_LR = {k: 0.3 for k in ("adafactor-fp32", "adafactor", "adafactor-m32", "adafactor-m8", "adafactor-m4")}
 # Also paired against these (configuration -> references besides fp32 AdamW) in the report.
 ALSO_AGAINST = {
     "adafactor-fp32": ("default",),
     "adafactor": ("default", "adafactor-fp32"),
-    "adafactor-m8": ("default", "adafactor-fp32"),
-    "adafactor-m4": ("default", "adafactor-fp32"),
+    "adafactor-m32": ("default", "adafactor-fp32"),
+    "adafactor-m8": ("default", "adafactor-fp32", "adafactor-m32"),
+    "adafactor-m4": ("default", "adafactor-fp32", "adafactor-m32"),
 }
 
 

@@ -202,12 +202,14 @@ def test_format_quality_keys_take_their_own_peak_lr_and_pair_with_more_reference
     group = fq.CONFIGS["adafactor"][1]([param], 0.3).param_groups[0]
     assert group["lr"] * group["weight_decay"] == pytest.approx(3e-3 * fq.HPARAMS["weight_decay"])
     losses = {"fp32": [1.0, 2.0], "default": [1.1, 2.2], "adafactor-fp32": [1.2, 2.0], "adafactor-m4": [1.32, 2.1]}
+    losses["adafactor-m32"] = [1.1, 2.1]
     runs = [{"key": k, "seed": s, "label": k, "final_eval": v} for k, vs in losses.items() for s, v in enumerate(vs)]
     also = fq.also_against(runs, [0, 1])
-    assert set(also) == {"default", "adafactor-fp32"}
-    assert [r["key"] for r in also["adafactor-fp32"]] == ["adafactor-m4"]
+    assert set(also) == {"default", "adafactor-fp32", "adafactor-m32"}
+    assert [r["key"] for r in also["adafactor-fp32"]] == ["adafactor-m4", "adafactor-m32"]
     assert also["adafactor-fp32"][0]["diff_pct"] == pytest.approx([10.0, 5.0])
-    assert [r["key"] for r in also["default"]] == ["adafactor-fp32", "adafactor-m4"]
+    assert [r["key"] for r in also["adafactor-m32"]] == ["adafactor-m4"]  # compressed momentum against fp32's
+    assert [r["key"] for r in also["default"]] == ["adafactor-fp32", "adafactor-m4", "adafactor-m32"]
     assert "paired against adafactor-fp32" in fq.report(fq.summarise(runs, [0, 1]), {"lr": 3e-3}, also)
 
 
