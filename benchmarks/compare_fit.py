@@ -19,11 +19,9 @@ then bisects to ``--resolution`` layers. All trials of one optimizer run in one 
 merge into ``--out`` per (key, budget); ``--budget-s`` starts no optimizer whose search would
 not finish in time.
 
-``--base PRESET`` searches another family's depth; ``--layers N`` trains that one depth instead of
-searching (``--base 7b --layers 32``: the Llama-2-7B shape, 6.74B parameters): whether it trains
-in the budget, its peak and its step time (median of the steps after the first).
-
-    python benchmarks/compare_fit.py --budgets 24 --base 7b --layers 32 --steps 6 --only AFR,FO4NR --out fit_7b.json
+``--base PRESET`` searches the depth of another width (``--base 7b``: Llama-2-7B's d_model 4096;
+``benchmarks/fit_7b.py`` trains the 7B shape itself on real text). Each result also holds the peak
+and the step time (median of the steps after the first) at the largest depth.
 """
 
 from __future__ import annotations
@@ -215,8 +213,6 @@ def _worker_args(entry, args, budgets: list[int]) -> list[str]:
     cmd = ["--only", entry.key, "--device", args.device, "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
     cmd += ["--max-trials", str(args.max_trials), "--activations-gib", str(args.activations_gib)]
     cmd += ["--process-per-trial", args.process_per_trial, "--base", args.base]
-    if args.layers:
-        cmd += ["--layers", str(args.layers)]
     if args.budgets_mib:
         cmd += ["--budgets-mib", ",".join(str(b / MIB) for b in budgets)]
     else:
@@ -247,7 +243,7 @@ def worker(args) -> int:
         _cap_memory(args, budget, device)
         config = entry.optimizer_config()
         activations = args.activations_gib * GIB if device == "cuda" else 0
-        guess = args.layers or predicted_layers(config, budget, args.shape, activations, args.base)
+        guess = predicted_layers(config, budget, args.shape, activations, args.base)
         resolution = args.resolution or max(1, guess // 50)
         trials: list[dict] = []
         t0 = time.perf_counter()
@@ -263,10 +259,7 @@ def worker(args) -> int:
             return trials[-1]["ok"]
 
         try:
-            if args.layers:  # one shape, no search
-                best = args.layers if fits(args.layers) else 0
-            else:
-                best = largest(fits, guess, resolution, args.max_trials)
+            best = largest(fits, guess, resolution, args.max_trials)
         except LeakedTrial as exc:
             with open(args.worker_out, "w") as f:
                 json.dump({"error": str(exc)}, f)
@@ -295,11 +288,11 @@ def _median_step_ms(trial_result: dict) -> float | None:
     return statistics.median(later) if later else None
 
 
-def _cell(x: dict | None, unit: int, fixed: int | None) -> str:
+def _cell(x: dict | None, unit: int) -> str:
     if x is None:
         return "-"
     if not x["layers"]:
-        return f"does not train at {fixed} layers" if fixed else "not even 1 layer"
+        return "not even 1 layer"
     text = f"{x['layers']} layers, {x['params'] / 1e9:.2f}B"
     extra = []
     if x.get("peak_at_largest") is not None:
@@ -314,18 +307,12 @@ def report(data: dict) -> str:
     s = data["settings"]
     unit = GIB if s["device"] == "cuda" else MIB
     headers = ["key", "optimizer"] + [f"{int(b) / unit:.0f} {'GiB' if unit == GIB else 'MiB'}" for b in budgets]
-    fixed = s.get("layers")
     rows = []
     for key, r in data["rows"].items():
         if not r.get("ok"):
             continue
-        rows.append([key, r["label"]] + [_cell(r["budgets"].get(b), unit, fixed) for b in budgets])
-    shape = family(1, s["shape"], s.get("base", BASE))
-    if fixed:
-        title = f"the {s.get('base', BASE)} shape at {fixed} layers ({family(fixed, s['shape'], s.get('base', BASE))})"
-        lines = [f"does it train: {title}, {s['steps']} steps", ""]
-    else:
-        lines = [f"largest depth that trains (d_model {shape.d_model})", ""]
+        rows.append([key, r["label"]] + [_cell(r["budgets"].get(b), unit) for b in budgets])
+    lines = [f"largest depth that trains (d_model {family(1, s['shape'], s.get('base', BASE)).d_model})", ""]
     lines.append(compare_io.table(headers, rows))
     return "\n".join(lines + compare_io.not_measured(data))
 
@@ -375,7 +362,6 @@ def main(argv=None) -> int:
     parser.add_argument("--budgets-mib", help="memory budgets in MiB (CPU smoke tests: tensor bytes, no cap)")
     parser.add_argument("--base", default=BASE, choices=sorted(PRESETS), help=f"the family's preset (default {BASE})")
     parser.add_argument("--shape", help="override of the base shape (depth is searched), e.g. for CPU smoke tests")
-    parser.add_argument("--layers", type=int, help="no search: train this depth only (--base 7b --layers 32: Llama 7B)")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=2, help="steps a trial must complete (default 2)")
     parser.add_argument("--resolution", type=int, help="stop bisecting at this many layers (default 2%% of guess)")
@@ -417,8 +403,8 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     data = compare_io.load(args.out)
     settings = {"device": args.device, "shape": args.shape, "seq_len": args.seq_len, "steps": args.steps}
-    if args.base != BASE or args.layers:  # only then: results files of the default search stay valid
-        settings.update(base=args.base, layers=args.layers)
+    if args.base != BASE:  # only then: results files of the default family stay valid
+        settings["base"] = args.base
     if data.get("settings") != settings:
         data = {"settings": settings, "rows": {}}
     data["env"] = compare_io.environment()

@@ -29,7 +29,9 @@ the seeds; ``KEY@LR`` runs a configuration at another peak lr (``--only adafacto
 a sweep). The Adafactor configurations take their own peak lr (``PEAK_LR``: its lr is a relative
 step, not AdamW's) and are also paired against fusedopt's AdamW default and, when compressed,
 against fp32 Adafactor. Results are appended to ``--out`` run by run, and runs already there (same
-settings) are skipped, so an interrupted run resumes.
+settings) are skipped, so an interrupted run resumes. ``--jobs N`` trains N runs at a time in
+separate processes (the model is small, so one GPU is far from busy with one run); each run is
+still alone in its process, so the results do not depend on N.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import time
@@ -306,6 +309,58 @@ def _noise(rows: list[dict]) -> float | None:
     return math.sqrt(statistics.fmean(g * g for g in gaps))
 
 
+def _merge_parts(out: str, data: dict) -> None:
+    """Move the runs of worker part files (``OUT.partN``, same settings) into ``data`` and ``out``."""
+    import glob
+
+    for part in sorted(glob.glob(glob.escape(out) + ".part*")):
+        with open(part) as f:
+            saved = json.load(f)
+        if saved.get("settings") == data["settings"]:
+            have = {(r["key"], r["seed"]) for r in data["runs"]}
+            data["runs"] += [r for r in saved["runs"] if (r["key"], r["seed"]) not in have]
+        os.remove(part)
+    with open(out, "w") as f:
+        json.dump(data, f, indent=1)
+
+
+def _run_workers(argv: list[str], todo: list[tuple[str, int]], args, data: dict) -> None:
+    """Train ``todo`` in ``args.jobs`` worker processes, each with its own part file, then merge."""
+    import subprocess
+    import tempfile
+
+    out = args.out or os.path.join(tempfile.mkdtemp(), "quality.json")
+    passthrough, skip = [], False
+    for a in argv:  # drop the parent's --jobs and --out (each worker writes its own part file)
+        if skip:
+            skip = False
+        elif a in ("--jobs", "--out"):
+            skip = True
+        elif not a.startswith(("--jobs=", "--out=")):
+            passthrough.append(a)
+    procs = []
+    for j in range(args.jobs):
+        mine = todo[j :: args.jobs]
+        if not mine:
+            continue
+        part = f"{out}.part{j}"
+        cmd = [sys.executable, os.path.abspath(__file__), *passthrough, "--out", part]
+        cmd += ["--pairs", ",".join(f"{k}:{s}" for k, s in mine)]
+        procs.append((part, subprocess.Popen(cmd)))
+    # a SIGTERM (e.g. from `timeout`) must not leave workers training on: stop them, keep their runs
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        failed = [p.wait() for _, p in procs]
+    finally:
+        for _, p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        _merge_parts(out, data)
+    if any(failed):
+        raise SystemExit(f"a worker failed (exit codes {failed}); finished runs are kept in {out}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the small CPU settings (about 3 minutes)")
@@ -314,6 +369,9 @@ def main(argv=None) -> int:
         parser.add_argument("--" + name.replace("_", "-"), type=float if name == "lr" else kind, default=None)
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", default=None, help="JSON file: runs are appended, finished ones skipped")
+    parser.add_argument("--jobs", type=int, default=1, help="runs trained at a time, one process each")
+    parser.add_argument("--pairs", default=None, help=argparse.SUPPRESS)  # a worker's KEY:SEED list
+    parser.add_argument("--report-only", action="store_true", help="merge part files and report; train nothing")
     args = parser.parse_args(argv)
     base = QUICK if args.quick else GPU
     for name, value in base.items():
@@ -338,6 +396,8 @@ def main(argv=None) -> int:
             saved = json.load(f)
         if saved.get("settings") == settings:
             data = saved
+    if args.out and args.pairs is None:
+        _merge_parts(args.out, data)  # parts left by an interrupted --jobs run
     train, held, digest = corpus(args.corpus_limit)
     train, held = train.to(device), held.to(device)
     data["corpus"] = digest
@@ -346,16 +406,22 @@ def main(argv=None) -> int:
     data["runs"] = [r for r in known if r.get("lr", args.lr) == config_of(r["key"], args.lr)[3]]
     done = {(r["key"], r["seed"]) for r in data["runs"]}
     t_start = time.perf_counter()
-    for seed in seeds:  # seed order: an interrupted run has whole seeds first
-        for key in keys:
-            if (key, seed) in done:
-                continue
-            run = train_one(key, seed, args, device, train, held)
-            data["runs"].append(run)
-            print(f"{key:<16} seed {seed}: held-out {run['final_eval']:.4f} ({run['wall_s']:.1f} s)", flush=True)
-            if args.out:
-                with open(args.out, "w") as f:
-                    json.dump(data, f, indent=1)
+    # seed order: an interrupted run has whole seeds first
+    todo = [(key, seed) for seed in seeds for key in keys if (key, seed) not in done]
+    if args.report_only:
+        todo = []
+    elif args.pairs is not None:
+        todo = [(k, int(s)) for k, s in (p.split(":") for p in args.pairs.split(",")) if (k, int(s)) not in done]
+    elif args.jobs > 1 and todo:
+        _run_workers(argv if argv is not None else sys.argv[1:], todo, args, data)
+        todo = []
+    for key, seed in todo:
+        run = train_one(key, seed, args, device, train, held)
+        data["runs"].append(run)
+        print(f"{key:<16} seed {seed}: held-out {run['final_eval']:.4f} ({run['wall_s']:.1f} s)", flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(data, f, indent=1)
     rows = summarise(data["runs"], seeds)
     also = also_against(data["runs"], seeds)
     data["summary"], data["also_against"] = rows, also

@@ -1,7 +1,7 @@
 """Instruction counts of the update kernel's SASS, compiled for the H200 (sm_90) on any machine.
 
 Usage (no GPU needed: Triton's bundled ptxas compiles, nvdisasm / cuobjdump read the cubin):
-  python benchmarks/kernel_sass.py [--state-bits 8 16 32 4] [--dump DIR]
+  python benchmarks/kernel_sass.py [--state-bits 8 16 32 4] [--formats rot8 rot4 rot2] [--dump DIR]
 
 For each state format (AdamW, bf16 parameters; int8 correction for 8/4-bit state, none for
 16/32) it prints the registers per thread, the number of SASS instructions, the most frequent
@@ -37,18 +37,21 @@ SLOW_OPCODES = ("MUFU", "I2F", "I2FP", "F2I", "FRND", "F2F", "I2I", "F2FP")
 _POINTERS = ("param_ptr", "corr_ptr", "grad_ptr", "accum_ptr", "m_ptr", "m_scale_ptr", "v_ptr", "v_scale_ptr")
 
 
-def _formats(state_bits: int):
+def _formats(state_bits: int | str):
+    """The moments' kernel formats of ``state_bits``, or of the ``state_format`` named."""
     shape = torch.Size([1024, 1024])
-    m = codecs.codec_for(state_bits, shape, 0).kernel_format
-    v = codecs.codec_for(state_bits, shape, 0, signed=False).kernel_format
+    name = state_bits if isinstance(state_bits, str) else None
+    bits = 8 if name else state_bits
+    m = codecs.codec_for(bits, shape, 0, state_format=name).kernel_format
+    v = codecs.codec_for(bits, shape, 0, signed=False, state_format=name).kernel_format
     return m, v
 
 
-def compile_update(state_bits: int, kernel=None, bucket: bool = False):
+def compile_update(state_bits: int | str, kernel=None, bucket: bool = False):
     """The compiled AdamW update kernel (``kernel``: a variant's, default the real one) for bf16
-    parameters and the given state format."""
+    parameters and the given state format (``state_bits``, or a ``state_format`` name)."""
     kernel = kernel or update._update_kernel
-    corr_bits = 8 if state_bits in (8, 4) else 0
+    corr_bits = 8 if state_bits in (8, 4) or isinstance(state_bits, str) else 0
     m, v = _formats(state_bits)
     own_draw = corr_bits != 8
     config = update._update_config(0, torch.bfloat16, corr_bits, own_draw, False, False, False, m, v, update.BLOCK,
@@ -99,6 +102,7 @@ def sass_report(kernel) -> tuple[dict, str, str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--state-bits", type=int, nargs="+", default=[8, 4, 16, 32])
+    parser.add_argument("--formats", nargs="*", default=[], help="also these state_format names (e.g. rot8)")
     parser.add_argument("--dump", help="write each kernel's SASS to this folder")
     parser.add_argument("--variant", help="a variant of benchmarks/kernel_ablation.py instead of the real kernel")
     parser.add_argument("--bucket", action="store_true", help="the bucketed launch's kernel (kernels/bucket.py)")
@@ -112,11 +116,12 @@ def main(argv=None) -> int:
         sys.path.insert(0, root)
         kernel = build_variant(root, args.variant)._update_kernel
     per_thread = update.BLOCK // (32 * update.NUM_WARPS)
-    for bits in args.state_bits:
+    for bits in [*args.state_bits, *args.formats]:
         opcodes, text, registers = sass_report(compile_update(bits, kernel, args.bucket))
         total = sum(opcodes.values())
         slow = sum(count for op, count in opcodes.items() if op in SLOW_OPCODES)
-        print(f"state_bits={bits}: {registers}; {total} instructions for {per_thread} elements per thread "
+        label = bits if isinstance(bits, str) else f"state_bits={bits}"
+        print(f"{label}: {registers}; {total} instructions for {per_thread} elements per thread "
               f"({total / per_thread:.0f} per element), quarter-rate or slower: {slow}")  # fmt: skip
         print("   ", ", ".join(f"{op} {count}" for op, count in opcodes.most_common(16)))
         if args.dump:

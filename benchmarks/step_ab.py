@@ -1,7 +1,8 @@
 """Interleaved step timing: the default fusedopt step against torch's fused AdamW (and variants).
 
 Usage (CUDA machine, repo root):
-  python benchmarks/step_ab.py [--rounds 30] [--reps 5] [--variants [WORD ...]] [--model 1b] [--out ab.json]
+  python benchmarks/step_ab.py [--rounds 30] [--reps 5] [--variants [WORD ...]] [--formats NAME ...]
+      [--model 1b] [--out ab.json]
 
 ``step_bandwidth.py`` times one configuration after another, and on the H200 the same
 configuration moved by 2-3% between positions in one run (2026-11-30, RESULTS block 8: the
@@ -22,6 +23,10 @@ can join a bucket).
 201 bf16 tensors, 1.1e9 elements, most of them joining bucketed launches); the variant
 ``unbucketed`` shows what the buckets do there.
 
+``--formats rot8 rot4 rot2`` adds fusedopt AdamW with those ``state_format`` values (the default's
+24-bit master weights; kernels that run on CUDA only under ``FUSEDOPT_BACKEND=triton`` are built
+under it): the same A/B method, per-element speed against the default.
+
 ``--kernels`` then profiles 3 steps of each configuration (``torch.profiler``) and prints, per
 kernel, launches and GPU time per step against the event-timed step: what of the step is kernel
 time, and what is between kernels.
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -108,6 +114,7 @@ def main(argv=None) -> int:
         default=None,
         help="also the default's variants (all, or those whose name has a word given)",
     )
+    parser.add_argument("--formats", nargs="*", default=(), help="also fusedopt AdamW with these state formats")
     parser.add_argument("--kernels", action="store_true", help="then each configuration's kernel times per step")
     parser.add_argument(
         "--model", help="the parameters of this fusedopt.profile.models preset (e.g. 1b) instead of 8 large tensors"
@@ -128,6 +135,10 @@ def main(argv=None) -> int:
             if args.variants and not any(word in name for word in args.variants):
                 continue
             configs[f"fusedopt default, {name}"] = _build(lambda ps: fusedopt.AdamW(ps, lr=1e-4), shapes, launch)
+    for fmt in args.formats:
+        with mock.patch.dict(os.environ, {"FUSEDOPT_BACKEND": "triton"}):  # the first step prepares the launch
+            make = functools.partial(fusedopt.AdamW, lr=1e-4, state_format=fmt)
+            configs[f"fusedopt {fmt} (24)"] = _build(make, shapes)
     names = list(configs)
     times = {name: [] for name in names}
     for r in range(args.rounds):

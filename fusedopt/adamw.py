@@ -125,4 +125,5 @@ class AdamW(FusedOptimizer):
             lerp_weight=1 - beta1,
             one_minus_beta2=1 - beta2,
             bias_correction_betas=(beta1, beta2),
+            moment_decays=(beta1, beta2),  # ema_decays in slot order
         )

@@ -95,4 +95,5 @@ class Lion(FusedOptimizer):
             decay=1 - lr * hyper["weight_decay"],
             lerp_weight=1 - beta1,
             one_minus_beta2=1 - beta2,
+            moment_decays=(beta2,),  # ema_decays in slot order
         )

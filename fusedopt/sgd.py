@@ -117,4 +117,5 @@ class SGD(FusedOptimizer):
             beta1=hyper["momentum"],
             weight_decay=hyper["weight_decay"],
             lerp_weight=1 - hyper["dampening"],
+            moment_decays=(hyper["momentum"],),  # ema_decays in slot order
         )

@@ -32,14 +32,13 @@ parameter-sized buffer (CAME's residuals excepted: their row and column sums nee
 """
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from fusedopt import rng
-from fusedopt.codecs.base import NO_MOMENT
+from fusedopt.codecs.base import NO_MOMENT, ROTATED
 from fusedopt.kernels.hashing import step_hash, tile_bits
 from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig, launch_remembered
 from fusedopt.kernels.master import load_master, store_master
@@ -505,14 +504,11 @@ def unsupported(algorithm, job) -> str | None:
     """What these kernels cannot take (``fusedopt.dispatch`` checks devices and layout)."""
     if job.param.numel() == 0:
         return "an empty parameter"
-    if job.param.is_cuda and os.environ.get("FUSEDOPT_BACKEND", "").strip().lower() != "triton":
-        # not yet held to the reference by the GPU parity tests (tests/gpu/test_adafactor_cuda.py)
-        return "the factored kernels run on CUDA only under FUSEDOPT_BACKEND=triton until verified there"
     if job.first != 0:
         return "a shard of a parameter (its row and column statistics need the whole tensor)"
     m = job.codecs.get("exp_avg")
-    if m is not None and m.kernel_format is None:
-        return f"the fused kernel has no branch for the state format {m.name!r} (of 'exp_avg')"
+    if m is not None and (m.kernel_format is None or m.kernel_format.fmt > ROTATED):
+        return f"the factored kernels have no branch for the state format {m.name!r} (of 'exp_avg')"
     return None
 
 

@@ -26,6 +26,7 @@ a kernel several times. Block sizes and warps are fixed here.
 
 import functools
 import math
+import os
 import struct
 
 import torch
@@ -33,11 +34,12 @@ import triton
 import triton.language as tl
 
 from fusedopt import rng
-from fusedopt.codecs.base import NO_MOMENT, KernelFormat
-from fusedopt.kernels.hashing import step_hash, tile_bits
+from fusedopt.codecs.base import NO_MOMENT, ROTATED, KernelFormat
+from fusedopt.kernels.hashing import element_bits, step_hash, tile_bits
 from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig, launch_remembered
 from fusedopt.kernels.master import load_master, store_master
 from fusedopt.kernels.moments import commit_mask, load_moment, store_moment, tile_offsets
+from fusedopt.kernels.rotated import load_rotated, store_rotated
 from fusedopt.master import MASTER_CORRECTION
 
 # The algorithm branches of _update_kernel (ALGO): an algorithm's file names its branch as kernel_id.
@@ -78,6 +80,7 @@ _GRAD_DELTA_BIAS = tl.constexpr(GRAD_DELTA_BIAS)
 # draws), biased as the gradient deltas so Triton always types it int64
 INDEX_BIAS = 1 << 62
 _INDEX_BIAS = tl.constexpr(INDEX_BIAS)
+_ROTATED = tl.constexpr(ROTATED)  # a moment's FMT above it: rotated codes of FMT - ROTATED bits
 
 
 @triton.jit
@@ -274,6 +277,10 @@ def _update_kernel(
     weight_decay,  # SGD's coupled decay
     lerp_weight,  # 1 - beta1 (AdamW, Lion); 1 - dampening (SGD)
     one_minus_beta2,
+    m_decay,  # the EMA decays of the moments (rotated formats), and their square roots (the decay of
+    m_decay_root,  # a nonnegative moment stored as its square root)
+    v_decay,
+    v_decay_root,
     ALGO: tl.constexpr,
     MASTER: tl.constexpr,
     PARAM_BF16: tl.constexpr,
@@ -291,6 +298,7 @@ def _update_kernel(
     M_MIN_E: tl.constexpr,
     M_THR: tl.constexpr,
     M_TOP: tl.constexpr,
+    M_INV_RESCALE: tl.constexpr,
     V_FMT: tl.constexpr,
     V_SIGNED: tl.constexpr,
     V_POWER: tl.constexpr,
@@ -299,6 +307,7 @@ def _update_kernel(
     V_MIN_E: tl.constexpr,
     V_THR: tl.constexpr,
     V_TOP: tl.constexpr,
+    V_INV_RESCALE: tl.constexpr,
     NB: tl.constexpr,  # quantisation blocks per program
     QBLOCK: tl.constexpr,  # elements per quantisation block (the tile's row)
     INDEX_64: tl.constexpr,  # element offsets need 64 bits
@@ -352,12 +361,18 @@ def _update_kernel(
         g = -g
     step = tl.load(step_ptr)
     p = load_master(param_ptr, corr_ptr, offs, mask, MASTER, PARAM_BF16, CORR_BITS)
-    m = load_moment(
-        m_ptr, m_scale_ptr, start, n_elements, n_pairs, M_FMT, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, NB, QBLOCK
-    )
-    v = load_moment(
-        v_ptr, v_scale_ptr, start, n_elements, n_pairs, V_FMT, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, NB, QBLOCK
-    )
+    if M_FMT > _ROTATED:  # the codes, scales and storage-domain values stay for the encode
+        m_codes, m_scales, m_t, m = load_rotated(m_ptr, m_scale_ptr, start, n_elements, M_SIGNED, M_FMT - _ROTATED, NB)
+    else:
+        m = load_moment(
+            m_ptr, m_scale_ptr, start, n_elements, n_pairs, M_FMT, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, NB, QBLOCK
+        )
+    if V_FMT > _ROTATED:
+        v_codes, v_scales, v_t, v = load_rotated(v_ptr, v_scale_ptr, start, n_elements, V_SIGNED, V_FMT - _ROTATED, NB)
+    else:
+        v = load_moment(
+            v_ptr, v_scale_ptr, start, n_elements, n_pairs, V_FMT, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, NB, QBLOCK
+        )
     step_size = tl.load(scratch_ptr + 3).to(tl.float32, bitcast=True)  # AdamW's bias corrections
     inv_bias_correction2_sqrt = tl.load(scratch_ptr + 4).to(tl.float32, bitcast=True)
     # Issue every load before any arithmetic: the compiler would otherwise sink some next to
@@ -390,46 +405,72 @@ def _update_kernel(
     # One hash per element feeds every rounding (fields as in fusedopt.rng: moment i takes
     # 12 bits from the top down, a bf16 + int8 parameter the low 8); each reads its top bits.
     shared = tile_bits(step_hash(key_shared, step), hash_start, NB, QBLOCK)
-    store_moment(
-        m,
-        (shared >> 20) << 20,
-        m_ptr,
-        m_scale_ptr,
-        start,
-        n_elements,
-        n_pairs,
-        M_FMT,
-        M_SIGNED,
-        M_POWER,
-        M_QMAX,
-        M_K,
-        M_MIN_E,
-        M_THR,
-        M_TOP,
-        NB,
-        QBLOCK,
-        status,
-    )
-    store_moment(
-        v,
-        ((shared << 12) >> 20) << 20,
-        v_ptr,
-        v_scale_ptr,
-        start,
-        n_elements,
-        n_pairs,
-        V_FMT,
-        V_SIGNED,
-        V_POWER,
-        V_QMAX,
-        V_K,
-        V_MIN_E,
-        V_THR,
-        V_TOP,
-        NB,
-        QBLOCK,
-        status,
-    )
+    if M_FMT > _ROTATED or V_FMT > _ROTATED:
+        if start + NB * QBLOCK > n_elements:
+            # the last program: a rotated block's padding coordinate i >= n draws element i mod n's
+            # word (the reference's rule; in range, element_bits is tile_bits' word)
+            source = tl.where(offs < n_elements, offs, offs % n_elements)
+            shared = element_bits(step_hash(key_shared, step), source + (hash_start - start))
+    if M_FMT > _ROTATED:
+        if M_SIGNED:
+            m_storage_decay = _as_f32(m_decay)
+        else:
+            m_storage_decay = _as_f32(m_decay_root)
+        store_rotated(
+            m, m_codes, m_scales, m_t, m_storage_decay, (shared >> 20) << 20, offs, m_ptr, m_scale_ptr, start,
+            n_elements, status, M_SIGNED, M_FMT - _ROTATED, M_QMAX, M_INV_RESCALE, NB,
+        )  # fmt: skip
+    else:
+        store_moment(
+            m,
+            (shared >> 20) << 20,
+            m_ptr,
+            m_scale_ptr,
+            start,
+            n_elements,
+            n_pairs,
+            M_FMT,
+            M_SIGNED,
+            M_POWER,
+            M_QMAX,
+            M_K,
+            M_MIN_E,
+            M_THR,
+            M_TOP,
+            NB,
+            QBLOCK,
+            status,
+        )
+    if V_FMT > _ROTATED:
+        if V_SIGNED:
+            v_storage_decay = _as_f32(v_decay)
+        else:
+            v_storage_decay = _as_f32(v_decay_root)
+        store_rotated(
+            v, v_codes, v_scales, v_t, v_storage_decay, ((shared << 12) >> 20) << 20, offs, v_ptr, v_scale_ptr, start,
+            n_elements, status, V_SIGNED, V_FMT - _ROTATED, V_QMAX, V_INV_RESCALE, NB,
+        )  # fmt: skip
+    else:
+        store_moment(
+            v,
+            ((shared << 12) >> 20) << 20,
+            v_ptr,
+            v_scale_ptr,
+            start,
+            n_elements,
+            n_pairs,
+            V_FMT,
+            V_SIGNED,
+            V_POWER,
+            V_QMAX,
+            V_K,
+            V_MIN_E,
+            V_THR,
+            V_TOP,
+            NB,
+            QBLOCK,
+            status,
+        )
     if PARAM_OWN_DRAW:
         param_bits = tile_bits(step_hash(key_param, step), hash_start, NB, QBLOCK)
     else:
@@ -485,6 +526,16 @@ def unsupported(algorithm, job) -> str | None:
     for slot, codec in job.codecs.items():
         if codec.kernel_format is None:
             return f"the fused kernel has no branch for the state format {codec.name!r} (of {slot!r})"
+        if codec.kernel_format.fmt > ROTATED:
+            if slot not in (job.decays or {}):
+                # the format keeps the decay exact on its scales (RotatedCodec.encode_decayed)
+                return (
+                    f"the state format {codec.name!r} needs the EMA decay of {slot!r}, which "
+                    f"fusedopt.{algorithm.__name__} does not declare (ema_decays)"
+                )
+            if job.param.is_cuda and os.environ.get("FUSEDOPT_BACKEND", "").strip().lower() != "triton":
+                # not yet held to the reference by the GPU parity tests (tests/gpu/test_rotated_on_cuda.py)
+                return f"the state format {codec.name!r} runs in the kernel on CUDA only under FUSEDOPT_BACKEND=triton"
     return None
 
 
@@ -602,7 +653,8 @@ class PreparedUpdate:
                 NUM_WARPS,
                 MAX_REGISTERS,
                 # 64-bit indices past 2**31, and hash indices from a `first` the 32-bit tiles cannot take
-                first + n >= 2**31 - BLOCK or first % 32 != 0,
+                # (a tile row must start at a multiple of its length: hashing.tile_bits)
+                first + n >= 2**31 - BLOCK or first % max(32, _tile_row(m_fmt, v_fmt)) != 0,
             )  # fmt: skip
             for has_accum in (False, True)
         ]
@@ -646,7 +698,10 @@ class PreparedUpdate:
         )
 
 
-UPDATE_SCALARS = ("lr", "beta1", "beta2", "eps", "decay", "weight_decay", "lerp_weight", "one_minus_beta2")
+UPDATE_SCALARS = (
+    "lr", "beta1", "beta2", "eps", "decay", "weight_decay", "lerp_weight", "one_minus_beta2",
+    "m_decay", "m_decay_root", "v_decay", "v_decay_root",
+)  # fmt: skip
 _UPDATE_DEFAULTS = dict(
     beta1=0.0, beta2=0.0, eps=0.0, decay=1.0, weight_decay=0.0, lerp_weight=0.0, one_minus_beta2=0.0
 )
@@ -655,11 +710,15 @@ _UPDATE_DEFAULTS = dict(
 def pack_scalars(named: dict) -> tuple[tuple, tuple]:
     """The runtime scalars of the update and of the check kernel, in signature order, from an
     algorithm's ``kernel_scalars`` (names of ``UPDATE_SCALARS``, missing ones at their neutral value,
-    and ``bias_correction_betas`` for the check kernel). All floats: a Python int would be typed int32."""
-    unknown = set(named) - set(UPDATE_SCALARS) - {"bias_correction_betas"}
+    ``bias_correction_betas`` for the check kernel, and ``moment_decays``: the EMA decay of each moment
+    in slot order, as ``ema_decays`` gives them). All floats: a Python int would be typed int32."""
+    unknown = set(named) - set(UPDATE_SCALARS) - {"bias_correction_betas", "moment_decays"}
     if unknown:
         raise ValueError(f"kernel scalars the fused kernel does not take: {sorted(unknown)}")
     values = {**_UPDATE_DEFAULTS, **named}
+    # the square roots in fp64 before the one rounding to fp32, as the reference's math.sqrt
+    for prefix, decay in zip(("m", "v"), (*named.get("moment_decays", ()), 0.0, 0.0)):
+        values[f"{prefix}_decay"], values[f"{prefix}_decay_root"] = decay, math.sqrt(decay) if decay >= 0 else 0.0
     beta1, beta2 = named.get("bias_correction_betas", (0.5, 0.5))  # 0.5: any valid value, unused
     check = (named["lr"], *_split_log2("log2_beta1", beta1).values(), *_split_log2("log2_beta2", beta2).values())
     return tuple(float(values[name]) for name in UPDATE_SCALARS), tuple(float(x) for x in check)
@@ -679,16 +738,21 @@ def bucket_config(config: LaunchConfig) -> LaunchConfig:
     return LaunchConfig({**config.constexprs, "BUCKET": True}, config.options)
 
 
+def _tile_row(m_fmt: KernelFormat, v_fmt: KernelFormat) -> int:
+    """The tile's row length: the moments' quantisation (or rotation) block."""
+    blocks = {f.block for f in (m_fmt, v_fmt) if f.fmt not in (0, 32, 16)}
+    if len(blocks) > 1:
+        raise ValueError(f"both moments must use one quantisation block size, got {sorted(blocks)}")
+    return blocks.pop() if blocks else 32  # unquantised moments: any tile row length works
+
+
 @functools.lru_cache(maxsize=1024)
 def _update_config(
     algo, dtype, corr_bits, param_own_draw, has_accum, maximize, nesterov, m_fmt, v_fmt, block, num_warps, maxnreg,
     index_64,
 ) -> LaunchConfig:  # fmt: skip
     """The compile-time switches of one update configuration (cached: launches happen per parameter)."""
-    blocks = {f.block for f in (m_fmt, v_fmt) if f.fmt in (8, 4)}
-    if len(blocks) > 1:
-        raise ValueError(f"both moments must use one quantisation block size, got {sorted(blocks)}")
-    qblock = blocks.pop() if blocks else 32  # unquantised moments: any tile row length works
+    qblock = _tile_row(m_fmt, v_fmt)
     constexprs = dict(
         ALGO=algo,
         MASTER=0 if dtype == torch.float32 else (1 if corr_bits == 0 else 2),
@@ -701,6 +765,8 @@ def _update_config(
         NESTEROV=nesterov,
         **_moment_args("M", m_fmt),
         **_moment_args("V", v_fmt),
+        M_INV_RESCALE=m_fmt.inverse_rescale,
+        V_INV_RESCALE=v_fmt.inverse_rescale,
         NB=block // qblock,
         QBLOCK=qblock,
         INDEX_64=index_64,

@@ -7,8 +7,8 @@ Every parametrized test draws its cases from here, so a new algorithm, a new ``s
   momentum, and with nesterov momentum: SGD without momentum keeps no state). ``ALGORITHM[id]``.
 * ``FORMATS``: one ``StateFormat`` per ``state_bits`` value, read from the codec registry.
   ``FORMAT[bits]``, ``formats(quantized=...)``.
-* ``NAMED_FORMATS``: formats selected only by ``state_format=<name>`` (the rotated codes, reference
-  path only so far). ``NAMED_FORMAT[name]``, ``named_format_cases(...)``.
+* ``NAMED_FORMATS``: formats selected only by ``state_format=<name>`` (the rotated codes).
+  ``NAMED_FORMAT[name]``, ``named_format_cases(...)``.
 * ``MASTER_WEIGHT_BITS`` (24, 32, None) and ``DTYPES`` (fp32, bf16, fp16), ``LOW_DTYPES``.
 
 The ``*_cases`` helpers give ``pytest.param`` lists with readable ids ("adamw", "sgd-nesterov",

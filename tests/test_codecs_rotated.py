@@ -296,13 +296,37 @@ def test_a_block_without_gradient_is_not_moved(monkeypatch):
         assert torch.all(scales[:8] == 0) and torch.all(scales[8:] > 0)
 
 
-def test_forcing_the_kernel_is_a_clear_error_and_auto_runs_the_reference(monkeypatch):
+class _NoDecays(fusedopt.AdamW):
+    """AdamW that does not tell the formats its EMA decays."""
+
+    @staticmethod
+    def ema_decays(hyper):
+        return {}
+
+
+def test_the_kernel_needs_the_decays_auto_runs_the_reference_without_them(monkeypatch):
+    """The kernel keeps the decay exact on the block scales, so it needs the algorithm's decays:
+    without them FUSEDOPT_BACKEND=triton names the problem and auto runs the reference (whose
+    ``encode`` rounds every block afresh)."""
     w = torch.nn.Parameter(torch.randn(48, 80))
     monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
-    opt = fusedopt.AdamW([w], min_compress_numel=0, state_format="rot8")
+    opt = _NoDecays([w], min_compress_numel=0, state_format="rot8")
     w.grad = torch.randn_like(w)
-    with pytest.raises(RuntimeError, match="no branch for the state format 'rot8'"):
+    with pytest.raises(RuntimeError, match="'rot8' needs the EMA decay of 'exp_avg'.*ema_decays"):
         opt.step()
+    monkeypatch.setenv("FUSEDOPT_BACKEND", "auto")
+    opt.step()
+    assert float(opt.state[w]["step"]) == 1
+
+
+@pytest.mark.parametrize("algo", PRIMARY_ALGORITHMS, ids=lambda a: a.id)
+def test_the_kernel_gets_the_decays_the_reference_gets(algo):
+    """The kernel's decays (``kernel_scalars``' ``moment_decays``) are ``ema_decays`` in slot order."""
+    extra = {"momentum": 0.8} if algo.cls is fusedopt.SGD else {"betas": (0.7, 0.97)}
+    opt = algo.make([torch.nn.Parameter(torch.zeros(4, 4))], **extra)
+    hyper = opt.hyper(opt.param_groups[0])
+    decays = opt.ema_decays(hyper)
+    assert opt.kernel_scalars(hyper)["moment_decays"] == tuple(decays[s] for s in opt.state_slots(opt.param_groups[0]))
 
 
 # --- checkpoints and memory -------------------------------------------------------------------
@@ -394,5 +418,5 @@ def test_the_case_registry_lists_the_rotated_formats_by_name():
     assert [(f.name, f.bits, f.id, f.kwargs) for f in NAMED_FORMATS] == [
         (name, bits, name, {"state_format": name}) for name, bits in FORMATS.items()
     ]
-    assert not any(f.has_kernel for f in NAMED_FORMATS)  # reference path only so far
+    assert all(f.has_kernel for f in NAMED_FORMATS)
     assert all(f.quantized for f in NAMED_FORMATS)

@@ -172,16 +172,21 @@ def test_adafactor_entries_build_the_configuration_they_name(key):
     opt.remove_hooks()
 
 
-def test_fit_of_one_shape_reports_its_peak_and_step_time():
+def test_fit_reports_peak_and_step_time_and_searches_other_widths():
     assert compare_fit.family(32, None, "7b").num_params() == 6_738_415_616  # Llama-2-7B
     assert compare_fit.family(22).num_params() == 1_100_048_384  # TinyLlama 1.1B, the default family
     assert compare_fit._median_step_ms({"step_ms": [900.0, 10.0, 30.0, 20.0]}) == 20.0  # the first left out
     assert compare_fit._median_step_ms({"step_ms": [5.0]}) == 5.0 and compare_fit._median_step_ms({}) is None
     gib = compare_fit.GIB
     fits = {"layers": 32, "params": 6_738_415_616, "peak_at_largest": 21 * gib, "step_ms_at_largest": 812.4}
-    assert compare_fit._cell(fits, gib, 32) == "32 layers, 6.74B (peak 21.00 GiB, 812 ms/step)"
-    assert compare_fit._cell({"layers": 0, "params": 0}, gib, 32) == "does not train at 32 layers"
-    assert compare_fit._cell({"layers": 0, "params": 0}, gib, None) == "not even 1 layer"
+    assert compare_fit._cell(fits, gib) == "32 layers, 6.74B (peak 21.00 GiB, 812 ms/step)"
+    assert compare_fit._cell({"layers": 0, "params": 0}, gib) == "not even 1 layer"
+    # the planner's guess for the 7B width: 3 bytes per parameter (bf16 + 8-bit correction, no moment)
+    config = competitors.BY_KEY["AFR"].optimizer_config()
+    guess = compare_fit.predicted_layers(config, 24 * gib, None, gib, "7b")
+    per_layer = compare_fit.family(2, None, "7b").num_params() - compare_fit.family(1, None, "7b").num_params()
+    assert guess == int((23 * gib - 3 * (compare_fit.family(1, None, "7b").num_params() - per_layer)) / (3 * per_layer))
+    assert 32 < guess < 40
 
 
 def test_format_quality_keys_take_their_own_peak_lr_and_pair_with_more_references():
@@ -252,7 +257,7 @@ def test_a_trial_in_its_own_process_measures_what_it_measures_in_this_one():
     shape = "vocab=256,d_model=32,heads=2,kv_heads=2,ffn=64"
     args = argparse.Namespace(
         device="cpu", shape=shape, seq_len=8, steps=1, max_trials=4, activations_gib=0.0, resolution=None,
-        process_per_trial="release", budgets_mib="4", budgets=None, _baseline=0, base="1b", layers=None,
+        process_per_trial="release", budgets_mib="4", budgets=None, _baseline=0, base="1b",
     )  # fmt: skip
     entry = competitors.BY_KEY["FOR"]
     budget = 4 * compare_fit.MIB

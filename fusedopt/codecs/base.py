@@ -25,7 +25,7 @@ class KernelFormat:
     on it, so hashing must not walk the fields on every launch.
     """
 
-    fmt: int  # 0 none, 32 fp32, 16 bf16, 8 / 4 block codes
+    fmt: int  # 0 none, 32 fp32, 16 bf16, 8 / 4 block codes, ROTATED + bits rotated codes
     signed: bool = True
     power: int = 1  # levels q**power; negative: minifloat levels with -power mantissa bits
     qmax: int = 0
@@ -34,9 +34,11 @@ class KernelFormat:
     threshold: int = 0
     top: int = 0
     block: int = 32
+    inverse_rescale: float = 0.0  # rotated codes: RotatedCodec.inverse_rescale
 
 
 NO_MOMENT = KernelFormat(0)
+ROTATED = 100  # KernelFormat.fmt of rotated codes (fusedopt.codecs.rotated): ROTATED + bits
 
 
 class MomentCodec:

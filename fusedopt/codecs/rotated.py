@@ -55,8 +55,10 @@ few thousandths of a code; a 12-bit ``u`` would round those on a grid of ``2**-1
 (or, centred, systematically misround) them, while the mixed ``u`` rounds each coordinate up
 with its exact probability on average over coordinates.
 
-No kernel branch yet (``kernel_format = None``): the PyTorch reference runs these formats
-(``FUSEDOPT_BACKEND=auto`` on CUDA too; ``triton`` refuses them).
+The fused update kernel (``fusedopt/kernels/rotated.py``) repeats these operations in the same
+order (the rotation's adds included), for algorithms that declare their EMA decays. On CUDA it runs
+under ``FUSEDOPT_BACKEND=triton`` only until the GPU parity tests (``tests/gpu/test_rotated_on_cuda.py``)
+have held it to this reference; ``auto`` runs the reference there.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ import torch.nn.functional as F
 
 from fusedopt import rng
 
-from .base import BitsFn, MomentCodec
+from .base import ROTATED, BitsFn, KernelFormat, MomentCodec
 
 BLOCK = 256
 HEADROOM = 1.25  # a re-rounded block's largest value sits at qmax / HEADROOM
@@ -77,15 +79,22 @@ _TINY = 1e-30  # divisor of a block of scale 0: every nonzero value then leaves 
 _BIG = 2.0**50  # values are saturated here (inf, NaN: 0): no overflow in the rotation or in v = s**2
 
 
-def hadamard(x: torch.Tensor) -> torch.Tensor:
-    """``H y`` for every row ``y`` of ``x`` (shape ``(..., 256)``, fp32): four 4-point stages, each
-    ``0.5 * H4`` along one base-4 digit of the index, adds in a fixed order (deterministic)."""
+def butterflies(x: torch.Tensor) -> torch.Tensor:
+    """``16 H y`` for every row ``y`` of ``x`` (shape ``(..., 256)``, fp32): four 4-point stages, each
+    ``2 H4`` along one base-4 digit of the index (most significant first), adds in a fixed order
+    (deterministic; the kernel does the same adds in the same order)."""
     y = x.reshape(-1, 4, 4, 4, 4)
     for axis in (1, 2, 3, 4):
         a, b, c, d = y.unbind(axis)
         sab, dab, scd, dcd = a + b, a - b, c + d, c - d
-        y = torch.stack((sab + dcd, sab - dcd, dab + scd, scd - dab), dim=axis) * 0.5
+        y = torch.stack((sab + dcd, sab - dcd, dab + scd, scd - dab), dim=axis)
     return y.reshape(x.shape)
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """``H y`` for every row ``y`` of ``x``: the butterflies, then one exact multiply by 1/16 (a power of
+    two, instead of 1/2 at every stage: a quarter of the multiplies)."""
+    return butterflies(x) * 0.0625
 
 
 def hadamard_matrix() -> torch.Tensor:
@@ -97,7 +106,6 @@ class RotatedCodec(MomentCodec):
     """A rotated n-bit moment (see the module docstring); immutable, one per (format, sign, shape)."""
 
     suffixes = (".codes", ".scales")
-    kernel_format = None
 
     def __init__(self, bits: int, signed: bool, shape: torch.Size, name: str):
         if bits not in (8, 4, 2):
@@ -105,9 +113,14 @@ class RotatedCodec(MomentCodec):
         self.name, self.state_bits, self.signed = name, bits, signed
         self.shape = torch.Size(shape)
         self.qmax = (1 << (bits - 1)) - 1
-        self.rescale_qmax = max(self.qmax / HEADROOM, 1.0)
+        # a multiply by the inverse, not a division: what torch does for a scalar divisor anyway, made
+        # explicit so the kernel repeats it (the fp32 rounding of 1 / rescale, then one fp32 multiply)
+        self.inverse_rescale = 1.0 / max(self.qmax / HEADROOM, 1.0)
         self.numel = self.shape.numel()
         self.blocks = max(1, -(-self.numel // BLOCK))
+        self.kernel_format = KernelFormat(
+            ROTATED + bits, signed=signed, qmax=self.qmax, block=BLOCK, inverse_rescale=self.inverse_rescale
+        )
 
     # --- layout ------------------------------------------------------------------------------
 
@@ -151,7 +164,7 @@ class RotatedCodec(MomentCodec):
         blocks padded: ``H c * scale``, floored at the scale for nonnegative moments."""
         codes = self.unpack(stored[".codes"]).to(torch.float32)
         scales = stored[".scales"]
-        t = hadamard(codes) * scales.unsqueeze(1)
+        t = butterflies(codes) * (scales * 0.0625).unsqueeze(1)  # 16 H c is exact: one rounding
         if not self.signed:
             t = torch.maximum(t, scales.unsqueeze(1))
         return codes, scales, t
@@ -166,7 +179,8 @@ class RotatedCodec(MomentCodec):
         """The moment in the storage domain (sqrt for a nonnegative one), flat, saturated."""
         x = x.reshape(-1).float()
         if not self.signed:
-            x = x.clamp_min(0.0).sqrt()
+            # torch's vectorised CPU sqrt is not correctly rounded; the fp64 one is, like the kernel's sqrt_rn
+            x = x.clamp_min(0.0).double().sqrt().float()
         return x.nan_to_num(0.0, _BIG, -_BIG).clamp(-_BIG, _BIG)
 
     def _padded(self, t: torch.Tensor) -> torch.Tensor:
@@ -185,11 +199,12 @@ class RotatedCodec(MomentCodec):
         ``codes + floor(increment / scale + u)`` (an integer code plus the rounded increment, so a
         coordinate without increment keeps its code exactly); a block where a code would leave the grid
         is rounded afresh on a new scale with headroom, from the same draws."""
-        q = codes + torch.floor(increment / scales.clamp_min(_TINY).unsqueeze(1) + u)
+        # a multiply by the block's inverse scale (one division per block, not one per coordinate)
+        q = codes + torch.floor(increment * (1.0 / scales.clamp_min(_TINY)).unsqueeze(1) + u)
         over = q.abs().amax(dim=1) > self.qmax
         values = codes * scales.unsqueeze(1) + increment
-        scales = torch.where(over, values.abs().amax(dim=1) / self.rescale_qmax, scales)
-        fresh = torch.floor(values / scales.clamp_min(_TINY).unsqueeze(1) + u)
+        scales = torch.where(over, values.abs().amax(dim=1) * self.inverse_rescale, scales)
+        fresh = torch.floor(values * (1.0 / scales.clamp_min(_TINY)).unsqueeze(1) + u)
         q = torch.where(over.unsqueeze(1), fresh, q).clamp(-self.qmax, self.qmax)
         return {".codes": self.pack(q.to(torch.int32).reshape(-1)), ".scales": scales}
 

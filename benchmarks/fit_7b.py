@@ -1,0 +1,166 @@
+"""Full fine-tuning of the 7B Llama shape on one GPU under an enforced memory cap (24 GiB by default).
+
+The profiler's Llama-style model (``fusedopt.profile.models``, preset ``7b``: 6.74e9 parameters,
+bf16, activation checkpointing) trains for ``--steps`` steps at micro-batch 1 x 1024 on real text
+(Python's standard-library source as bytes, the corpus of the quality benchmarks) with
+``fused=True``, while the CUDA caching allocator is capped at the budget with
+``torch.cuda.set_per_process_memory_fraction`` (the CUDA context and library handles are outside
+the cap). It reports whether every step ran, the peak allocated and reserved memory, the median step
+time, and the training loss along the way (random initialisation: the loss must fall from ln(vocab)
+towards the corpus's byte entropy; a diverging or non-finite loss fails the run).
+
+    python benchmarks/fit_7b.py --config block4-nomaster --steps 300 --out $OUT/fit_7b.json
+    python benchmarks/fit_7b.py --shape vocab=256,d_model=64,layers=2,heads=2,kv_heads=2,ffn=192 \\
+        --device cpu --steps 5 --config block4-nomaster        # CPU smoke test (no cap)
+
+``--config`` names one of ``CONFIGS`` (fusedopt.AdamW or fusedopt.Adafactor, its keyword arguments
+and peak lr); ``--opt k=v,...`` adds or overrides keyword arguments (``master_weight_bits=None``,
+``state_format=rot4``...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare_quality import corpus, next_token_loss, warmup_cosine, windows  # noqa: E402
+
+import fusedopt  # noqa: E402
+from fusedopt.profile.models import PRESETS, TinyLM, parse_shape  # noqa: E402
+
+GIB = 1 << 30
+ADAMW = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+# key -> (optimizer class, keyword arguments, peak learning rate). Adafactor's lr is torch's relative
+# step: the update is scaled by max(eps2, RMS(param)) * min(lr, 1/sqrt(step)).
+CONFIGS = {
+    "default": (fusedopt.AdamW, dict(ADAMW), 1e-4),
+    "nomaster": (fusedopt.AdamW, dict(ADAMW, master_weight_bits=None), 1e-4),
+    "block4": (fusedopt.AdamW, dict(ADAMW, state_bits=4), 1e-4),
+    "block4-nomaster": (fusedopt.AdamW, dict(ADAMW, state_bits=4, master_weight_bits=None), 1e-4),
+    "adafactor": (fusedopt.Adafactor, dict(weight_decay=0.1), 1e-2),
+    "adafactor-nomaster": (fusedopt.Adafactor, dict(weight_decay=0.1, master_weight_bits=None), 1e-2),
+    "adafactor-m4": (fusedopt.Adafactor, dict(weight_decay=0.1, beta1=0.9, state_bits=4), 1e-2),
+}
+
+
+def _value(text: str):
+    if text == "None":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_opt(text: str | None) -> dict:
+    if not text:
+        return {}
+    out = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--opt: expected key=value, got {item!r}")
+        out[key.strip()] = _value(value.strip())
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="7b", help="a preset name or key=value overrides of the 7b preset")
+    parser.add_argument("--config", default="block4-nomaster", choices=sorted(CONFIGS))
+    parser.add_argument("--opt", default=None, help="extra optimizer keyword arguments, k=v,...")
+    parser.add_argument("--budget-gib", type=float, default=24.0)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the config's)")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+
+    shape = PRESETS[args.shape] if args.shape in PRESETS else parse_shape(args.shape, PRESETS["7b"])
+    opt_class, kwargs, lr = CONFIGS[args.config]
+    kwargs = {**kwargs, **parse_opt(args.opt)}
+    lr = args.lr if args.lr is not None else lr
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if cuda:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.budget_gib * GIB / total), device)
+    train, _, digest = corpus(None if cuda else 2_000_000)
+    train = train.to(device)
+
+    torch.manual_seed(0)
+    model = TinyLM(shape, checkpointing=True, device=device, dtype=torch.bfloat16)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = opt_class(model.parameters(), lr=lr, fused=True, **kwargs)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps))
+    gen = torch.Generator().manual_seed(0)
+    losses, times, error = [], [], None
+    try:
+        for _ in range(args.steps):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            starts = torch.randint(0, train.numel() - args.seq - 2, (args.batch,), generator=gen).to(device)
+            x, y = windows(train, starts, args.seq)
+            loss = next_token_loss(model, x, y)
+            loss.backward()  # fused=True: every parameter is updated inside backward
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+            losses.append(loss.detach())
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    except torch.OutOfMemoryError as exc:
+        error = f"out of memory at step {len(times)}: {str(exc).splitlines()[0]}"
+    losses = [float(v) for v in torch.stack(losses).cpu()] if losses else []
+    finite = all(math.isfinite(v) for v in losses)
+    window = max(1, len(losses) // 10)
+    result = {
+        "shape": str(shape),
+        "params": n_params,
+        "config": args.config,
+        "optimizer": opt_class.__name__,
+        "lr": lr,
+        "optimizer_kwargs": {k: (list(v) if isinstance(v, tuple) else v) for k, v in kwargs.items()},
+        "budget_gib": args.budget_gib if cuda else None,
+        "steps_run": len(times),
+        "steps": args.steps,
+        "error": error,
+        "finite": finite,
+        "loss_first": statistics.fmean(losses[:window]) if losses else None,
+        "loss_last": statistics.fmean(losses[-window:]) if losses else None,
+        "loss_every_10": losses[::10],
+        "step_s_median": statistics.median(times[2:]) if len(times) > 2 else None,
+        "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB if cuda else None,
+        "persistent_gib": torch.cuda.memory_allocated(device) / GIB if cuda else None,  # weights + state
+        "corpus": digest,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    ok = error is None and finite and len(times) == args.steps
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
