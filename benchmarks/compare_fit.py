@@ -18,6 +18,10 @@ then bisects to ``--resolution`` layers. All trials of one optimizer run in one 
 (one JIT / torch.compile per library); memory left allocated between trials is recorded. Results
 merge into ``--out`` per (key, budget); ``--budget-s`` starts no optimizer whose search would
 not finish in time.
+
+``--base PRESET`` searches the depth of another width (``--base 7b``: Llama-2-7B's d_model 4096;
+``benchmarks/fit_7b.py`` trains the 7B shape itself on real text). Each result also holds the peak
+and the step time (median of the steps after the first) at the largest depth.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import gc
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,16 +49,17 @@ GIB, MIB = 1 << 30, 1 << 20
 BASE = "1b"
 
 
-def family(layers: int, shape_override: str | None = None):
-    base = parse_shape(shape_override, PRESETS[BASE]) if shape_override else PRESETS[BASE]
-    return dataclasses.replace(base, layers=layers)
+def family(layers: int, shape_override: str | None = None, base: str = BASE):
+    """The ``base`` preset's shape (with ``shape_override``) at ``layers`` layers."""
+    shape = parse_shape(shape_override, PRESETS[base]) if shape_override else PRESETS[base]
+    return dataclasses.replace(shape, layers=layers)
 
 
-def predicted_layers(config, budget: int, shape_override: str | None, activations: int) -> int:
+def predicted_layers(config, budget: int, shape_override: str | None, activations: int, base: str = BASE) -> int:
     """Depth at which the byte model's peak reaches the budget."""
     dtype = config.param_dtype(torch.bfloat16)
     per = byte_model(config.optimizer, config.kwargs, dtype).at_peak
-    one, two = family(1, shape_override).num_params(), family(2, shape_override).num_params()
+    one, two = family(1, shape_override, base).num_params(), family(2, shape_override, base).num_params()
     per_layer, fixed = two - one, one - (two - one)
     return max(1, int((budget - activations - fixed * per) / (per_layer * per)))
 
@@ -105,8 +111,8 @@ def _tensor_bytes(model, opt, device: str) -> int:
 def trial(entry, layers: int, args, device: str) -> dict:
     """Build, train ``args.steps`` steps, report whether it ran out of memory and its peak."""
     config = entry.optimizer_config()
-    shape = family(layers, args.shape)
-    out = {"layers": layers, "params": shape.num_params()}
+    shape = family(layers, args.shape, args.base)
+    out = {"layers": layers, "params": shape.num_params(), "step_ms": []}
     cuda = device == "cuda"
     model = opt = batch = loss = None
     try:
@@ -116,6 +122,9 @@ def trial(entry, layers: int, args, device: str) -> dict:
         opt = config.build(model.parameters(), model=model, device_type=device)
         gen = torch.Generator(device=device).manual_seed(0)
         for _ in range(args.steps):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
             batch = random_batch(shape.vocab, 1, args.seq_len, device, gen)
             with torch.autocast(device, dtype=torch.bfloat16, enabled=config.autocast is not None):
                 loss = model(*batch)
@@ -126,6 +135,9 @@ def trial(entry, layers: int, args, device: str) -> dict:
             opt.zero_grad(set_to_none=True)
             if not cuda:
                 out["peak"] = max(out.get("peak", 0), held, _tensor_bytes(model, opt, device))
+            else:
+                torch.cuda.synchronize()
+            out["step_ms"].append(1e3 * (time.perf_counter() - t0))
         if cuda:
             torch.cuda.synchronize()
             out["peak"] = torch.cuda.max_memory_allocated() - args._baseline
@@ -200,7 +212,7 @@ def _worker_args(entry, args, budgets: list[int]) -> list[str]:
     """Command-line arguments that give a worker or trial process this run's settings."""
     cmd = ["--only", entry.key, "--device", args.device, "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
     cmd += ["--max-trials", str(args.max_trials), "--activations-gib", str(args.activations_gib)]
-    cmd += ["--process-per-trial", args.process_per_trial]
+    cmd += ["--process-per-trial", args.process_per_trial, "--base", args.base]
     if args.budgets_mib:
         cmd += ["--budgets-mib", ",".join(str(b / MIB) for b in budgets)]
     else:
@@ -231,7 +243,7 @@ def worker(args) -> int:
         _cap_memory(args, budget, device)
         config = entry.optimizer_config()
         activations = args.activations_gib * GIB if device == "cuda" else 0
-        guess = predicted_layers(config, budget, args.shape, activations)
+        guess = predicted_layers(config, budget, args.shape, activations, args.base)
         resolution = args.resolution or max(1, guess // 50)
         trials: list[dict] = []
         t0 = time.perf_counter()
@@ -256,8 +268,9 @@ def worker(args) -> int:
         results[str(budget)] = {
             "budget_bytes": budget,
             "layers": best,
-            "params": family(best, args.shape).num_params() if best else 0,
+            "params": family(best, args.shape, args.base).num_params() if best else 0,
             "peak_at_largest": fitting[0]["peak"] if fitting else None,
+            "step_ms_at_largest": _median_step_ms(fitting[0]) if fitting else None,
             "predicted_layers": guess,
             "resolution": resolution,
             "trials": trials,
@@ -268,20 +281,38 @@ def worker(args) -> int:
     return 0
 
 
+def _median_step_ms(trial_result: dict) -> float | None:
+    """Median time of a trial's steps after its first (allocation, compilation), or None."""
+    times = trial_result.get("step_ms") or []
+    later = times[1:] or times
+    return statistics.median(later) if later else None
+
+
+def _cell(x: dict | None, unit: int) -> str:
+    if x is None:
+        return "-"
+    if not x["layers"]:
+        return "not even 1 layer"
+    text = f"{x['layers']} layers, {x['params'] / 1e9:.2f}B"
+    extra = []
+    if x.get("peak_at_largest") is not None:
+        extra.append(f"peak {x['peak_at_largest'] / unit:.2f} {'GiB' if unit == GIB else 'MiB'}")
+    if x.get("step_ms_at_largest") is not None:
+        extra.append(f"{x['step_ms_at_largest']:.0f} ms/step")
+    return text + (f" ({', '.join(extra)})" if extra else "")
+
+
 def report(data: dict) -> str:
     budgets = sorted({b for r in data["rows"].values() for b in r.get("budgets", {})}, key=int)
-    unit = GIB if data["settings"]["device"] == "cuda" else MIB
+    s = data["settings"]
+    unit = GIB if s["device"] == "cuda" else MIB
     headers = ["key", "optimizer"] + [f"{int(b) / unit:.0f} {'GiB' if unit == GIB else 'MiB'}" for b in budgets]
     rows = []
     for key, r in data["rows"].items():
         if not r.get("ok"):
             continue
-        cells = []
-        for b in budgets:
-            x = r["budgets"].get(b)
-            cells.append("-" if x is None else f"{x['layers']} layers, {x['params'] / 1e9:.2f}B")
-        rows.append([key, r["label"]] + cells)
-    lines = [f"largest depth that trains (d_model {family(1, data['settings']['shape']).d_model})", ""]
+        rows.append([key, r["label"]] + [_cell(r["budgets"].get(b), unit) for b in budgets])
+    lines = [f"largest depth that trains (d_model {family(1, s['shape'], s.get('base', BASE)).d_model})", ""]
     lines.append(compare_io.table(headers, rows))
     return "\n".join(lines + compare_io.not_measured(data))
 
@@ -329,7 +360,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", help="comma-separated line-up keys (default: the part's line-up)")
     parser.add_argument("--budgets", default="24,80", help="memory budgets in GiB (CUDA)")
     parser.add_argument("--budgets-mib", help="memory budgets in MiB (CPU smoke tests: tensor bytes, no cap)")
-    parser.add_argument("--shape", help="override of the 1b shape (depth is searched), e.g. for CPU smoke tests")
+    parser.add_argument("--base", default=BASE, choices=sorted(PRESETS), help=f"the family's preset (default {BASE})")
+    parser.add_argument("--shape", help="override of the base shape (depth is searched), e.g. for CPU smoke tests")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=2, help="steps a trial must complete (default 2)")
     parser.add_argument("--resolution", type=int, help="stop bisecting at this many layers (default 2%% of guess)")
@@ -371,6 +403,8 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     data = compare_io.load(args.out)
     settings = {"device": args.device, "shape": args.shape, "seq_len": args.seq_len, "steps": args.steps}
+    if args.base != BASE:  # only then: results files of the default family stay valid
+        settings["base"] = args.base
     if data.get("settings") != settings:
         data = {"settings": settings, "rows": {}}
     data["env"] = compare_io.environment()

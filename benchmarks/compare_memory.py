@@ -13,7 +13,11 @@ training steps on random tokens in its own process through ``fusedopt.profile``:
 steps, one tracked step (peak, persistent, breakdown of the peak, phase holding it), then
 timed steps whose median is the step time of part 3. Ratios are to torch AdamW with fp32
 parameters and bf16 autocast (key A). Results merge into ``--out`` by key, so a part can run
-in slices (``--only``) and a killed run keeps what it finished.
+in slices (``--only``) and a killed run keeps what it finished. Each row also holds what the
+planner (``fusedopt-profile plan``) predicts for it without a measurement, reported beside it.
+The line-up's AF* keys are fusedopt.Adafactor (``benchmarks/competitors.py``):
+
+    python benchmarks/compare_memory.py --regime a --only A,FOR,FO4R,AFR,AFM8R,AFM4R --out $OUT/memory_af.json
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import compare_io
 import torch
 from competitors import REFERENCE, select
 
-from fusedopt.profile import ModelSpec, run_profile
+from fusedopt.profile import ModelSpec, plan, run_profile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HF_CONFIG = os.path.join(HERE, "tinyllama_1b.json")
@@ -77,14 +81,39 @@ def summarize(key: str, entry, result: dict) -> dict:
     return row
 
 
+def planned(config, spec, regime: dict) -> dict:
+    """What ``fusedopt-profile plan`` predicts for this configuration and workload without a
+    measurement (state layout or byte model, activations estimated from the shape): held next to
+    the measurement so that the planner's figures can be checked at size."""
+    row = plan(None, 1 << 20, [config], model=spec, dtype="bf16", batch=regime["batch"], seq_len=regime["seq_len"])[0]
+    per = row.per_param
+    return {
+        "source": per.source,
+        "state_corr_per_param": per.state + per.corrections,
+        "persistent": row.persistent,
+        "grads": row.grads,
+        "activations": row.activations,
+        "peak": row.peak,
+    }
+
+
 def report(data: dict) -> str:
     rows = data.get("rows", {})
     ref = rows.get(REFERENCE) if rows.get(REFERENCE, {}).get("ok") else None
     unit, scale = ("GiB", GIB) if data["settings"]["device"].startswith("cuda") else ("MiB", 1 << 20)
-    mem, speed = [], []
+    mem, speed, planner = [], [], []
     for key, r in rows.items():
         if not r.get("ok"):
             continue
+        if r.get("planned"):
+            p, n = r["planned"], r["num_params"]
+            measured = ((r["state_bytes"] or 0) + (r["correction_bytes"] or 0)) / n
+            planner.append(
+                [key, f"{p['state_corr_per_param']:.3f}", f"{measured:.3f}"]
+                + [f"{p['persistent'] / scale:.2f}", f"{r['persistent'] / scale:.2f}"]
+                + [f"{p['peak'] / scale:.2f}" + ("+" if p["activations"] is None else ""), f"{r['peak'] / scale:.2f}"]
+                + [p["source"]]
+            )
         ratio = {k: f"{r[k] / ref[k]:.2f}" if ref else "-" for k in ("peak", "persistent")}
         n = r["num_params"]
         state = ((r["state_bytes"] or 0) + (r["correction_bytes"] or 0)) / n
@@ -107,6 +136,17 @@ def report(data: dict) -> str:
         "Step time (part 3): median of the timed steps after 2 warm-up steps and the tracked step",
         compare_io.table(["key", "optimizer", "step ms", "tokens/s"], speed),
     ]
+    if planner:
+        lines += [
+            "",
+            "The planner's prediction (fusedopt-profile plan, no measurement; activations estimated from the "
+            "embedded model's shape, '+': not included, a Hugging Face model) against the measurement",
+            compare_io.table(
+                ["key", "state+corr B/param: plan", "measured", f"persistent {unit}: plan", "measured"]
+                + [f"peak {unit}: plan", "measured", "plan from"],
+                planner,
+            ),
+        ]
     return "\n".join(lines + compare_io.not_measured(data))
 
 
@@ -192,9 +232,10 @@ def main(argv=None) -> int:
             print(f"[{entry.key}] not started: about {guess:.0f} s would pass --budget-s", file=sys.stderr)
             continue
         t0 = time.perf_counter()
+        config = entry.optimizer_config()
         profile = run_profile(
             spec,
-            [entry.optimizer_config()],
+            [config],
             device=device,
             dtype="bf16",
             batch=regime["batch"],
@@ -206,6 +247,7 @@ def main(argv=None) -> int:
         )
         rows[entry.key] = summarize(entry.key, entry, profile.results[0])
         rows[entry.key]["raw"] = profile.results[0]
+        rows[entry.key]["planned"] = planned(config, spec, regime)
         compare_io.save(args.out, data)
         spent.append(time.perf_counter() - t0)
     compare_io.finish(report(data), plot, data, args.out, args.plot)

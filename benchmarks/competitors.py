@@ -3,8 +3,9 @@
 Each entry is a ``fusedopt-profile --config`` string (see ``fusedopt/profile/competitors.py``
 for how each library is built, as its own documentation recommends) plus what the benchmarks
 need to know about it. The keys A..I are the other libraries' configurations; the FO*
-keys are fusedopt. Every entry gets the same hyperparameters (:data:`HPARAMS`, overriding the
-libraries' own defaults) unless a benchmark sets its own schedule.
+keys are fusedopt's AdamW, the AF* keys fusedopt's Adafactor. Every AdamW-like entry gets the same
+hyperparameters (:data:`HPARAMS`, overriding the libraries' own defaults) unless a benchmark sets
+its own schedule; an entry with its own ``hparams`` (Adafactor: torch's defaults) gets those.
 
     python benchmarks/competitors.py            # the line-up and what is installed here
 """
@@ -33,10 +34,18 @@ class Entry:
     # bytes moved per element by one optimizer step on bf16 parameters (fp32 for autocast),
     # each tensor read and written once: the byte model of part 2 (None: not in part 2)
     step_bytes: float | None = None
+    # the entry's own hyperparameters instead of HPARAMS (an optimizer whose arguments are not AdamW's)
+    hparams: dict | None = None
 
     def optimizer_config(self, hparams: dict | None = None) -> OptimizerConfig:
         config = parse_config(self.config)
-        kwargs = {**(HPARAMS if hparams is None else hparams), **config.kwargs}
+        if self.hparams is not None and hparams is not None:
+            raise SystemExit(
+                f"line-up key {self.key} ({config.optimizer}) takes its own hyperparameters, not AdamW's: "
+                "this benchmark cannot run it"
+            )
+        own = self.hparams if self.hparams is not None else HPARAMS
+        kwargs = {**(own if hparams is None else hparams), **config.kwargs}
         return OptimizerConfig(config.optimizer, kwargs)
 
     @property
@@ -89,6 +98,31 @@ LINEUP: tuple[Entry, ...] = (
         "FO4NR",
         "fusedopt.AdamW:state_bits=4,master_weight_bits=None,fused=True",
         "fusedopt 4-bit state, no correction, fused=True",
+    ),
+    # fusedopt.Adafactor (torch.optim.Adafactor's arguments and defaults; memory and fit only)
+    Entry(
+        "AFR", "fusedopt.Adafactor:fused=True", "fusedopt Adafactor, no momentum, 24-bit master, fused=True", None, {}
+    ),
+    Entry(
+        "AFM8R",
+        "fusedopt.Adafactor:beta1=0.9,fused=True",
+        "fusedopt Adafactor, 8-bit momentum, 24-bit master, fused=True",
+        None,
+        {},
+    ),
+    Entry(
+        "AFM4R",
+        "fusedopt.Adafactor:beta1=0.9,state_bits=4,fused=True",
+        "fusedopt Adafactor, 4-bit momentum, 24-bit master, fused=True",
+        None,
+        {},
+    ),
+    Entry(
+        "AFNR",
+        "fusedopt.Adafactor:master_weight_bits=None,fused=True",
+        "fusedopt Adafactor, no momentum, no correction, fused=True",
+        None,
+        {},
     ),
 )
 BY_KEY = {e.key: e for e in LINEUP}

@@ -25,10 +25,13 @@ whether it is worse (or better) on every seed and gives the paired t statistic.
     python benchmarks/format_quality.py --out quality.json        # GPU (default settings), ~20 min on an H200
 
 ``--only KEY,KEY`` picks configurations (``fp32`` always runs: it is the reference), ``--seeds``
-the seeds. Results are appended to ``--out`` run by run, and runs already there (same settings) are
-skipped, so an interrupted run resumes. ``--jobs N`` trains N runs at a time in separate processes
-(the model is small, so one GPU is far from busy with one run); each run is still alone in its
-process, so the results do not depend on N.
+the seeds; ``KEY@LR`` runs a configuration at another peak lr (``--only adafactor-fp32@0.03``:
+a sweep). The Adafactor configurations take their own peak lr (``PEAK_LR``: its lr is a relative
+step, not AdamW's) and are also paired against fusedopt's AdamW default and, when compressed,
+against fp32 Adafactor. Results are appended to ``--out`` run by run, and runs already there (same
+settings) are skipped, so an interrupted run resumes. ``--jobs N`` trains N runs at a time in
+separate processes (the model is small, so one GPU is far from busy with one run); each run is
+still alone in its process, so the results do not depend on N.
 """
 
 from __future__ import annotations
@@ -88,6 +91,68 @@ CONFIGS = {
 }
 KNOWN_WORSE = ("bf16-rtn", "nomaster", "block4", "block4-nomaster")
 
+# Adafactor (torch's relative step: the update is max(eps2, RMS(p)) * min(lr, 1/sqrt(t)) times the
+# clipped normalised gradient), so its lr is not AdamW's: each configuration here takes its own peak
+# lr (PEAK_LR, from sweeps of adafactor-fp32 and adafactor-m32 on the --quick settings), under the same
+# schedule. Its weight decay is also lr * weight_decay * p per step: weight_decay = ADAMW_DECAY / peak
+# lr keeps that decay equal to the AdamW configurations' at the default --lr.
+ADAMW_DECAY = 3e-3 * HPARAMS["weight_decay"]
+
+
+def _adafactor(**options):
+    return lambda ps, lr: fusedopt.Adafactor(ps, lr=lr, weight_decay=ADAMW_DECAY / lr, **options)
+
+
+CONFIGS.update(
+    {
+        "adafactor-fp32": (
+            torch.bfloat16,
+            _adafactor(beta1=None, state_bits=32, master_weight_bits=32),
+            "Adafactor, no momentum, fp32 master weights (its own reference)",
+        ),
+        "adafactor": (torch.bfloat16, _adafactor(beta1=None), "Adafactor, no momentum, 24-bit master"),
+        "adafactor-m32": (
+            torch.bfloat16,
+            _adafactor(beta1=0.9, state_bits=32, master_weight_bits=32),
+            "Adafactor, fp32 momentum, fp32 master weights (the momentum configurations' reference)",
+        ),
+        "adafactor-m8": (torch.bfloat16, _adafactor(beta1=0.9), "Adafactor, 8-bit momentum, 24-bit master"),
+        "adafactor-m4": (
+            torch.bfloat16,
+            _adafactor(beta1=0.9, state_bits=4),
+            "Adafactor, 4-bit momentum, 24-bit master",
+        ),
+    }
+)
+PEAK_LR = {"adafactor-fp32": 0.3, "adafactor": 0.3, "adafactor-m32": 0.1, "adafactor-m8": 0.1, "adafactor-m4": 0.1}
+# Also paired against these (configuration -> references besides fp32 AdamW) in the report.
+ALSO_AGAINST = {
+    "adafactor-fp32": ("default",),
+    "adafactor": ("default", "adafactor-fp32"),
+    "adafactor-m32": ("default", "adafactor-fp32"),
+    "adafactor-m8": ("default", "adafactor-fp32", "adafactor-m32"),
+    "adafactor-m4": ("default", "adafactor-fp32", "adafactor-m32"),
+}
+
+
+def config_of(key: str, lr: float):
+    """(dtype, factory, label, peak lr) of a run key: a CONFIGS key, or ``KEY@LR`` for that
+    configuration at another peak lr (a sweep)."""
+    base, sep, value = key.partition("@")
+    if base not in CONFIGS:
+        raise ValueError(f"unknown configuration {base!r} (known: {', '.join(CONFIGS)})")
+    peak = PEAK_LR.get(base, lr)
+    if sep:
+        try:
+            peak = float(value)
+        except ValueError:
+            raise ValueError(f"{key!r}: the peak lr after '@' must be a number, got {value!r}") from None
+        if not (math.isfinite(peak) and peak > 0):
+            raise ValueError(f"{key!r}: the peak lr after '@' must be positive and finite")
+    dtype, make, label = CONFIGS[base]
+    return dtype, make, label, peak
+
+
 # (shape, steps, warmup, batch, seq, lr, eval seqs, seeds, configurations)
 GPU = dict(
     shape="vocab=256,d_model=512,layers=6,heads=8,kv_heads=8,ffn=1408",
@@ -116,12 +181,12 @@ QUICK = dict(
 
 
 def train_one(key: str, seed: int, args, device: str, train: torch.Tensor, held: torch.Tensor) -> dict:
-    dtype, make, label = CONFIGS[key]
+    dtype, make, label, lr = config_of(key, args.lr)
     torch.manual_seed(seed)  # the same initialisation for every configuration of a seed
     model = TinyLM(parse_shape(args.shape, PRESETS["tiny"]), checkpointing=False, device=device, dtype=torch.float32)
     model.to(dtype)
     autocast = contextlib.nullcontext
-    opt = make(list(model.parameters()), args.lr)
+    opt = make(list(model.parameters()), lr)
     warm, total = args.warmup, args.steps
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(warm, total))
@@ -144,6 +209,7 @@ def train_one(key: str, seed: int, args, device: str, train: torch.Tensor, held:
         "key": key,
         "seed": seed,
         "label": label,
+        "lr": lr,
         "final_eval": final,
         "final_train": statistics.fmean(losses[-max(1, total // 20) :]),
         "ok": all(math.isfinite(v) for v in losses) and math.isfinite(final),
@@ -151,37 +217,61 @@ def train_one(key: str, seed: int, args, device: str, train: torch.Tensor, held:
     }
 
 
-def summarise(runs: list[dict], seeds: list[int]) -> list[dict]:
-    """Per configuration: per-seed loss difference to fp32 (%), mean, spread, paired t, and verdict."""
-    ref = {r["seed"]: r["final_eval"] for r in runs if r["key"] == "fp32"}
+def summarise(runs: list[dict], seeds: list[int], reference: str = "fp32") -> list[dict]:
+    """Per configuration: per-seed loss difference to ``reference`` (%), mean, spread, paired t, and verdict."""
+    ref = {r["seed"]: r["final_eval"] for r in runs if r["key"] == reference}
     rows = []
     for key in dict.fromkeys(r["key"] for r in runs):
         got = {r["seed"]: r["final_eval"] for r in runs if r["key"] == key}
         paired = [s for s in seeds if s in got and s in ref]
         diffs = [100 * (got[s] - ref[s]) / ref[s] for s in paired]
-        row = {"key": key, "label": CONFIGS[key][2], "loss": [got[s] for s in paired], "diff_pct": diffs}
+        label = next(r["label"] for r in runs if r["key"] == key)
+        row = {"key": key, "label": label, "loss": [got[s] for s in paired], "diff_pct": diffs}
         if diffs:
             mean = statistics.fmean(diffs)
             sd = statistics.stdev(diffs) if len(diffs) > 1 else float("nan")
             t = mean / (sd / math.sqrt(len(diffs))) if len(diffs) > 1 and sd > 0 else float("nan")
             verdict = "worse on every seed" if min(diffs) > 0 else "better on every seed" if max(diffs) < 0 else "mixed"
-            row.update(mean_pct=mean, sd_pct=sd, t=t, verdict=verdict if key != "fp32" else "reference")
+            row.update(mean_pct=mean, sd_pct=sd, t=t, verdict=verdict if key != reference else "reference")
         rows.append(row)
     return rows
 
 
-def report(rows: list[dict], settings: dict) -> str:
+def also_against(runs: list[dict], seeds: list[int]) -> dict[str, list[dict]]:
+    """reference -> the rows of the configurations ``ALSO_AGAINST`` pairs with it (those that ran)."""
+    keys = set(r["key"] for r in runs)
+    out = {}
+    for key, refs in ALSO_AGAINST.items():
+        for ref in refs:
+            if ref in keys and any(k.partition("@")[0] == key for k in keys):
+                out.setdefault(ref, set()).add(key)
+    return {
+        ref: [r for r in summarise(runs, seeds, ref) if r["key"].partition("@")[0] in wanted and r["diff_pct"]]
+        for ref, wanted in out.items()
+    }
+
+
+def _table(rows: list[dict], reference: str) -> list[str]:
+    width = max([16] + [len(r["key"]) for r in rows])
     lines = [
-        "settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()),
-        f"{'config':<16} {'held-out loss per seed':<30} {'diff vs fp32 per seed (%)':<28} "
-        f"{'mean':>7} {'sd':>6} {'t':>6}  verdict",
+        f"{'config':<{width}} {'held-out loss per seed':<30} {'diff vs ' + reference + ' per seed (%)':<28} "
+        f"{'mean':>7} {'sd':>6} {'t':>6}  verdict"
     ]
     for r in rows:
         losses = " ".join(f"{v:.4f}" for v in r["loss"])
         diffs = " ".join(f"{v:+.2f}" for v in r["diff_pct"])
         nan = float("nan")
         stats = f"{r.get('mean_pct', nan):+7.2f} {r.get('sd_pct', nan):6.2f} {r.get('t', nan):6.1f}"
-        lines.append(f"{r['key']:<16} {losses:<30} {diffs:<28} {stats}  {r.get('verdict', '')}")
+        lines.append(f"{r['key']:<{width}} {losses:<30} {diffs:<28} {stats}  {r.get('verdict', '')}")
+    return lines
+
+
+def report(rows: list[dict], settings: dict, also: dict[str, list[dict]] | None = None) -> str:
+    lines = ["settings: " + ", ".join(f"{k}={v}" for k, v in settings.items())] + _table(rows, "fp32")
+    own = [r["key"] for r in rows if "@" in r["key"] or r["key"] in PEAK_LR]
+    if own:
+        lr = settings["lr"]
+        lines.append("own peak lr (the others: lr): " + ", ".join(f"{k} {config_of(k, lr)[3]:g}" for k in own))
     ref = [r for r in rows if r["key"] == "fp32"]
     if ref and len(ref[0]["loss"]) > 1:
         spread = 100 * (max(ref[0]["loss"]) - min(ref[0]["loss"])) / min(ref[0]["loss"])
@@ -199,6 +289,9 @@ def report(rows: list[dict], settings: dict) -> str:
         f"known-worse configurations worse than fp32 on every seed: {len(seen)} of {len(worse)} ({', '.join(seen)}); "
         f"of those by more than twice the trajectory noise: {', '.join(beyond) or 'none'}"
     )
+    for reference, paired in (also or {}).items():
+        lines += ["", f"paired against {reference} ({next(r['label'] for r in rows if r['key'] == reference)}):"]
+        lines += _table(paired, reference)
     return "\n".join(lines)
 
 
@@ -290,9 +383,11 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)  # small tensors: more threads only add synchronisation
     seeds = [int(s) for s in str(args.seeds).split(",")]
     keys = ["fp32"] + [k for k in str(args.only).split(",") if k and k != "fp32"]
-    unknown = [k for k in keys if k not in CONFIGS]
-    if unknown:
-        parser.error(f"unknown configurations {unknown} (known: {', '.join(CONFIGS)})")
+    for key in keys:
+        try:
+            config_of(key, args.lr)
+        except ValueError as exc:
+            parser.error(str(exc))
     settings = {k: getattr(args, k) for k in ("shape", "steps", "warmup", "batch", "seq", "lr", "eval_seqs")}
     settings["corpus_limit"] = args.corpus_limit
     data = {"settings": settings, "runs": []}
@@ -306,6 +401,9 @@ def main(argv=None) -> int:
     train, held, digest = corpus(args.corpus_limit)
     train, held = train.to(device), held.to(device)
     data["corpus"] = digest
+    known = [r for r in data["runs"] if r["key"].partition("@")[0] in CONFIGS]
+    # a run at another peak lr than its configuration's now (PEAK_LR changed) is measured again
+    data["runs"] = [r for r in known if r.get("lr", args.lr) == config_of(r["key"], args.lr)[3]]
     done = {(r["key"], r["seed"]) for r in data["runs"]}
     t_start = time.perf_counter()
     # seed order: an interrupted run has whole seeds first
@@ -325,11 +423,12 @@ def main(argv=None) -> int:
             with open(args.out, "w") as f:
                 json.dump(data, f, indent=1)
     rows = summarise(data["runs"], seeds)
-    data["summary"] = rows
+    also = also_against(data["runs"], seeds)
+    data["summary"], data["also_against"] = rows, also
     if args.out:
         with open(args.out, "w") as f:
             json.dump(data, f, indent=1)
-    print(report(rows, settings))
+    print(report(rows, settings, also))
     print(f"total {time.perf_counter() - t_start:.0f} s on {device}")
     return 0
 

@@ -446,6 +446,53 @@ def test_planner_knows_adafactor():
     assert byte_model("torch.Adafactor", {}, torch.float32).state == 0
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        "fusedopt.Adafactor:fused=True",
+        "fusedopt.Adafactor:beta1=0.9,fused=True",
+        "fusedopt.Adafactor:beta1=0.9,state_bits=4,fused=True",
+    ],
+)
+def test_planner_predicts_what_the_profiler_measures(config):
+    """The configurations of the benchmarks (compare_memory.py, compare_fit.py): the planner's bytes
+    per parameter, from the state layout, are what the profiler measures on a trained model, and
+    its byte model (what compare_fit.py starts its search from) is the layout at 1.1B scale."""
+    from fusedopt.profile import ModelSpec, plan, run_profile
+    from fusedopt.profile.planner import byte_model, layout_model
+
+    report = run_profile(
+        "tiny",
+        [config],
+        device="cpu",
+        dtype="bf16",
+        seq_len=16,
+        steps=2,
+        isolate=False,
+        allocator_pass=False,
+        timeline=False,
+        progress=False,
+    )
+    measured = report.results[0]
+    assert measured["ok"], measured
+    n = measured["num_params"]
+    row = plan(None, 1.0, [config], model=ModelSpec.from_args("tiny", None, None), dtype="bf16", seq_len=16)[0]
+    per = row.per_param
+    assert per.source.startswith("layout") and per.grads_at_peak == 0  # gradients released in backward
+    # the layout leaves out each tensor's 0-d fp32 step counter: 4 bytes per parameter tensor
+    steps = 4 * len(ModelSpec.from_args("tiny", None, None).param_shapes())
+    state = measured["state_bytes"] + measured["correction_bytes"]
+    assert (per.state + per.corrections) * n + steps == pytest.approx(state, abs=1e-6)
+    cats = measured["memory"]["persistent_breakdown"]["categories"]  # (its rest: the input batch)
+    held = cats["parameters"] + cats["corrections"] + cats["optimizer_state"]
+    assert row.persistent + steps == pytest.approx(held, abs=1)  # int() of the product
+    options = fusedopt.profile.parse_config(config)
+    shapes = ModelSpec.from_args("1b", None, None).param_shapes()
+    layout = layout_model(options.optimizer, options.kwargs, torch.bfloat16, shapes)
+    model = byte_model(options.optimizer, options.kwargs, torch.bfloat16)
+    assert model.at_peak == pytest.approx(layout.at_peak, abs=0.01)
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_clipping_and_grad_scaler(fused):
     """max_grad_norm and a GradScaler as with every fusedopt optimizer: a scaled run (a power-of-two

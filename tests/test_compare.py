@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import fusedopt
 import fusedopt.profile
 from fusedopt.profile import parse_config
 from fusedopt.profile.competitors import COMPETITORS, Competitor, torch_adamw_in_backward
@@ -133,7 +134,12 @@ def test_lineup_parses_and_parts_are_consistent():
     assert len({e.key for e in competitors.LINEUP}) == len(competitors.LINEUP)
     for entry in competitors.LINEUP:
         config = entry.optimizer_config()
-        assert config.kwargs["lr"] == competitors.HPARAMS["lr"]
+        if entry.hparams is None:
+            assert config.kwargs["lr"] == competitors.HPARAMS["lr"]
+        else:  # its own (Adafactor: torch's defaults), none of AdamW's
+            assert not set(competitors.HPARAMS) - set(entry.hparams) & set(config.kwargs)
+            with pytest.raises(SystemExit, match="its own hyperparameters"):
+                entry.optimizer_config(competitors.HPARAMS)
         assert entry.step_bytes is None or not config.release  # release configs have no separate step
     for part, keys in competitors.PARTS.items():
         assert set(keys) <= set(competitors.BY_KEY), part
@@ -152,6 +158,64 @@ def test_fit_search_finds_the_largest_depth(limit):
 
     assert compare_fit.largest(fits, guess=50, resolution=1, max_trials=40) == limit
     assert len(trials) <= 25
+
+
+@pytest.mark.parametrize("key", ["AFR", "AFM8R", "AFM4R", "AFNR"])
+def test_adafactor_entries_build_the_configuration_they_name(key):
+    param = torch.nn.Parameter(torch.zeros(64, 32, dtype=torch.bfloat16))
+    opt = competitors.BY_KEY[key].optimizer_config().build([param], model=torch.nn.Linear(1, 1))
+    group = opt.param_groups[0]
+    expected = {"AFR": (None, 8, 24), "AFM8R": (0.9, 8, 24), "AFM4R": (0.9, 4, 24), "AFNR": (None, 8, None)}
+    assert isinstance(opt, fusedopt.Adafactor) and opt.fused
+    assert (group["beta1"], group["state_bits"], group["master_weight_bits"]) == expected[key]
+    assert group["lr"] == 1e-2 and group["weight_decay"] == 0.0  # torch.optim.Adafactor's defaults
+    opt.remove_hooks()
+
+
+def test_fit_reports_peak_and_step_time_and_searches_other_widths():
+    assert compare_fit.family(32, None, "7b").num_params() == 6_738_415_616  # Llama-2-7B
+    assert compare_fit.family(22).num_params() == 1_100_048_384  # TinyLlama 1.1B, the default family
+    assert compare_fit._median_step_ms({"step_ms": [900.0, 10.0, 30.0, 20.0]}) == 20.0  # the first left out
+    assert compare_fit._median_step_ms({"step_ms": [5.0]}) == 5.0 and compare_fit._median_step_ms({}) is None
+    gib = compare_fit.GIB
+    fits = {"layers": 32, "params": 6_738_415_616, "peak_at_largest": 21 * gib, "step_ms_at_largest": 812.4}
+    assert compare_fit._cell(fits, gib) == "32 layers, 6.74B (peak 21.00 GiB, 812 ms/step)"
+    assert compare_fit._cell({"layers": 0, "params": 0}, gib) == "not even 1 layer"
+    # the planner's guess for the 7B width: 3 bytes per parameter (bf16 + 8-bit correction, no moment)
+    config = competitors.BY_KEY["AFR"].optimizer_config()
+    guess = compare_fit.predicted_layers(config, 24 * gib, None, gib, "7b")
+    per_layer = compare_fit.family(2, None, "7b").num_params() - compare_fit.family(1, None, "7b").num_params()
+    assert guess == int((23 * gib - 3 * (compare_fit.family(1, None, "7b").num_params() - per_layer)) / (3 * per_layer))
+    assert 32 < guess < 40
+
+
+def test_format_quality_keys_take_their_own_peak_lr_and_pair_with_more_references():
+    import format_quality as fq
+
+    assert fq.config_of("fp32", 3e-3)[3] == 3e-3
+    assert fq.config_of("adafactor", 3e-3)[3] == fq.PEAK_LR["adafactor"]
+    assert fq.config_of("adafactor-m4@0.05", 3e-3)[3] == 0.05
+    for bad, message in (
+        ("nope", "unknown configuration"),
+        ("adafactor@x", "must be a number"),
+        ("fp32@-1", "positive"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            fq.config_of(bad, 3e-3)
+    # the decoupled weight decay per step, lr * weight_decay, is the AdamW configurations'
+    param = torch.nn.Parameter(torch.zeros(8, 8, dtype=torch.bfloat16))
+    group = fq.CONFIGS["adafactor"][1]([param], 0.3).param_groups[0]
+    assert group["lr"] * group["weight_decay"] == pytest.approx(3e-3 * fq.HPARAMS["weight_decay"])
+    losses = {"fp32": [1.0, 2.0], "default": [1.1, 2.2], "adafactor-fp32": [1.2, 2.0], "adafactor-m4": [1.32, 2.1]}
+    losses["adafactor-m32"] = [1.1, 2.1]
+    runs = [{"key": k, "seed": s, "label": k, "final_eval": v} for k, vs in losses.items() for s, v in enumerate(vs)]
+    also = fq.also_against(runs, [0, 1])
+    assert set(also) == {"default", "adafactor-fp32", "adafactor-m32"}
+    assert [r["key"] for r in also["adafactor-fp32"]] == ["adafactor-m4", "adafactor-m32"]
+    assert also["adafactor-fp32"][0]["diff_pct"] == pytest.approx([10.0, 5.0])
+    assert [r["key"] for r in also["adafactor-m32"]] == ["adafactor-m4"]  # compressed momentum against fp32's
+    assert [r["key"] for r in also["default"]] == ["adafactor-fp32", "adafactor-m4", "adafactor-m32"]
+    assert "paired against adafactor-fp32" in fq.report(fq.summarise(runs, [0, 1]), {"lr": 3e-3}, also)
 
 
 def test_quality_summary_gap_and_spread():
@@ -193,13 +257,14 @@ def test_a_trial_in_its_own_process_measures_what_it_measures_in_this_one():
     shape = "vocab=256,d_model=32,heads=2,kv_heads=2,ffn=64"
     args = argparse.Namespace(
         device="cpu", shape=shape, seq_len=8, steps=1, max_trials=4, activations_gib=0.0, resolution=None,
-        process_per_trial="release", budgets_mib="4", budgets=None, _baseline=0,
+        process_per_trial="release", budgets_mib="4", budgets=None, _baseline=0, base="1b",
     )  # fmt: skip
     entry = competitors.BY_KEY["FOR"]
     budget = 4 * compare_fit.MIB
     compare_fit._cap_memory(args, budget, "cpu")
     here = compare_fit.trial(entry, 3, args, "cpu")
     there = compare_fit.trial_in_own_process(entry, 3, args, budget)
+    assert len(here.pop("step_ms")) == len(there.pop("step_ms")) == 1  # timed, not compared
     assert here == there and here["ok"] and here["peak"] > 0
 
 
