@@ -216,20 +216,20 @@ def test_log4_without_increments_the_codes_stay_and_the_top_decays_exactly():
 
 
 def test_log4_tiny_increments_round_up_with_their_probability():
-    """An increment of 2e-4 of the gap per step, 1000 steps: 0.2 levels per element on average (the
-    24-bit draw; on the moment's 12-bit field it would round to nothing)."""
+    """An increment of 1e-4 of the gap per step, 2000 steps: 0.2 levels per element on average (the
+    24-bit draw; the moment's 12-bit field alone would round up with probability 2**-12, 0.49 levels)."""
     shape = torch.Size([16, 128])
     c = log4(shape)
     tops, steps = torch.ones(c.blocks), torch.full((c.blocks,), 32, dtype=torch.uint8)  # levels a binade apart
     codes = torch.full((c.blocks, LOG_BLOCK), 10, dtype=torch.int32)
     stored = {".codes": c.pack(codes), ".scales": tops, ".steps": steps}
     gap = 2.0 ** -(15 - 11) - 2.0 ** -(15 - 10)  # level c is 2**-(15 - c)
-    for step in range(1, 1001):
-        x = c.decode(stored) + 2e-4 * gap
+    for step in range(1, 2001):
+        x = c.decode(stored) + 1e-4 * gap
         stored = c.encode_decayed(x, draw(7, step, shape), stored, 1.0)
     assert torch.equal(stored[".scales"], tops) and torch.equal(stored[".steps"], steps)
     mean = (c.unpack(stored[".codes"]).double() - 10).mean().item()
-    assert 0.1 < mean < 0.3, mean  # the value grows by 0.2 gaps; each level up is a wider gap
+    assert 0.12 < mean < 0.28, mean  # the value grows by 0.2 gaps; each level up is a wider gap
 
 
 def test_log4_a_value_leaving_the_grid_re_rounds_its_block_only():
