@@ -28,11 +28,10 @@ Format of one moment tensor of ``n`` elements, taken flattened in row-major orde
 Encode: stochastic rounding to the two levels around ``q / scale``, unbiased, from the moment's
 12-bit draw mixed with the element index (``rng.spread_uniform``). The codes are rounded afresh
 each step: the frame moves every step, so a decay cannot be kept exact on a scale. Each step's
-rounding noise stays in ``m`` with weight ``b1**k``, ``1 / (1 - b1**2)`` (5) steps' worth: with 4
-levels over the whole range (gaps of ~1.6 standard deviations of ``q`` in a block of 64) it swamps
-``m`` (an rms error about twice ``m``'s own, in a simulated stream); clipping at 1.2 rms narrows
-the gaps to 0.8 rms and the error to about 0.7 of ``m``, the best of the spacings tried (0.5 to
-1.5 rms). 4 levels cannot hold ``m`` well: that is the price of 2.25 bits.
+rounding noise stays in ``m`` with weight ``b1**k``, about ``1 / (1 - b1**2)`` steps' worth; with 4
+levels spanning the block's absmax that noise is larger than ``m`` itself, and clipping the
+half-range at 1.2 rms (gaps of 0.8 rms) was the best trade of clipping bias against rounding noise
+of the spacings measured (``benchmarks/norm_spacing.py``, benchmarks/RESULTS.md).
 
 Bytes per element: ``bits / 8 + 2 / 64``: 0.281 (norm2, 2.25 bits), 0.531 (norm4).
 
