@@ -27,16 +27,17 @@ def drift(bits: int, clip: float | None, steps: int, shape=(64, 256), beta1: flo
     signal = 0.3 * torch.randn(shape, generator=gen)
     m, v = torch.zeros(shape), torch.zeros(shape)
     stored = codec.zeros(torch.Size(shape), torch.device("cpu"))
+    frame = torch.zeros(shape)  # the v the stored m is in units of (the previous step's)
     key = rng.host_key(0, 0, rng.STREAM_SHARED)
     errors = []
     for step in range(1, steps + 1):
         g = (torch.randn(shape, generator=gen) + signal) * rows
         v = 0.999 * v + 0.001 * g * g
-        quantised = beta1 * codec.decode(stored, frame=v_old) + (1 - beta1) * g if step > 1 else (1 - beta1) * g
+        quantised = beta1 * codec.decode(stored, frame=frame) + (1 - beta1) * g
         m = beta1 * m + (1 - beta1) * g
         words = rng.moment_word(rng.uniform_bits(key, torch.tensor(float(step)), torch.Size(shape), "cpu"), 0)
         stored = codec.encode(quantised, lambda w=words: w, frame=v)
-        v_old = v.clone()
+        frame = v
         if step > steps // 2:
             r = v.sqrt()
             err = (codec.decode(stored, frame=v) - m) / r
