@@ -10,9 +10,11 @@ Format of one moment tensor of ``n`` elements, taken flattened in row-major orde
 * **Steps** (``<slot>.steps``, uint8, shape ``(blocks,)``): the block's level spacing ``s``, in
   32nds of a binade.
 * **Value**: ``c = 0`` is exactly 0; ``c`` in 1..15 is ``top * 2**(-(15 - c) * s / 32)``: 15
-  levels evenly spaced in ``log2 v`` from ``top`` down 14 steps of ``s / 32`` binades (up to
-  ``14 * 255 / 32``, 111 binades). ``2**(-j / 32)`` is a table of 32 fp32 constants and the
-  whole binades a power of two, so decode is one rounded multiply (the same on every device).
+  levels evenly spaced in ``log2 v`` from ``top`` down 14 steps of ``s / 32`` binades.
+  ``2**(-j / 32)`` is a table of 32 fp32 constants and the whole binades a power of two, so
+  decode is one rounded multiply (the same on every device). The layout holds any ``s`` up to
+  255; the encoder uses at most ``MAX_STEP`` = 18 (levels at most 1.48 times apart, a grid of 7.9
+  binades).
 
 Bytes per element: ``1/2 + 5/128`` = 0.539 (4.31 bits). A log grid spends its levels on relative
 resolution, which fits a positive moment spanning orders of magnitude within a block; zeros
@@ -20,11 +22,15 @@ resolution, which fits a positive moment spanning orders of magnitude within a b
 
 Encode of a block afresh (``encode``, and a block whose values leave its grid): ``top`` is twice
 the block's largest value (a binade of headroom, so steady growth rarely re-rounds the block) and
-``s`` the smallest spacing whose bottom level reaches the smallest nonzero value (at most 255: a
-smaller value takes the bottom level). Each nonzero value is rounded stochastically to one of the
-two levels around it, up with probability equal to the fraction of the way between them in value
-(so the rounded ``v`` is unbiased, and its EMA too); a value below the bottom level takes level 1:
-a nonzero ``v`` never becomes 0 (Adam would step by ``m / eps``), and errs towards a smaller step.
+``s`` the smallest spacing whose bottom level reaches the smallest nonzero value, at most
+``MAX_STEP``. Each nonzero value is rounded stochastically to one of the two levels around it, up
+with probability equal to the fraction of the way between them in value (so the rounded ``v`` is
+unbiased, and its EMA too); a value below the bottom level takes level 1: a nonzero ``v`` never
+becomes 0 (Adam would step by ``m / eps``), and errs towards a smaller step. The cap trades the
+elements far below their block's largest (their steps shrink, as in the block formats) for
+resolution everywhere else: rounding noise enters the EMA in proportion to the gap between levels,
+and a grid stretched over a block's full range (often tens of binades early in training) made the
+whole of ``v`` noisy (benchmarks/RESULTS.md).
 
 Encode in an update (``encode_decayed``, ``x = d * x_old + increment``): the decay goes exactly
 into the top (``top * d``; every level scales with it, the codes stay), and only elements with a
@@ -32,8 +38,8 @@ nonzero increment are rounded on that decayed grid, from their new value. An ele
 gradient keeps its code and decays exactly; rounding noise enters in proportion to the increments,
 not as a re-rounding of every element each step (which, with stochastic rounding, an EMA of memory
 ``1 / (1 - d)`` would accumulate). A block where a new value leaves the grid (above the top, or
-nonzero below the bottom level) is encoded afresh. Without a decay (checkpoint conversion, other
-algorithms) ``encode`` encodes every block afresh.
+nonzero below the bottom level of a grid not yet at ``MAX_STEP``) is encoded afresh. Without a
+decay (checkpoint conversion, other algorithms) ``encode`` encodes every block afresh.
 
 Draws: the moment's 12-bit field of the update's shared hash word for element ``i`` (its global
 index, through the optimizer's ``first``), mixed with ``i`` into 24 bits (``rng.spread_uniform``):
@@ -56,7 +62,7 @@ from .base import BitsFn, MomentCodec
 BLOCK = 128
 LEVELS = 15  # nonzero levels of a 4-bit index; 0 is zero
 STEP_UNITS = 32  # the spacing is s / 32 binades
-MAX_STEP = 255
+MAX_STEP = 18  # the encoder's widest spacing (the format allows 255)
 HEADROOM = 2.0  # a fresh block's top over its largest value (exact in fp32)
 _SLACK = 2.0**-20  # a value within fp32 rounding of the top or the bottom level is on the grid
 _BIG = 2.0**100  # values are saturated here (inf: here, NaN: 0)
@@ -168,7 +174,8 @@ class LogGridCodec(MomentCodec):
         up = (lo < LEVELS) & (gap > 0) & (u.double() * gap.double() < (y - low).double())
         codes = torch.where(y > 0, lo + up.to(torch.int32), 0)
         bottom = self.levels(torch.ones_like(lo[:, :1]), tops, steps)
-        inside = (y == 0) | ((y <= tops.unsqueeze(1) * (1 + _SLACK)) & (y >= bottom * (1 - _SLACK)))
+        widest = (steps >= MAX_STEP).unsqueeze(1)  # a refit would not reach lower: level 1 it is
+        inside = (y == 0) | ((y <= tops.unsqueeze(1) * (1 + _SLACK)) & ((y >= bottom * (1 - _SLACK)) | widest))
         return codes, inside
 
     def _store(self, codes, tops, steps):
