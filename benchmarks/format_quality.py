@@ -88,6 +88,26 @@ CONFIGS = {
     "rot8": (torch.bfloat16, lambda ps, lr: fusedopt.AdamW(ps, lr=lr, state_format="rot8", **HPARAMS), "rot8, 24-bit"),
     "rot4": (torch.bfloat16, lambda ps, lr: fusedopt.AdamW(ps, lr=lr, state_format="rot4", **HPARAMS), "rot4, 24-bit"),
     "rot2": (torch.bfloat16, lambda ps, lr: fusedopt.AdamW(ps, lr=lr, state_format="rot2", **HPARAMS), "rot2, 24-bit"),
+    "norm2-log4": (
+        torch.bfloat16,
+        lambda ps, lr: fusedopt.AdamW(ps, lr=lr, state_format="norm2-log4", **HPARAMS),
+        "norm2-log4 (0.82 B/param), 24-bit",
+    ),
+    "norm4-log4": (
+        torch.bfloat16,
+        lambda ps, lr: fusedopt.AdamW(ps, lr=lr, state_format="norm4-log4", **HPARAMS),
+        "norm4-log4 (1.07 B/param), 24-bit",
+    ),
+    "rot4-log4": (
+        torch.bfloat16,
+        lambda ps, lr: fusedopt.AdamW(ps, lr=lr, state_format="rot4-log4", **HPARAMS),
+        "rot4-log4 (1.05 B/param), 24-bit",
+    ),
+    "turboadam": (
+        torch.bfloat16,
+        lambda ps, lr: __import__("turboadam").TurboAdam(ps, lr=lr, **HPARAMS),
+        "TurboAdam 0.2.0 (its defaults: UState + 1Q, 0.81 B/param; bf16 parameters, no master)",
+    ),
 }
 KNOWN_WORSE = ("bf16-rtn", "nomaster", "block4", "block4-nomaster")
 

@@ -45,6 +45,7 @@ class AdamW(FusedOptimizer):
     math = staticmethod(adamw_math)
     slots = ("exp_avg", "exp_avg_sq")
     nonnegative_slots = ("exp_avg_sq",)
+    frames = {"exp_avg": "exp_avg_sq"}  # m / sqrt(v) is the update's own unit (a framed format's)
     kernel_id = 0  # the ALGO == 0 branch of kernels/update.py
     bias_corrections = True  # the check kernel computes them per step
     torch_group_keys = dict(amsgrad=False, foreach=None, capturable=False, differentiable=False, fused=None)

@@ -38,7 +38,7 @@ import torch
 
 from . import rng
 from .clipping import ReleaseClipping
-from .codecs import MomentCodec, codec_named, known_formats
+from .codecs import MomentCodec, codec_named, decode_moments, known_formats
 from .codecs.blockwise import BlockCodec
 from .master import MASTER_CORRECTION, convert_correction
 from .sharding import as_sharded, element_offset, is_sharded, local
@@ -420,31 +420,62 @@ def _convert_param_state(
     step = _load_step(saved.get("step"), where, has_moments=any(k != "step" for k in saved), optimizer=optimizer)
     out = {"step": torch.tensor(step, dtype=torch.float32, device=p.device)}
     draws = rng.UpdateDraws(seed, index, out["step"], p, None, first)  # re-encoding rounds like an update
-    for i, (slot, codec) in enumerate(codecs.items()):
+    signed_of = {slot: slot not in optimizer.nonnegative_slots for slot in codecs}
+    sources = {
+        slot: _saved_codec(slot, saved, p.shape, signed_of[slot], saved_format, names.get(slot), where)
+        for slot in codecs
+    }
+    saved_values: dict[str, torch.Tensor] = {}
+
+    def saved_value(slot: str) -> torch.Tensor:
+        """The saved moment of ``slot`` decoded by its saved codec (a framed one with its saved frame)."""
+        if slot not in saved_values:
+            source = sources.get(slot)
+            if source is None:
+                raise ValueError(f"state {slot!r} of {where} is missing: a saved moment is stored relative to it")
+            stored = {s: saved[slot + s].detach().to(p.device) for s in source.suffixes}
+            frame = {"frame": saved_value(optimizer.frames[slot])} if source.frame else {}
+            saved_values[slot] = source.decode(stored, **frame).float()
+        return saved_values[slot]
+
+    copied, stored_out = set(), {}
+    # frames first: a framed moment is encoded in units of its frame as now stored
+    order = sorted(enumerate(codecs.items()), key=lambda item: item[1][1].frame)
+    for i, (slot, codec) in order:
         layout = codec.layout(p.shape)
         entries = {s: saved.get(slot + s) for s in layout}
-        signed = slot not in optimizer.nonnegative_slots
-        source = _saved_codec(slot, saved, p.shape, signed, saved_format, names.get(slot), where)
+        source = sources[slot]
         same_format = source is None or source is _PLAIN or source.name == codec.name
-        if same_format and all(
-            isinstance(t, torch.Tensor) and (t.dtype, t.shape) == layout[s] for s, t in entries.items()
+        same_frame = not codec.frame or optimizer.frames.get(slot) in copied
+        if (
+            same_format
+            and same_frame
+            and all(isinstance(t, torch.Tensor) and (t.dtype, t.shape) == layout[s] for s, t in entries.items())
         ):
             out.update({slot + s: t.detach() for s, t in entries.items()})  # copied to p.device by pack_tensors
+            stored_out[slot] = {s: t.detach().to(p.device) for s, t in entries.items()}
+            copied.add(slot)
             continue
         value = saved.get(slot)
         if value is None and not any(_of_slot(k, slot) for k in saved):
             if step != 0:
                 raise ValueError(f"state of {where} lacks {slot!r} although it was updated {step:g} times")
-            out.update({slot + s: t for s, t in codec.zeros(p.shape, p.device).items()})
+            stored_out[slot] = codec.zeros(p.shape, p.device)
+            out.update({slot + s: t for s, t in stored_out[slot].items()})
             continue
         if source is None:
             got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
             target = codec.name
             raise ValueError(f"state {slot!r} of {where} cannot be converted to the state format {target!r}: got {got}")
-        decoded = source.decode({s: saved[slot + s].detach().to(p.device) for s in source.suffixes}).float()
+        decoded = saved_value(slot)
         origin = str(value.dtype) if source is _PLAIN else source.name
-        encoded = codec.encode(decoded, draws.moment(i))
-        error = (codec.decode(encoded) - decoded).abs().max().item() if decoded.numel() else 0.0
+        frame = {}
+        if codec.frame:
+            frame_slot = optimizer.frames[slot]
+            frame = {"frame": codecs[frame_slot].decode(stored_out[frame_slot])}
+        encoded = codec.encode(decoded, draws.moment(i), **frame)
+        stored_out[slot] = encoded
+        error = (codec.decode(encoded, **frame) - decoded).abs().max().item() if decoded.numel() else 0.0
         if error > 0:
             scale = decoded.abs().max().item()
             change = f"{origin} -> {codec.name}"
@@ -544,9 +575,10 @@ def torch_state_dict(optimizer) -> dict:
         group, _ = optimizer.position(p)
         saved = optimizer.state[p]
         entry = {"step": saved["step"].detach().clone().cpu()}
-        for slot, codec in optimizer.codecs(p, group).items():
-            stored = {s: saved[slot + s] for s in codec.suffixes}
-            entry[slot] = codec.decode(stored).detach().float().clone()
+        codecs = optimizer.codecs(p, group)
+        stored = {slot: {s: saved[slot + s] for s in codec.suffixes} for slot, codec in codecs.items()}
+        for slot, value in decode_moments(codecs, stored, optimizer.frames).items():
+            entry[slot] = value.detach().float().clone()
         if not optimizer.torch_saves_step:
             entry.pop("step")
             for slot in optimizer.slots:

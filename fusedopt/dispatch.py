@@ -326,6 +326,7 @@ class UpdateDispatcher:
                 index=opt.param_index(p),
                 skipped=opt.num_skipped_updates,
                 decays=opt.ema_decays(settings.hyper),
+                frames=opt.frames,
                 first=opt.element_offset(p),
             )
             launch = self._run(job, settings)

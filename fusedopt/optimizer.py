@@ -39,6 +39,7 @@ from .state_memory import SharedCorrections, pack
 # Options that apply to the whole optimizer; a parameter group may not set them.
 OPTIMIZER_WIDE_OPTIONS = ("fused", "accumulation_steps", "seed", "max_grad_norm", "release_clipping", "grad_scaler")
 SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PROBE_SHAPE = torch.Size([64, 64])  # a compressible shape, to ask a state format about its codecs
 
 
 def check_refused_options(**options) -> None:
@@ -78,6 +79,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     math: UpdateMath  # the fp32 math of one update: the CPU path and the kernel's oracle
     slots: tuple[str, ...] = ()  # the moments it may keep (``state_slots`` says which a group keeps)
     nonnegative_slots: tuple[str, ...] = ()  # moments never negative (stored unsigned)
+    # slot -> the second moment whose square root a framed state format stores it in units of
+    # (``MomentCodec.frame``); formats with a framed codec are refused for slots not listed
+    frames: dict[str, str] = {}
     kernel: str = "update"  # the kernels module that runs it (fusedopt.kernels.<kernel>)
     kernel_id: int | None = None  # its branch in that module's kernel (None: the reference runs it)
     bias_corrections: bool = False  # the kernel's check pass computes Adam's bias corrections
@@ -212,6 +216,14 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"Invalid state_format: {state_format!r} (expected None or one of {', '.join(registered_formats())})"
             )
+        if state_format is not None:
+            for slot in self.state_slots(group):
+                codec = codec_named(state_format, slot not in self.nonnegative_slots, _PROBE_SHAPE)
+                if codec.frame and self.frames.get(slot) not in self.state_slots(group):
+                    raise ValueError(
+                        f"Invalid state_format: {state_format!r} stores {slot!r} in units of a second moment, "
+                        f"which fusedopt.{type(self).__name__} does not keep"
+                    )
         check_master_weight_bits(group["master_weight_bits"])
         if not isinstance(group["maximize"], bool):
             raise ValueError(f"Invalid maximize: {group['maximize']!r} (expected True or False)")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from . import rng
-from .codecs.base import MomentCodec
+from .codecs.base import MomentCodec, decode_moments, encode_moments
 from .master import read_master, write_master
 from .rounding import round_stochastic
 
@@ -37,6 +37,8 @@ class ParamUpdate:
     # keep it exact (``MomentCodec.encode_decayed``); None: not known
     decays: dict[str, float] | None = None
     first: int = 0  # global index of the first element (a sharded parameter's local shard)
+    # slot -> the slot a framed format stores it relative to (``MomentCodec.frame``)
+    frames: dict[str, str] | None = None
 
 
 # An algorithm's fp32 math (in its own file): takes the fp32 master ``p``, the fp32 gradient ``g``
@@ -60,20 +62,17 @@ def reference_update(math: UpdateMath, job: ParamUpdate) -> None:
     step = state["step"] + ok.to(state["step"].dtype)
 
     stored = {slot: {s: state[slot + s] for s in codec.suffixes} for slot, codec in job.codecs.items()}
-    moments = {slot: codec.decode(stored[slot]) for slot, codec in job.codecs.items()}
+    frames = job.frames or {}
+    moments = decode_moments(job.codecs, stored, frames)
     math_hyper = {k: v for k, v in hyper.items() if k != "maximize"}
     master = read_master(p, state, job.master_weight_bits)
     new_p, new_moments = math(master, g, moments, step, **math_hyper)
 
     new_state = {}
     draws = rng.UpdateDraws(job.seed, job.index, step, p, job.master_weight_bits, job.first)
-    decays = job.decays or {}
-    for i, (slot, codec) in enumerate(job.codecs.items()):
-        if slot in decays:
-            encoded = codec.encode_decayed(new_moments[slot], draws.moment(i), stored[slot], decays[slot])
-        else:
-            encoded = codec.encode(new_moments[slot], draws.moment(i))
-        new_state.update({slot + s: t for s, t in encoded.items()})
+    encoded = encode_moments(job.codecs, new_moments, draws.moment, frames, stored, job.decays)
+    for slot, storage in encoded.items():
+        new_state.update({slot + s: t for s, t in storage.items()})
     new_param, corrections = write_master(p, new_p, state, job.master_weight_bits, draws.param())
     new_state.update(corrections)
 

@@ -132,6 +132,15 @@ def moment_word(shared: torch.Tensor, i: int) -> torch.Tensor:
     return (((shared << (MOMENT_DRAW_BITS * i)) & MASK32) >> keep) << keep
 
 
+def spread_uniform(words: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Uniforms in [0, 1) on a 2**-24 grid from moment words (``moment_word``) and element indices:
+    ``(fmix32(word ^ idx) >> 8) / 2**24``. Each element still has only its word's 12 random bits, but
+    mixed with its index they spread over 24: a probability far below 2**-12 (a tiny increment of an
+    EMA) comes out right on average over elements, where the word alone would round it to 0."""
+    mixed = fmix32(words ^ (idx & MASK32))
+    return (mixed >> 8).to(torch.float32) * 2.0**-24
+
+
 def param_word(shared: torch.Tensor) -> torch.Tensor:
     """The parameter's field of the shared word (its low 8 bits), moved to the top."""
     return (shared << 24) & MASK32

@@ -1,9 +1,10 @@
 """State formats (codecs): how each moment of the optimizer state is stored.
 
-One file per format (``fp32.py``, ``bf16.py``, ``blockwise.py``, ``rotated.py``), each implementing
-``MomentCodec`` (``base.py``). This module is the registry above them: formats by checkpoint name,
-``state_bits`` -> format, and ``codec_for``, which picks the codec of one moment. A new format is
-one file plus ``register_codec(name, factory)``.
+One file per format (``fp32.py``, ``bf16.py``, ``blockwise.py``, ``rotated.py``, ``loggrid.py``,
+``normalised.py``), each implementing ``MomentCodec`` (``base.py``). This module is the registry
+above them: formats by checkpoint name, ``state_bits`` -> format, the state formats that pair a
+codec for the first moment with another for the second (``PAIRED_FORMATS``), and ``codec_for``,
+which picks the codec of one moment. A new format is one file plus ``register_codec(name, factory)``.
 """
 
 from __future__ import annotations
@@ -13,11 +14,15 @@ from collections.abc import Callable
 
 import torch
 
-from .base import NO_MOMENT, BitsFn, KernelFormat, MomentCodec
+from .base import NO_MOMENT, BitsFn, KernelFormat, MomentCodec, decode_moments, encode_moments
 from .bf16 import BF16
 from .blockwise import FORMATS as BLOCK_FORMATS
 from .blockwise import block_codec
 from .fp32 import FP32
+from .loggrid import FORMATS as LOG_GRID_FORMATS
+from .loggrid import log_grid_codec
+from .normalised import FORMATS as NORMALISED_FORMATS
+from .normalised import normalised_codec
 from .rotated import FORMATS as ROTATED_FORMATS
 from .rotated import rotated_codec
 
@@ -32,6 +37,8 @@ __all__ = [
     "SUPPORTED_STATE_BITS",
     "codec_for",
     "codec_named",
+    "decode_moments",
+    "encode_moments",
     "register_codec",
     "known_formats",
     "registered_formats",
@@ -82,6 +89,28 @@ for _name in BLOCK_FORMATS:
     register_codec(_name, functools.partial(block_codec, _name))
 for _name in ROTATED_FORMATS:
     register_codec(_name, functools.partial(rotated_codec, _name))
+# Codecs of one kind of moment only (log4: nonnegative; norm2 / norm4: signed, framed): checkpoints
+# name them per moment; users select them through the paired formats below.
+for _name in LOG_GRID_FORMATS:
+    register_codec(_name, functools.partial(log_grid_codec, _name), selectable=False)
+for _name in NORMALISED_FORMATS:
+    register_codec(_name, functools.partial(normalised_codec, _name), selectable=False)
+
+# Paired formats: name -> (the codec of signed moments, that of nonnegative ones). Bytes per
+# parameter for AdamW's two moments: norm2-log4 0.82, rot4-log4 1.05, norm4-log4 1.07.
+PAIRED_FORMATS = {
+    "norm2-log4": ("norm2", "log4"),
+    "norm4-log4": ("norm4", "log4"),
+    "rot4-log4": ("rot4", "log4"),
+}
+
+
+def _paired(signed_name: str, unsigned_name: str, signed: bool, shape: torch.Size) -> MomentCodec:
+    return codec_named(signed_name if signed else unsigned_name, signed, shape)
+
+
+for _name, (_signed, _unsigned) in PAIRED_FORMATS.items():
+    register_codec(_name, functools.partial(_paired, _signed, _unsigned))
 
 # state_bits -> the format it selects (for compressible tensors)
 STATE_BITS_FORMATS = {32: "fp32", 16: "bf16", 8: "block8", 4: "block4"}

@@ -53,6 +53,12 @@ class MomentCodec:
     state_bits: int
     suffixes: tuple[str, ...] = ("",)  # the storage keys, appended to the slot name
     kernel_format: KernelFormat | None = None
+    # True: the moment is stored in units of the square root of its *frame*, another moment of the
+    # same parameter (the algorithm names it: ``FusedOptimizer.frames``, AdamW's first moment ->
+    # its second). ``decode`` and ``encode`` then take the frame's decoded value as ``frame=``
+    # (on encode, the frame as stored after the update); ``decode_moments`` and
+    # ``encode_moments`` keep that order.
+    frame: bool = False
 
     def zeros(self, shape: torch.Size, device: torch.device) -> dict[str, torch.Tensor]:
         """Storage for an all-zero moment."""
@@ -85,3 +91,52 @@ class MomentCodec:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def _frame_of(slot: str, codecs: dict[str, MomentCodec], frames: dict[str, str]) -> str:
+    frame = frames.get(slot)
+    if frame is None or frame not in codecs or codecs[frame].frame:
+        raise ValueError(
+            f"the state format {codecs[slot].name!r} of {slot!r} stores it relative to a second moment, "
+            "which this algorithm does not keep for it"
+        )
+    return frame
+
+
+def decode_moments(
+    codecs: dict[str, MomentCodec], stored: dict[str, dict[str, torch.Tensor]], frames: dict[str, str]
+) -> dict[str, torch.Tensor]:
+    """Slot -> fp32 moment of every slot of one parameter (``stored``: slot -> its storage); a framed
+    moment is decoded with its frame's decoded value."""
+    out = {slot: codec.decode(stored[slot]) for slot, codec in codecs.items() if not codec.frame}
+    for slot, codec in codecs.items():
+        if codec.frame:
+            out[slot] = codec.decode(stored[slot], frame=out[_frame_of(slot, codecs, frames)])
+    return {slot: out[slot] for slot in codecs}
+
+
+def encode_moments(
+    codecs: dict[str, MomentCodec],
+    values: dict[str, torch.Tensor],
+    draws: Callable[[int], BitsFn],
+    frames: dict[str, str],
+    previous: dict[str, dict[str, torch.Tensor]] | None = None,
+    decays: dict[str, float] | None = None,
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Slot -> new storage of every slot (``draws(i)``: the bits of the i-th slot). With ``previous``
+    (the storage before the update), slots in ``decays`` go through ``encode_decayed``. A framed
+    moment is encoded after its frame, in units of the frame as now stored."""
+    decays = decays or {}
+    out = {}
+    for i, (slot, codec) in enumerate(codecs.items()):
+        if codec.frame:
+            continue
+        if previous is not None and slot in decays:
+            out[slot] = codec.encode_decayed(values[slot], draws(i), previous[slot], decays[slot])
+        else:
+            out[slot] = codec.encode(values[slot], draws(i))
+    for i, (slot, codec) in enumerate(codecs.items()):
+        if codec.frame:
+            frame = _frame_of(slot, codecs, frames)
+            out[slot] = codec.encode(values[slot], draws(i), frame=codecs[frame].decode(out[frame]))
+    return {slot: out[slot] for slot in codecs}

@@ -191,8 +191,7 @@ class RotatedCodec(MomentCodec):
         words = bits().reshape(-1)
         idx = torch.arange(self.blocks * BLOCK, dtype=torch.int64, device=words.device)
         source = torch.where(idx < self.numel, idx, idx % max(self.numel, 1))
-        mixed = rng.fmix32(words[source] ^ (idx & rng.MASK32))
-        return ((mixed >> 8).to(torch.float32) * 2.0**-24).view(self.blocks, BLOCK)
+        return rng.spread_uniform(words[source], idx).view(self.blocks, BLOCK)
 
     def round_blocks(self, codes: torch.Tensor, scales: torch.Tensor, increment: torch.Tensor, u: torch.Tensor):
         """The blocks ``codes * scales + increment`` (rotated, ``(blocks, 256)``) on the grid of ``scales``:

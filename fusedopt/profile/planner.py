@@ -47,36 +47,51 @@ MOMENT_BYTES = {
 CORRECTION_BYTES = {None: 0, 24: 1, 32: 2}
 
 
-def moment_bytes(options: dict) -> float:
+def moment_bytes(options: dict, signed: bool = True) -> float:
     """Bytes per element of one moment of a large matrix under fusedopt options (``state_format``,
-    when set, wins over ``state_bits``, as in the optimizers)."""
+    when set, wins over ``state_bits``, as in the optimizers; a paired format stores a nonnegative
+    moment, ``signed=False``, in another codec than a signed one)."""
     name = options.get("state_format")
     if name is None:
         return MOMENT_BYTES.get(options["state_bits"], 4.0)
-    return codec_named(name, True, _LARGE).bytes_per_element(_LARGE)
+    return codec_named(name, signed, _LARGE).bytes_per_element(_LARGE)
 
 
 FUSEDOPT_DEFAULTS = {"state_bits": 8, "master_weight_bits": 24, "fused": False}
 
 
-def moments_of(optimizer: str, kwargs: dict) -> int:
-    """How many parameter-sized moment tensors the algorithm keeps per parameter (Adafactor's factored
-    second moment, R + C values per R x C matrix, counts as none)."""
-    algo = optimizer.split(".")[-1].lower()
+def _algorithm(optimizer: str):
     cls = {
         "adamw": fusedopt.AdamW,
         "adam": fusedopt.AdamW,
         "lion": fusedopt.Lion,
         "sgd": fusedopt.SGD,
         "adafactor": fusedopt.Adafactor,
-    }.get(algo)
+    }.get(optimizer.split(".")[-1].lower())
     if cls is None:
         raise ValueError(f"no byte model for {optimizer}")
+    return cls
+
+
+def moments_of(optimizer: str, kwargs: dict) -> int:
+    """How many parameter-sized moment tensors the algorithm keeps per parameter (Adafactor's factored
+    second moment, R + C values per R x C matrix, counts as none)."""
+    return len(_parameter_sized_slots(optimizer, kwargs))
+
+
+def _parameter_sized_slots(optimizer: str, kwargs: dict) -> tuple[str, ...]:
+    cls = _algorithm(optimizer)
     if cls is fusedopt.Adafactor:
-        return 1 if kwargs.get("beta1") is not None else 0  # only the first moment is parameter-sized
+        return ("exp_avg",) if kwargs.get("beta1") is not None else ()  # only the first moment is parameter-sized
     if cls is fusedopt.SGD and not kwargs.get("momentum", 0):
-        return 0  # plain SGD keeps no moment
-    return len(cls.slots)
+        return ()  # plain SGD keeps no moment
+    return cls.slots
+
+
+def state_bytes(optimizer: str, kwargs: dict, options: dict) -> float:
+    """Bytes per parameter of a fusedopt algorithm's parameter-sized moments in their stored formats."""
+    nonnegative = _algorithm(optimizer).nonnegative_slots
+    return sum(moment_bytes(options, slot not in nonnegative) for slot in _parameter_sized_slots(optimizer, kwargs))
 
 
 @dataclass
@@ -112,7 +127,7 @@ def byte_model(optimizer: str, kwargs: dict, dtype: torch.dtype) -> PerParam:
         corrections = 0.0
     else:
         options = {**FUSEDOPT_DEFAULTS, **kwargs}
-        state = moments_of(optimizer, kwargs) * moment_bytes(options)
+        state = state_bytes(optimizer, kwargs, options)
         corrections = 0.0 if dtype == torch.float32 else CORRECTION_BYTES.get(options["master_weight_bits"], 0)
     return PerParam(p, corrections, state, 0.0 if fused else p, "byte model")
 

@@ -1,0 +1,221 @@
+"""Log-grid second moments: the codec ``log4`` of nonnegative moments (Adam's ``v``), used by the
+state formats ``norm2-log4``, ``norm4-log4`` and ``rot4-log4`` (``codecs/__init__.py``).
+
+Format of one moment tensor of ``n`` elements, taken flattened in row-major order:
+
+* **Blocks** of ``BLOCK`` = 128 elements; the last one is padded with zeros.
+* **Codes** (``<slot>.codes``, uint8, shape ``(64 * blocks,)``): a 4-bit index ``c`` per element,
+  two per byte, element ``2i`` in the low nibble.
+* **Tops** (``<slot>.scales``, fp32, shape ``(blocks,)``): the block's top level ``top``.
+* **Steps** (``<slot>.steps``, uint8, shape ``(blocks,)``): the block's level spacing ``s``, in
+  32nds of a binade.
+* **Value**: ``c = 0`` is exactly 0; ``c`` in 1..15 is ``top * 2**(-(15 - c) * s / 32)``: 15
+  levels evenly spaced in ``log2 v`` from ``top`` down 14 steps of ``s / 32`` binades.
+  ``2**(-j / 32)`` is a table of 32 fp32 constants and the whole binades a power of two, so
+  decode is one rounded multiply (the same on every device). The layout holds any ``s`` up to
+  255; the encoder uses at most ``MAX_STEP`` = 18 (levels at most 1.48 times apart, a grid of 7.9
+  binades).
+
+Bytes per element: ``1/2 + 5/128`` = 0.539 (4.31 bits). A log grid spends its levels on relative
+resolution, which fits a positive moment spanning orders of magnitude within a block; zeros
+(elements that never had a gradient) take their own code and do not stretch the grid.
+
+Encode of a block afresh (``encode``, and a block whose values leave its grid): ``top`` is twice
+the block's largest value (a binade of headroom, so steady growth rarely re-rounds the block) and
+``s`` the smallest spacing whose bottom level reaches the smallest nonzero value, at most
+``MAX_STEP``. Each nonzero value is rounded stochastically to one of the two levels around it, up
+with probability equal to the fraction of the way between them in value (so the rounded ``v`` is
+unbiased, and its EMA too); a value below the bottom level takes level 1: a nonzero ``v`` never
+becomes 0 (Adam would step by ``m / eps``), and errs towards a smaller step. The cap trades the
+elements far below their block's largest (their steps shrink, as in the block formats) for
+resolution everywhere else: rounding noise enters the EMA in proportion to the gap between levels,
+and a grid stretched over a block's full range (often tens of binades early in training) made the
+whole of ``v`` noisy (benchmarks/RESULTS.md).
+
+Encode in an update (``encode_decayed``, ``x = d * x_old + increment``): the decay goes exactly
+into the top (``top * d``; every level scales with it, the codes stay), and only elements with a
+nonzero increment are rounded on that decayed grid, from their new value. An element without
+gradient keeps its code and decays exactly; rounding noise enters in proportion to the increments,
+not as a re-rounding of every element each step (which, with stochastic rounding, an EMA of memory
+``1 / (1 - d)`` would accumulate). A block where a new value leaves the grid (above the top, or
+nonzero below the bottom level of a grid not yet at ``MAX_STEP``) is encoded afresh. Without a
+decay (checkpoint conversion, other algorithms) ``encode`` encodes every block afresh.
+
+Draws: the moment's 12-bit field of the update's shared hash word for element ``i`` (its global
+index, through the optimizer's ``first``), mixed with ``i`` into 24 bits (``rng.spread_uniform``):
+an increment of ``v`` is often a thousandth of the gap between levels.
+
+No kernel branch yet (``kernel_format = None``): the PyTorch reference runs these formats.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from fusedopt import rng
+
+from .base import BitsFn, MomentCodec
+
+BLOCK = 128
+LEVELS = 15  # nonzero levels of a 4-bit index; 0 is zero
+STEP_UNITS = 32  # the spacing is s / 32 binades
+MAX_STEP = 18  # the encoder's widest spacing (the format allows 255)
+HEADROOM = 2.0  # a fresh block's top over its largest value (exact in fp32)
+_SLACK = 2.0**-20  # a value within fp32 rounding of the top or the bottom level is on the grid
+_BIG = 2.0**100  # values are saturated here (inf: here, NaN: 0)
+# 2**(-j / 32), j = 0..31, rounded once to fp32
+_FRACTIONS = torch.tensor([2.0 ** (-j / STEP_UNITS) for j in range(STEP_UNITS)], dtype=torch.float32)
+
+
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """2**exponent for int32 exponents in [-126, 127], exact, from the fp32 bit pattern."""
+    return ((exponent + 127) << 23).view(torch.float32)
+
+
+class LogGridCodec(MomentCodec):
+    """A log-grid nonnegative moment (see the module docstring); one per shape."""
+
+    suffixes = (".codes", ".scales", ".steps")
+    kernel_format = None
+    state_bits = 4
+
+    def __init__(self, shape: torch.Size, name: str):
+        self.name = name
+        self.shape = torch.Size(shape)
+        self.numel = self.shape.numel()
+        self.blocks = max(1, -(-self.numel // BLOCK))
+
+    # --- layout ------------------------------------------------------------------------------
+
+    def layout(self, shape):
+        blocks = max(1, -(-torch.Size(shape).numel() // BLOCK))
+        return {
+            ".codes": (torch.uint8, torch.Size([blocks * BLOCK // 2])),
+            ".scales": (torch.float32, torch.Size([blocks])),
+            ".steps": (torch.uint8, torch.Size([blocks])),
+        }
+
+    def zeros(self, shape, device):
+        return {s: torch.zeros(size, dtype=dtype, device=device) for s, (dtype, size) in self.layout(shape).items()}
+
+    # --- levels ------------------------------------------------------------------------------
+
+    @staticmethod
+    def levels(codes: torch.Tensor, tops: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """Value of int32 ``codes`` (``(blocks, k)``; 0 and 16 are allowed: 0 -> 0, 16 -> above the
+        top) under each block's ``tops`` and ``steps``: ``top * 2**(-(15 - c) * s / 32)``."""
+        j = (LEVELS - codes).clamp_min(-1) * steps.to(torch.int32).unsqueeze(1)  # 32nds of a binade below top
+        whole, frac = j >> 5, j & (STEP_UNITS - 1)  # floor division: j = -s (c = 16) gives a level above top
+        value = tops.unsqueeze(1) * _FRACTIONS.to(tops.device)[frac]
+        value = value * _pow2((-whole).clamp(-126, 127))  # whole <= 14 * 255 / 32
+        return torch.where(codes > 0, value, 0.0)
+
+    # --- codes ---------------------------------------------------------------------------------
+
+    def pack(self, codes: torch.Tensor) -> torch.Tensor:
+        pairs = codes.reshape(-1, 2).to(torch.int32)
+        return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8)
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        c = packed.to(torch.int32)
+        return torch.stack((c & 0xF, c >> 4), dim=1).reshape(self.blocks, BLOCK)
+
+    # --- decode ------------------------------------------------------------------------------
+
+    def _decode_blocks(self, stored) -> tuple[torch.Tensor, torch.Tensor]:
+        codes = self.unpack(stored[".codes"])
+        return codes, self.levels(codes, stored[".scales"], stored[".steps"])
+
+    def decode(self, stored):
+        return self._decode_blocks(stored)[1].reshape(-1)[: self.numel].reshape(self.shape)
+
+    # --- encode ------------------------------------------------------------------------------
+
+    def _values(self, x: torch.Tensor) -> torch.Tensor:
+        """The moment, flat, saturated (NaN: 0), at least 0, padded to whole blocks."""
+        x = x.reshape(-1).float().nan_to_num(0.0, _BIG, 0.0).clamp(0.0, _BIG)
+        return F.pad(x, (0, self.blocks * BLOCK - self.numel)).view(self.blocks, BLOCK)
+
+    def uniforms(self, bits: BitsFn) -> torch.Tensor:
+        """One uniform in [0, 1) per element, ``(blocks, 128)`` (padding: 0, never used)."""
+        words = bits().reshape(-1)
+        u = rng.spread_uniform(words, torch.arange(self.numel, dtype=torch.int64, device=words.device))
+        return F.pad(u, (0, self.blocks * BLOCK - self.numel)).view(self.blocks, BLOCK)
+
+    @staticmethod
+    def fresh_grid(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tops, steps) of blocks ``y`` encoded afresh: top = 2 * max, the smallest spacing whose
+        bottom level reaches the smallest nonzero value (all-zero blocks: 0, 0)."""
+        largest = y.amax(dim=1)
+        smallest = torch.where(y > 0, y, float("inf")).amin(dim=1)
+        tops = largest * HEADROOM
+        binades = torch.log2(tops.double() / smallest.double())  # >= 1 (the headroom); inf for a zero block
+        steps = torch.ceil(binades * STEP_UNITS / (LEVELS - 1)).clamp(0, MAX_STEP)
+        steps = torch.where(largest > 0, steps, 0.0).to(torch.uint8)
+        return tops, steps
+
+    def round_to_grid(self, y: torch.Tensor, tops: torch.Tensor, steps: torch.Tensor, u: torch.Tensor):
+        """``y`` (``(blocks, 128)``, >= 0) rounded stochastically to the levels of (tops, steps), unbiased
+        in value; 0 stays 0, a nonzero value below the bottom level takes it. Returns (codes, whether each
+        value is on the grid: 0, or between the bottom level and the top, give or take fp32 rounding)."""
+        s = steps.to(torch.float32).clamp_min(1.0).unsqueeze(1)
+        ratio = (tops.unsqueeze(1).double() / y.double()).clamp_min(1.0)  # inf for y = 0
+        position = LEVELS - torch.log2(ratio).float() * STEP_UNITS / s
+        lo = position.nan_to_num(1.0, 1.0, 1.0).floor().clamp(1, LEVELS).to(torch.int32)
+        # the log2 above may be an ulp off: settle lo exactly against the level values
+        lo = torch.where((lo > 1) & (self.levels(lo, tops, steps) > y), lo - 1, lo)
+        lo = torch.where((lo < LEVELS) & (self.levels(lo + 1, tops, steps) <= y), lo + 1, lo)
+        low, high = self.levels(lo, tops, steps), self.levels(lo + 1, tops, steps)
+        gap = high - low
+        # u * gap < y - low, decided in fp64 (exact for these fp32 products)
+        up = (lo < LEVELS) & (gap > 0) & (u.double() * gap.double() < (y - low).double())
+        codes = torch.where(y > 0, lo + up.to(torch.int32), 0)
+        bottom = self.levels(torch.ones_like(lo[:, :1]), tops, steps)
+        widest = (steps >= MAX_STEP).unsqueeze(1)  # a refit would not reach lower: level 1 it is
+        inside = (y == 0) | ((y <= tops.unsqueeze(1) * (1 + _SLACK)) & ((y >= bottom * (1 - _SLACK)) | widest))
+        return codes, inside
+
+    def _store(self, codes, tops, steps):
+        return {".codes": self.pack(codes), ".scales": tops, ".steps": steps}
+
+    def encode(self, x, bits):
+        y = self._values(x)
+        tops, steps = self.fresh_grid(y)
+        codes, _ = self.round_to_grid(y, tops, steps, self.uniforms(bits))
+        return self._store(codes, tops, steps)
+
+    def encode_decayed(self, x, bits, previous, decay):
+        old_codes, old_values = self._decode_blocks(previous)
+        y = self._values(x)
+        tops, steps = previous[".scales"] * decay, previous[".steps"]
+        u = self.uniforms(bits)
+        codes, inside = self.round_to_grid(y, tops, steps, u)
+        # no increment: the code stays (the value decays with the top, exactly)
+        same = y == old_values * decay
+        codes = torch.where(same, old_codes, codes)
+        fits = (same | inside).all(dim=1)
+        fresh_tops, fresh_steps = self.fresh_grid(y)
+        fresh_codes, _ = self.round_to_grid(y, fresh_tops, fresh_steps, u)
+        keep = fits.unsqueeze(1)
+        return self._store(
+            torch.where(keep, codes, fresh_codes),
+            torch.where(fits, tops, fresh_tops),
+            torch.where(fits, steps, fresh_steps),
+        )
+
+    def __repr__(self):
+        return "LogGridCodec(4 bits, unsigned)"
+
+
+FORMATS = ("log4",)
+
+
+@functools.cache
+def log_grid_codec(name: str, signed: bool, shape: torch.Size) -> LogGridCodec:
+    """The shared codec of ``name`` for a nonnegative moment of ``shape``."""
+    if signed:
+        raise ValueError(f"the state format {name!r} stores nonnegative moments only (a second moment)")
+    return LogGridCodec(torch.Size(shape), name)

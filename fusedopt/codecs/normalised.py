@@ -1,0 +1,152 @@
+"""Normalised first moments: the codecs ``norm2`` and ``norm4`` of a signed moment stored in units
+of the square root of its frame (``MomentCodec.frame``; AdamW: ``m / sqrt(v)``), used by the
+state formats ``norm2-log4`` and ``norm4-log4`` (``codecs/__init__.py``).
+
+Adam applies ``m`` through ``m / (sqrt(v) + eps)``. A block scale on ``m`` itself gives every
+element of a block the same absolute error, which becomes a large error in the update of an
+element with a small ``v``; stored as ``q = m / sqrt(v)`` (the update before bias corrections and
+eps), every element's error is a fraction of its own update. ``|q|`` is bounded by the EMAs
+(about ``(1 - b1) / sqrt(1 - b2) / (1 - b1 / sqrt(b2))``, 32 at the default betas), whatever the
+gradients' scale.
+
+Format of one moment tensor of ``n`` elements, taken flattened in row-major order:
+
+* **Frame**: the frame's decoded value ``f`` (the second moment as stored, after the update when
+  encoding, the same tensor when decoding at the next update), ``r = sqrt(f)`` (correctly
+  rounded). Where ``f = 0`` (an element that never had a gradient) ``m`` is stored and decoded as 0.
+* **Blocks** of ``BLOCK`` = 64 elements; the last one is padded.
+* **Scales** (``<slot>.scales``, bf16, shape ``(blocks,)``): the half-range of the block's levels,
+  rounded up to bf16: its largest ``|q|`` (norm4), or at most ``CLIP`` = 1.2 times the root mean
+  square of its 64 ``q`` (norm2; larger ``|q|`` are clipped to it).
+* **Codes** (``<slot>.codes``, uint8): ``bits``-bit indices ``c`` in ``[0, L]``, ``L = 2**bits - 1``,
+  ``8 / bits`` per byte, element ``i`` of a byte at bits ``bits * i`` upwards. Shape
+  ``(64 * blocks * bits / 8,)``.
+* **Value**: ``m = (2 c - L) / L * scale * r``: ``L + 1`` levels evenly spaced over
+  ``[-scale, scale]`` (2 bits: ``-1, -1/3, 1/3, 1``; no level at 0, which halves the gap of a
+  3-level code over the same range). A block of scale 0 is all zeros.
+
+Encode: stochastic rounding to the two levels around ``q / scale``, unbiased, from the moment's
+12-bit draw mixed with the element index (``rng.spread_uniform``). The codes are rounded afresh
+each step: the frame moves every step, so a decay cannot be kept exact on a scale. Each step's
+rounding noise stays in ``m`` with weight ``b1**k``, about ``1 / (1 - b1**2)`` steps' worth; with 4
+levels spanning the block's absmax that noise is larger than ``m`` itself, and clipping the
+half-range at 1.2 rms (gaps of 0.8 rms) was the best trade of clipping bias against rounding noise
+of the spacings measured (``benchmarks/norm_spacing.py``, benchmarks/RESULTS.md).
+
+Bytes per element: ``bits / 8 + 2 / 64``: 0.281 (norm2, 2.25 bits), 0.531 (norm4).
+
+No kernel branch yet (``kernel_format = None``): the PyTorch reference runs these formats.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from fusedopt import rng
+
+from .base import BitsFn, MomentCodec
+
+BLOCK = 64
+_BIG = 2.0**60  # q is saturated here (inf: here, NaN: 0)
+
+
+class NormalisedCodec(MomentCodec):
+    """A signed moment in units of the square root of its frame (see the module docstring)."""
+
+    suffixes = (".codes", ".scales")
+    kernel_format = None
+    frame = True
+
+    def __init__(self, bits: int, clip: float | None, shape: torch.Size, name: str):
+        if bits not in (2, 4):
+            raise ValueError(f"normalised codes of {bits} bits are not supported (2 or 4)")
+        self.name, self.state_bits, self.clip = name, bits, clip
+        self.shape = torch.Size(shape)
+        self.numel = self.shape.numel()
+        self.blocks = max(1, -(-self.numel // BLOCK))
+        self.top = (1 << bits) - 1  # L
+
+    # --- layout ------------------------------------------------------------------------------
+
+    def layout(self, shape):
+        blocks = max(1, -(-torch.Size(shape).numel() // BLOCK))
+        return {
+            ".codes": (torch.uint8, torch.Size([blocks * BLOCK * self.state_bits // 8])),
+            ".scales": (torch.bfloat16, torch.Size([blocks])),
+        }
+
+    def zeros(self, shape, device):
+        return {s: torch.zeros(size, dtype=dtype, device=device) for s, (dtype, size) in self.layout(shape).items()}
+
+    # --- codes ---------------------------------------------------------------------------------
+
+    def pack(self, codes: torch.Tensor) -> torch.Tensor:
+        bits = self.state_bits
+        per = 8 // bits
+        c = codes.reshape(-1, per).to(torch.int32)
+        out = c[:, 0]
+        for j in range(1, per):
+            out = out | (c[:, j] << (bits * j))
+        return out.to(torch.uint8)
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        bits = self.state_bits
+        c = packed.to(torch.int32)
+        low = torch.stack([(c >> (bits * j)) & self.top for j in range(8 // bits)], dim=1)
+        return low.reshape(self.blocks, BLOCK)
+
+    # --- the frame -----------------------------------------------------------------------------
+
+    def _root(self, frame: torch.Tensor) -> torch.Tensor:
+        """sqrt of the frame, flat, padded with zeros; fp64 sqrt: correctly rounded, like a kernel's sqrt_rn."""
+        if frame is None or frame.numel() != self.numel:
+            raise ValueError(f"the state format {self.name!r} needs its frame (the decoded second moment)")
+        r = frame.reshape(-1).double().clamp_min(0.0).sqrt().float()
+        return F.pad(r, (0, self.blocks * BLOCK - self.numel)).view(self.blocks, BLOCK)
+
+    # --- decode ------------------------------------------------------------------------------
+
+    def decode(self, stored, frame=None):
+        codes = self.unpack(stored[".codes"]).to(torch.float32)
+        q = (2 * codes - self.top) * (stored[".scales"].float() / self.top).unsqueeze(1)
+        m = q * self._root(frame)
+        return m.reshape(-1)[: self.numel].reshape(self.shape)
+
+    # --- encode ------------------------------------------------------------------------------
+
+    def encode(self, x, bits: BitsFn, frame=None):
+        r = self._root(frame)
+        x = F.pad(x.reshape(-1).float(), (0, self.blocks * BLOCK - self.numel)).view(self.blocks, BLOCK)
+        q = torch.where(r > 0, x / r, 0.0).nan_to_num(0.0, _BIG, -_BIG).clamp(-_BIG, _BIG)
+        half = q.abs().amax(dim=1)
+        if self.clip is not None:
+            half = torch.minimum(half, self.clip * q.square().mean(dim=1).sqrt())
+        scales = half.to(torch.bfloat16)
+        scales = torch.where(scales.float() < half, scales.view(torch.int16).add(1).view(torch.bfloat16), scales)
+        words = bits().reshape(-1)
+        u = rng.spread_uniform(words, torch.arange(self.numel, dtype=torch.int64, device=words.device))
+        u = F.pad(u, (0, self.blocks * BLOCK - self.numel)).view(self.blocks, BLOCK)
+        unit = scales.float().unsqueeze(1)
+        t = ((q / unit.clamp_min(1e-30) + 1) * (self.top / 2)).clamp(0, self.top)
+        codes = torch.floor(t + u).clamp(max=self.top)
+        codes = torch.where(unit > 0, codes, 0.0).to(torch.int32)  # a zero block: the zero encoding
+        return {".codes": self.pack(codes), ".scales": scales}
+
+    def __repr__(self):
+        return f"NormalisedCodec(bits={self.state_bits}, clip={self.clip})"
+
+
+# name -> (bits, clip: the half-range at most this many block rms; None: the block's absmax)
+FORMATS = {"norm2": (2, 1.2), "norm4": (4, None)}
+
+
+@functools.cache
+def normalised_codec(name: str, signed: bool, shape: torch.Size) -> NormalisedCodec:
+    """The shared codec of ``name`` for a signed moment of ``shape``."""
+    if not signed:
+        raise ValueError(f"the state format {name!r} stores signed moments only (a first moment)")
+    bits, clip = FORMATS[name]
+    return NormalisedCodec(bits, clip, torch.Size(shape), name)
