@@ -45,9 +45,10 @@ CONFIGS = {
     "nomaster": (fusedopt.AdamW, dict(ADAMW, master_weight_bits=None), 1e-4),
     "block4": (fusedopt.AdamW, dict(ADAMW, state_bits=4), 1e-4),
     "block4-nomaster": (fusedopt.AdamW, dict(ADAMW, state_bits=4, master_weight_bits=None), 1e-4),
-    "adafactor": (fusedopt.Adafactor, dict(weight_decay=0.1), 1e-2),
-    "adafactor-nomaster": (fusedopt.Adafactor, dict(weight_decay=0.1, master_weight_bits=None), 1e-2),
-    "adafactor-m4": (fusedopt.Adafactor, dict(weight_decay=0.1, beta1=0.9, state_bits=4), 1e-2),
+    # the peak lrs of format_quality's Adafactor sweep; weight decay per step equal to AdamW's
+    "adafactor": (fusedopt.Adafactor, dict(weight_decay=1e-4 * 0.1 / 0.3), 0.3),
+    "adafactor-nomaster": (fusedopt.Adafactor, dict(weight_decay=1e-4 * 0.1 / 0.3, master_weight_bits=None), 0.3),
+    "adafactor-m4": (fusedopt.Adafactor, dict(weight_decay=1e-4 * 0.1 / 0.1, beta1=0.9, state_bits=4), 0.1),
 }
 
 
