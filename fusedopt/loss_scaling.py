@@ -31,7 +31,11 @@ def unscale_(grads: list[torch.Tensor], inv_scale: torch.Tensor, found_inf: torc
     """Multiply ``grads`` by ``inv_scale`` in place and set ``found_inf`` to 1 if any value is not finite,
     exactly as the scaler unscales."""
     for g in grads:  # the fused op wants tensors of one dtype
-        torch._amp_foreach_non_finite_check_and_unscale_([g], found_inf, inv_scale)
+        if g.dtype == torch.bfloat16:  # the fused op has no bf16 CUDA kernel: the same two steps, unfused
+            found_inf.masked_fill_(~torch.isfinite(g).all(), 1.0)
+            g.mul_(inv_scale)  # computed in fp32, rounded to bf16 once, as the fused op does
+        else:
+            torch._amp_foreach_non_finite_check_and_unscale_([g], found_inf, inv_scale)
 
 
 def inverse(scale: torch.Tensor) -> torch.Tensor:
