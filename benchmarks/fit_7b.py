@@ -98,7 +98,8 @@ def main(argv=None) -> int:
     cuda = device.type == "cuda"
     if cuda:
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.budget_gib * GIB / total), device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.budget_gib * GIB / total), index)
     train, _, digest = corpus(None if cuda else 2_000_000)
     train = train.to(device)
 

@@ -26,7 +26,6 @@ a kernel several times. Block sizes and warps are fixed here.
 
 import functools
 import math
-import os
 import struct
 
 import torch
@@ -533,9 +532,6 @@ def unsupported(algorithm, job) -> str | None:
                     f"the state format {codec.name!r} needs the EMA decay of {slot!r}, which "
                     f"fusedopt.{algorithm.__name__} does not declare (ema_decays)"
                 )
-            if job.param.is_cuda and os.environ.get("FUSEDOPT_BACKEND", "").strip().lower() != "triton":
-                # not yet held to the reference by the GPU parity tests (tests/gpu/test_rotated_on_cuda.py)
-                return f"the state format {codec.name!r} runs in the kernel on CUDA only under FUSEDOPT_BACKEND=triton"
     return None
 
 

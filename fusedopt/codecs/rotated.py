@@ -56,9 +56,8 @@ few thousandths of a code; a 12-bit ``u`` would round those on a grid of ``2**-1
 with its exact probability on average over coordinates.
 
 The fused update kernel (``fusedopt/kernels/rotated.py``) repeats these operations in the same
-order (the rotation's adds included), for algorithms that declare their EMA decays. On CUDA it runs
-under ``FUSEDOPT_BACKEND=triton`` only until the GPU parity tests (``tests/gpu/test_rotated_on_cuda.py``)
-have held it to this reference; ``auto`` runs the reference there.
+order (the rotation's adds included), for algorithms that declare their EMA decays; the GPU parity
+tests (``tests/gpu/test_rotated_on_cuda.py``) hold it to this reference bit for bit.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The rotated state formats on CUDA (run on the H200: ``pytest -m gpu tests/gpu/test_rotated_on_cuda.py``).
 
-Their fused kernel (``fusedopt/kernels/rotated.py``) runs on CUDA under ``FUSEDOPT_BACKEND=triton``;
-``auto`` keeps the PyTorch reference there until these tests have held the kernel to it:
+Their fused kernel (``fusedopt/kernels/rotated.py``) is what ``auto`` runs on CUDA; these tests
+hold it to the PyTorch reference:
 
 * the kernel on CUDA against the reference on the CPU, over several steps: parameters within one
   unit in the last place (fp32: 1e-6 + 1e-5 |p|) on at least 99.9% of elements; per moment, blocks
@@ -121,11 +121,11 @@ def test_buckets_on_cuda_are_bit_identical_to_one_launch_per_parameter(monkeypat
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_auto_runs_the_reference_on_cuda_until_verified(fmt, monkeypatch):
+def test_auto_runs_the_kernel_on_cuda(fmt, monkeypatch):
     (auto,), opt = _train("cuda", "auto", monkeypatch, fmt, [(48, 80)])
-    (reference,), _ = _train("cuda", "reference", monkeypatch, fmt, [(48, 80)])
-    assert torch.equal(auto, reference)
-    assert not opt._dispatch._prepared  # no kernel launch was prepared: the reference ran
+    (kernel,), _ = _train("cuda", "triton", monkeypatch, fmt, [(48, 80)])
+    assert torch.equal(auto, kernel)
+    assert opt._dispatch._prepared  # a kernel launch was prepared: the kernel ran
     state = opt.state[auto]
     assert state["exp_avg.codes"].is_cuda and state["exp_avg.scales"].dtype == torch.float32
 
