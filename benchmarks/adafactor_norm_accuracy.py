@@ -23,6 +23,8 @@ def main(argv: list[str]) -> None:
         shape = tuple(int(x) for x in text.split("x"))
         gen = torch.Generator().manual_seed(0)
         p0 = torch.randn(shape, generator=gen)
+        exact_norm = p0.double().norm().item()
+        print(f"{text:>10} torch fp32 norm of p: relative error {abs(p0.norm().item() - exact_norm) / exact_norm:.1e}")
         grads = [torch.randn(shape, generator=gen) * 1e-2 for _ in range(3)]
         ours, torch32, exact = (p0.clone().requires_grad_(), p0.clone().requires_grad_(), p0.double().requires_grad_())
         opts = [fusedopt.Adafactor([ours], state_bits=32), torch.optim.Adafactor([torch32])]
