@@ -103,6 +103,30 @@ def evaluate(model, held: torch.Tensor, autocast, seq: int, n: int = EVAL_SEQS) 
     return total / len(starts)
 
 
+def train_steps(
+    model, opt, train: torch.Tensor, args, seed: int, device: str, autocast, after_step=None
+) -> list[float]:
+    """``args.steps`` steps of the quality benchmarks' loop: the warm-up + cosine schedule, batches
+    drawn by a generator seeded from ``seed`` (the same batches, in the same order, for every
+    optimizer). ``after_step(step)`` runs after each step (1-based). Returns the training losses."""
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps))
+    gen = torch.Generator(device="cpu").manual_seed(10_000 + seed)
+    losses = []
+    for step in range(args.steps):
+        starts = torch.randint(0, train.numel() - args.seq - 2, (args.batch,), generator=gen).to(device)
+        x, y = windows(train, starts, args.seq)
+        with autocast():
+            loss = next_token_loss(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        losses.append(loss.detach())
+        if after_step is not None:
+            after_step(step + 1)
+    return [float(x) for x in torch.stack(losses).cpu()]
+
+
 def train_one(entry, seed: int, args, device: str, train: torch.Tensor, held: torch.Tensor) -> dict:
     torch.manual_seed(seed)
     shape = parse_shape(args.shape, PRESETS["tiny"])
@@ -113,26 +137,16 @@ def train_one(entry, seed: int, args, device: str, train: torch.Tensor, held: to
         model.to(torch.bfloat16)
     autocast = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if config.autocast else contextlib.nullcontext
     opt = config.build(model.parameters(), model=model, device_type=device)
-    warm, total = args.warmup, args.steps
+    total = args.steps
+    evals = []
 
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(warm, total))
-    gen = torch.Generator(device="cpu").manual_seed(10_000 + seed)
-    losses, evals = [], []
+    def maybe_evaluate(step: int) -> None:
+        if step % args.eval_every == 0 or step == total:
+            evals.append([step, evaluate(model, held, autocast, args.seq, args.eval_seqs)])
+
     t0 = time.perf_counter()
-    for step in range(total):
-        starts = torch.randint(0, train.numel() - args.seq - 2, (args.batch,), generator=gen).to(device)
-        x, y = windows(train, starts, args.seq)
-        with autocast():
-            loss = next_token_loss(model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        losses.append(loss.detach())
-        if (step + 1) % args.eval_every == 0 or step + 1 == total:
-            evals.append([step + 1, evaluate(model, held, autocast, args.seq, args.eval_seqs)])
+    losses = train_steps(model, opt, train, args, seed, device, autocast, after_step=maybe_evaluate)
     wall = time.perf_counter() - t0
-    losses = [float(x) for x in torch.stack(losses).cpu()]
     return {
         "key": entry.key,
         "seed": seed,

@@ -49,7 +49,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare_quality import corpus, evaluate, next_token_loss, warmup_cosine, windows  # noqa: E402
+from compare_quality import corpus, evaluate, train_steps  # noqa: E402
 
 import fusedopt  # noqa: E402
 from fusedopt.profile.models import PRESETS, TinyLM, parse_shape  # noqa: E402
@@ -207,24 +207,10 @@ def train_one(key: str, seed: int, args, device: str, train: torch.Tensor, held:
     model.to(dtype)
     autocast = contextlib.nullcontext
     opt = make(list(model.parameters()), lr)
-    warm, total = args.warmup, args.steps
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(warm, total))
-    gen = torch.Generator().manual_seed(10_000 + seed)  # the same batches, in the same order
-    losses = []
+    total = args.steps
     t0 = time.perf_counter()
-    for _ in range(total):
-        starts = torch.randint(0, train.numel() - args.seq - 2, (args.batch,), generator=gen).to(device)
-        x, y = windows(train, starts, args.seq)
-        with autocast():
-            loss = next_token_loss(model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        losses.append(loss.detach())
+    losses = train_steps(model, opt, train, args, seed, device, autocast)  # the same batches for every optimizer
     final = evaluate(model, held, autocast, args.seq, args.eval_seqs)
-    losses = [float(v) for v in torch.stack(losses).cpu()]
     return {
         "key": key,
         "seed": seed,

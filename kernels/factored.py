@@ -240,15 +240,22 @@ def _factors_kernel(
 
 
 @triton.jit
+def _factors_at(offs, mask, row_ptr, col_ptr, rowmean_ptr, n_rows, n_cols):
+    """The row statistic, column statistic and slice row mean of each element (1.0 where masked)."""
+    row_index = offs // n_cols
+    slice_index = row_index // n_rows
+    col_index = slice_index * n_cols + offs % n_cols
+    r = tl.load(row_ptr + row_index, mask=mask, other=1.0)
+    c = tl.load(col_ptr + col_index, mask=mask, other=1.0)
+    mean = tl.load(rowmean_ptr + slice_index, mask=mask, other=1.0)
+    return r, c, mean
+
+
+@triton.jit
 def _u(g, offs, mask, row_ptr, col_ptr, rowmean_ptr, v_ptr, w, eps1, n_rows, n_cols, FACTORED: tl.constexpr):
     """u = g / sqrt(max(v, eps1**2)) and the new element-wise moment (unfactored; else v)."""
     if FACTORED:
-        row_index = offs // n_cols
-        slice_index = row_index // n_rows
-        col_index = slice_index * n_cols + offs % n_cols
-        r = tl.load(row_ptr + row_index, mask=mask, other=0.0)
-        c = tl.load(col_ptr + col_index, mask=mask, other=0.0)
-        mean = tl.load(rowmean_ptr + slice_index, mask=mask, other=1.0)
+        r, c, mean = _factors_at(offs, mask, row_ptr, col_ptr, rowmean_ptr, n_rows, n_cols)
         v = tl.div_rn(r * c, tl.maximum(mean, eps1))
     else:
         v = _lerp(tl.load(v_ptr + offs, mask=mask, other=0.0), g * g, w)
@@ -438,12 +445,7 @@ def _apply_kernel(
         m = _lerp(m, update, 1.0 - _f32(beta1))
         update = m
         if CAME:  # m / sqrt(S), S the factored confidence statistic
-            row_index = offs // n_cols
-            slice_index = row_index // n_rows
-            col_index = slice_index * n_cols + offs % n_cols
-            r = tl.load(res_row_ptr + row_index, mask=mask, other=1.0)
-            c = tl.load(res_col_ptr + col_index, mask=mask, other=1.0)
-            mean = tl.load(res_rowmean_ptr + slice_index, mask=mask, other=1.0)
+            r, c, mean = _factors_at(offs, mask, res_row_ptr, res_col_ptr, res_rowmean_ptr, n_rows, n_cols)
             update = m * (1.0 / tl.sqrt_rn(tl.div_rn(r * c, mean)))
         store_moment(
             m,
