@@ -49,7 +49,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare_quality import corpus, evaluate, train_steps  # noqa: E402
+from compare_quality import corpus, train_steps, window_losses  # noqa: E402
 
 import fusedopt  # noqa: E402
 from fusedopt.profile.models import PRESETS, TinyLM, parse_shape  # noqa: E402
@@ -181,7 +181,7 @@ GPU = dict(
     batch=32,
     seq=256,
     lr=3e-3,
-    eval_seqs=256,
+    eval_seqs=4096,
     seeds="0,1,2",
     only=",".join(CONFIGS),
     corpus_limit=None,
@@ -193,7 +193,7 @@ QUICK = dict(
     batch=16,
     seq=64,
     lr=3e-3,
-    eval_seqs=64,
+    eval_seqs=1024,
     seeds="0,1,2",
     only="fp32,bf16-rtn,block4-nomaster,rot4,default~",
     corpus_limit=2_000_000,
@@ -210,13 +210,15 @@ def train_one(key: str, seed: int, args, device: str, train: torch.Tensor, held:
     total = args.steps
     t0 = time.perf_counter()
     losses = train_steps(model, opt, train, args, seed, device, autocast)  # the same batches for every optimizer
-    final = evaluate(model, held, autocast, args.seq, args.eval_seqs)
+    per_window = window_losses(model, held, autocast, args.seq, args.eval_seqs)
+    final = float(per_window.double().mean())
     return {
         "key": key,
         "seed": seed,
         "label": label,
         "lr": lr,
         "final_eval": final,
+        "eval_windows": [round(v, 5) for v in per_window.tolist()],
         "final_train": statistics.fmean(losses[-max(1, total // 20) :]),
         "ok": all(math.isfinite(v) for v in losses) and math.isfinite(final),
         "wall_s": time.perf_counter() - t0,
@@ -226,6 +228,7 @@ def train_one(key: str, seed: int, args, device: str, train: torch.Tensor, held:
 def summarise(runs: list[dict], seeds: list[int], reference: str = "fp32") -> list[dict]:
     """Per configuration: per-seed loss difference to ``reference`` (%), mean, spread, paired t, and verdict."""
     ref = {r["seed"]: r["final_eval"] for r in runs if r["key"] == reference}
+    ref_windows = {r["seed"]: r.get("eval_windows") for r in runs if r["key"] == reference}
     rows = []
     for key in dict.fromkeys(r["key"] for r in runs):
         got = {r["seed"]: r["final_eval"] for r in runs if r["key"] == key}
@@ -233,6 +236,10 @@ def summarise(runs: list[dict], seeds: list[int], reference: str = "fp32") -> li
         diffs = [100 * (got[s] - ref[s]) / ref[s] for s in paired]
         label = next(r["label"] for r in runs if r["key"] == key)
         row = {"key": key, "label": label, "loss": [got[s] for s in paired], "diff_pct": diffs}
+        windows = {r["seed"]: r.get("eval_windows") for r in runs if r["key"] == key}
+        errors = [_eval_error(windows[s], ref_windows[s]) for s in paired]
+        if key != reference and errors and None not in errors:
+            row["eval_se_pct"] = math.sqrt(statistics.fmean(e * e for e in errors))
         if diffs:
             mean = statistics.fmean(diffs)
             sd = statistics.stdev(diffs) if len(diffs) > 1 else float("nan")
@@ -241,6 +248,15 @@ def summarise(runs: list[dict], seeds: list[int], reference: str = "fp32") -> li
             row.update(mean_pct=mean, sd_pct=sd, t=t, verdict=verdict if key != reference else "reference")
         rows.append(row)
     return rows
+
+
+def _eval_error(windows, ref_windows) -> float | None:
+    """Standard error (%) of one paired difference from the finite held-out sample: the spread of
+    the per-window differences over the square root of their number (None without windows)."""
+    if not windows or not ref_windows or len(windows) != len(ref_windows) or len(windows) < 2:
+        return None
+    gaps = [a - b for a, b in zip(windows, ref_windows)]
+    return 100 * statistics.stdev(gaps) / math.sqrt(len(gaps)) / statistics.fmean(ref_windows)
 
 
 def also_against(runs: list[dict], seeds: list[int]) -> dict[str, list[dict]]:
@@ -261,13 +277,16 @@ def _table(rows: list[dict], reference: str) -> list[str]:
     width = max([16] + [len(r["key"]) for r in rows])
     lines = [
         f"{'config':<{width}} {'held-out loss per seed':<30} {'diff vs ' + reference + ' per seed (%)':<28} "
-        f"{'mean':>7} {'sd':>6} {'t':>6}  verdict"
+        f"{'mean':>7} {'sd':>6} {'t':>6} {'eval±':>6}  verdict"
     ]
     for r in rows:
         losses = " ".join(f"{v:.4f}" for v in r["loss"])
         diffs = " ".join(f"{v:+.2f}" for v in r["diff_pct"])
         nan = float("nan")
-        stats = f"{r.get('mean_pct', nan):+7.2f} {r.get('sd_pct', nan):6.2f} {r.get('t', nan):6.1f}"
+        stats = (
+            f"{r.get('mean_pct', nan):+7.2f} {r.get('sd_pct', nan):6.2f} {r.get('t', nan):6.1f} "
+            f"{r.get('eval_se_pct', nan):6.2f}"
+        )
         lines.append(f"{r['key']:<{width}} {losses:<30} {diffs:<28} {stats}  {r.get('verdict', '')}")
     return lines
 
@@ -287,6 +306,12 @@ def report(rows: list[dict], settings: dict, also: dict[str, list[dict]] | None 
         lines.append(
             f"trajectory noise: the same configuration with other rounding draws moves the loss by {noise:.2f}% "
             "(rms over seeds of default~ against default, or against fp32 when default did not run)"
+        )
+    evals = [r["eval_se_pct"] for r in rows if "eval_se_pct" in r]
+    if evals:
+        lines.append(
+            f"of which the held-out sample's part (eval±: standard error of a paired difference over the "
+            f"{settings['eval_seqs']} held-out windows, rms over seeds): {min(evals):.3f}-{max(evals):.3f}%"
         )
     worse = [r for r in rows if r["key"] in KNOWN_WORSE]
     seen = [r["key"] for r in worse if r.get("verdict") == "worse on every seed"]

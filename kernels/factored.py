@@ -32,7 +32,6 @@ parameter-sized buffer (CAME's residuals excepted: their row and column sums nee
 """
 
 import functools
-import os
 
 import torch
 import triton
@@ -507,12 +506,6 @@ def unsupported(algorithm, job) -> str | None:
     """What these kernels cannot take (``fusedopt.dispatch`` checks devices and layout)."""
     if job.param.numel() == 0:
         return "an empty parameter"
-    if job.param.is_cuda and os.environ.get("FUSEDOPT_BACKEND", "").strip().lower() != "triton":
-        # on the H200 the kernels differ from the reference beyond round-off on a 4096 x 4096 matrix
-        # (tests/gpu/test_adafactor_cuda.py, benchmarks/RESULTS.md): the reference runs until that is fixed
-        return (
-            "the factored kernels run on CUDA only under FUSEDOPT_BACKEND=triton until they match the reference there"
-        )
     if job.first != 0:
         return "a shard of a parameter (its row and column statistics need the whole tensor)"
     m = job.codecs.get("exp_avg")

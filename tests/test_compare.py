@@ -218,6 +218,33 @@ def test_format_quality_keys_take_their_own_peak_lr_and_pair_with_more_reference
     assert "paired against adafactor-fp32" in fq.report(fq.summarise(runs, [0, 1]), {"lr": 3e-3}, also)
 
 
+def test_format_quality_reports_the_held_out_samples_part_of_a_paired_difference():
+    import format_quality as fq
+
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.rand(400, generator=gen) + 1.0
+    noise = torch.randn(400, generator=gen) * 0.02
+    runs = [
+        {"key": "fp32", "seed": 0, "label": "fp32", "final_eval": float(ref.mean()), "eval_windows": ref.tolist()},
+        {
+            "key": "A",
+            "seed": 0,
+            "label": "A",
+            "final_eval": float((ref + noise).mean()),
+            "eval_windows": (ref + noise).tolist(),
+        },
+        {"key": "B", "seed": 0, "label": "B", "final_eval": 1.5},  # no windows: no figure rather than a wrong one
+    ]
+    rows = {r["key"]: r for r in fq.summarise(runs, [0])}
+    expected = 100 * float(noise.std()) / 20 / float(ref.mean())
+    assert rows["A"]["eval_se_pct"] == pytest.approx(expected, rel=1e-5)
+    assert "eval_se_pct" not in rows["B"] and "eval_se_pct" not in rows["fp32"]
+    # a constant shift of every window is a real difference, not sampling noise
+    assert fq._eval_error((ref + 0.1).tolist(), ref.tolist()) == pytest.approx(0.0, abs=1e-5)
+    assert fq._eval_error([1.0], [1.0]) is None and fq._eval_error([1.0, 2.0], [1.0]) is None
+    assert "held-out sample's part" in fq.report(list(rows.values()), {"lr": 3e-3, "eval_seqs": 400})
+
+
 def test_quality_summary_gap_and_spread():
     runs = {
         "A/0": {"key": "A", "seed": 0, "ok": True, "final_eval": 1.00},

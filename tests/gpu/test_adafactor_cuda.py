@@ -1,8 +1,11 @@
 """GPU checks of fusedopt.Adafactor's factored kernels (run on the H200: `pytest -m gpu tests/gpu`).
 
-* The kernels ran (a prepared launch exists) and agree with the CPU reference after several steps on
-  odd and large shapes: fp32 state within 1e-5 relative, master weights within 1e-6 + 1e-5 |p|
-  on all but 0.1% of elements, moment codes differing on at most 0.5% of bytes.
+* Under ``auto`` the kernels ran (a prepared launch exists) and agree with the PyTorch reference run
+  on the same GPU after several steps on odd and large shapes: fp32 state within 1e-5 relative,
+  master weights within 1e-6 + 1e-5 |p| on all but 0.1% of elements, moment codes differing on at
+  most 0.5% of bytes. The reference runs on the GPU, not the CPU: on the CPU torch's fp32 ``norm``
+  (RMS of the parameter and of the update, as torch.optim.Adafactor computes them) loses about
+  1e-3 relative on a 4096 x 4096 matrix, which moves half the elements beyond these tolerances.
 * With fp32 parameters, state_bits=32 and no first moment, the CUDA kernels are as close to torch's
   algorithm run in fp64 as torch.optim.Adafactor's own fp32 CUDA run (30 steps, both fused modes);
   on the CPU the reference equals torch.optim.Adafactor to rtol 1e-5, atol 1e-7 (tests/test_adafactor.py).
@@ -60,20 +63,23 @@ CASES = [
 
 
 @pytest.mark.parametrize("dtype,kw", CASES)
-def test_cuda_matches_cpu_reference(dtype, kw):
+def test_cuda_matches_reference(dtype, kw, monkeypatch):
     params, grads = _tensors(SHAPES, dtype, "cpu", 0, 3)
-    cpu, cpu_opt = _train(params, grads, "cpu", **kw)
+    monkeypatch.setenv("FUSEDOPT_BACKEND", "reference")
+    refs, ref_opt = _train(params, grads, "cuda", **kw)
+    assert not ref_opt._dispatch._prepared
+    monkeypatch.setenv("FUSEDOPT_BACKEND", "auto")
     gpu, gpu_opt = _train(params, grads, "cuda", **kw)
     assert len(gpu_opt._dispatch._prepared) == len(SHAPES), "not every update ran the kernels"
-    for p_cpu, p_gpu in zip(cpu, gpu):
-        ref = cpu_opt.master_weight(p_cpu)
+    for p_ref, p_gpu in zip(refs, gpu):
+        ref = ref_opt.master_weight(p_ref).cpu()
         got = gpu_opt.master_weight(p_gpu).cpu()
         bad = ((got - ref).abs() > 1e-6 + 1e-5 * ref.abs()).double().mean().item()
-        assert bad <= 1e-3, (tuple(p_cpu.shape), bad)
-        s_cpu, s_gpu = cpu_opt.state[p_cpu], gpu_opt.state[p_gpu]
-        assert s_cpu.keys() == s_gpu.keys()
-        for key, value in s_cpu.items():
-            other = s_gpu[key].cpu()
+        assert bad <= 1e-3, (tuple(p_ref.shape), bad)
+        s_ref, s_gpu = ref_opt.state[p_ref], gpu_opt.state[p_gpu]
+        assert s_ref.keys() == s_gpu.keys()
+        for key, value in s_ref.items():
+            value, other = value.cpu(), s_gpu[key].cpu()
             if key == "master_correction":
                 continue  # compared through the master weights
             if value.dtype == torch.float32:

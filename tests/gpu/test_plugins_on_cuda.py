@@ -8,7 +8,10 @@ from plugins.sign_sgd import SignSGD
 
 import fusedopt
 
-pytestmark = pytest.mark.gpu
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 
 def _step(make, backend, monkeypatch):
