@@ -4,7 +4,7 @@
 #   bash benchmarks/run_h200_session.sh          (everything lands in $OUT/results.tgz)
 # 1. alone on the GPU when AB is set (its step times are compared): benchmarks/step_ab.py --formats $AB;
 # 2. then side by side, each lane bounded by `timeout` so the archive is always written:
-#    quality (format_quality.py --jobs: the format line-up over $SEEDS, and single-seed lr sweeps),
+#    quality (format_quality.py --jobs, one process per lane of $LANES: seeds and configurations),
 #    GPU tests ($TESTS), and the 7B fine-tunes under the 24 GiB cap ($FITS; their step times are taken
 #    while the GPU is shared).
 # Defaults are this file's last call; every list can be overridden from the environment.
@@ -20,27 +20,31 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 START=$SECONDS
 left() { echo $(( ${DEADLINE:-560} - (SECONDS - START) )); }
 
-AB=${AB:-}
+AB=${AB-rot8 rot4 rot2}
 [ -n "$AB" ] && timeout ${AB_S:-150} python3 benchmarks/step_ab.py --rounds ${AB_ROUNDS:-10} --reps 5 --formats $AB \
   --out "$R/step_ab.json" > "$R/step_ab.log" 2>&1
 
-SEEDS=${SEEDS:-0,1,2,3}
-QF=${QF:-fp32,bf16-rtn,default,default~,block4,block4-nomaster,rot4}
-QS=${QS:-fp32@0.006,fp32@0.012,adafactor@0.01,adafactor@0.03,adafactor@0.1}
-for f in ${QBASE:-}; do cp "$f" "$R/quality_formats.json"; done
-timeout $(( $(left) - 15 )) python3 benchmarks/format_quality.py --jobs ${JF:-10} --seeds "$SEEDS" \
-  --out "$R/quality_formats.json" --only "$QF" > "$R/quality_formats.log" 2>&1 &
-[ -n "$QS" ] && timeout $(( $(left) - 15 )) python3 benchmarks/format_quality.py --jobs ${JS:-3} --seeds ${SSEEDS:-0} \
-  --out "$R/quality_sweep.json" --only "$QS" > "$R/quality_sweep.log" 2>&1 &
+# lanes: "name|seeds|keys|jobs"; every lane starts from the runs of $QBASE (same settings), if given
+LANES=${LANES:-"formats|4,5,6,7|fp32,default,default~,block4,block4-nomaster,rot4|10
+adafactor|0,1,2|fp32,adafactor@0.03,adafactor-fp32@0.03|3
+sweep|0|fp32,adafactor-m32@0.03,fp32@0.0015|2"}
+while IFS='|' read -r name seeds keys jobs; do
+  [ -z "$name" ] && continue
+  [ -n "${QBASE:-}" ] && cp "$QBASE" "$R/quality_$name.json"
+  ( timeout $(( $(left) - 15 )) python3 benchmarks/format_quality.py --jobs "$jobs" --seeds "$seeds" \
+      --out "$R/quality_$name.json" --only "$keys" > "$R/quality_$name.log" 2>&1
+    python3 benchmarks/format_quality.py --report-only --seeds "$seeds" --out "$R/quality_$name.json" --only "$keys" \
+      > "$R/quality_${name}_report.txt" 2>&1 ) &
+done <<< "$LANES"
 
-TESTS=${TESTS:-tests/gpu/test_adafactor_cuda.py tests/gpu/test_rotated_on_cuda.py tests/gpu/test_plugins_on_cuda.py tests/gpu/test_recipes_cuda.py}
+TESTS=${TESTS-tests/gpu/test_adafactor_cuda.py}
 (
   for t in $TESTS; do
     timeout $(( $(left) - 20 )) python3 -m pytest -q -p no:cacheprovider "$t" > "$R/test_$(basename "$t" .py).log" 2>&1
   done
 ) &
 
-FITS=${FITS:-block4-nomaster adafactor-m4}
+FITS=${FITS-}
 (
   for c in $FITS; do
     timeout $(( $(left) - 20 )) python3 benchmarks/fit_7b.py --config "$c" --steps ${FIT_STEPS:-200} --warmup 20 \
@@ -48,9 +52,5 @@ FITS=${FITS:-block4-nomaster adafactor-m4}
   done
 ) &
 wait
-python3 benchmarks/format_quality.py --report-only --seeds "$SEEDS" --out "$R/quality_formats.json" --only "$QF" \
-  > "$R/quality_formats_report.txt" 2>&1
-[ -n "$QS" ] && python3 benchmarks/format_quality.py --report-only --seeds ${SSEEDS:-0} --out "$R/quality_sweep.json" \
-  --only "$QS" > "$R/quality_sweep_report.txt" 2>&1
 tar czf "$OUT/results.tgz" -C "$OUT" r && rm -rf "$R"
 echo "done in $((SECONDS - START)) s"

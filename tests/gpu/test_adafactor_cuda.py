@@ -49,6 +49,20 @@ def _train(params, grads, device, *, fused=False, **kw):
     return ps, opt
 
 
+def _master_step(ref, dtype, master_weight_bits):
+    """The spacing of the stored master weight at each value of ``ref``: 8 bits more than the
+    parameter's significand with a 24-bit master, fp32's with a 32-bit one. Without a master (a
+    16-bit parameter rounded stochastically) it is 0: one 16-bit step is as large as an update, and
+    those cases agree without it."""
+    if dtype != torch.float32 and master_weight_bits is None:
+        return torch.zeros_like(ref)
+    bits = {torch.float32: 24, torch.bfloat16: 16, torch.float16: 19}[dtype]
+    if master_weight_bits == 32:
+        bits = 24
+    exponent = torch.floor(torch.log2(ref.abs().clamp(min=torch.finfo(torch.float32).tiny)))
+    return torch.pow(2.0, exponent - (bits - 1))
+
+
 CASES = [
     (torch.float32, dict(state_bits=32)),
     (torch.float32, dict(state_bits=32, beta1=0.9, weight_decay=0.1, maximize=True)),
@@ -74,7 +88,11 @@ def test_cuda_matches_reference(dtype, kw, monkeypatch):
     for p_ref, p_gpu in zip(refs, gpu):
         ref = ref_opt.master_weight(p_ref).cpu()
         got = gpu_opt.master_weight(p_gpu).cpu()
-        bad = ((got - ref).abs() > 1e-6 + 1e-5 * ref.abs()).double().mean().item()
+        # The two sides' fp32 sums over the matrix (RMS, row and column statistics) differ in order, by
+        # about 1e-6 relative; where that moves a value across a rounding threshold of the stored
+        # master (stochastic rounding, same draw) the two land one step of its precision apart.
+        step = _master_step(ref, dtype, kw.get("master_weight_bits", 24))
+        bad = ((got - ref).abs() > 1e-6 + 1e-5 * ref.abs() + step).double().mean().item()
         assert bad <= 1e-3, (tuple(p_ref.shape), bad)
         s_ref, s_gpu = ref_opt.state[p_ref], gpu_opt.state[p_gpu]
         assert s_ref.keys() == s_gpu.keys()
@@ -83,7 +101,10 @@ def test_cuda_matches_reference(dtype, kw, monkeypatch):
             if key == "master_correction":
                 continue  # compared through the master weights
             if value.dtype == torch.float32:
-                torch.testing.assert_close(other, value, rtol=1e-5, atol=1e-7)
+                # the same 1e-6 relative of the sums scales a whole moment; where a first moment is a
+                # sum of terms of opposite sign its small elements keep that error of the terms' scale
+                atol = 1e-6 * value.abs().max().item()
+                torch.testing.assert_close(other, value, rtol=1e-5, atol=atol)
             else:
                 assert (other != value).double().mean().item() <= 5e-3, key
 
