@@ -205,7 +205,7 @@ def test_format_quality_keys_take_their_own_peak_lr_and_pair_with_more_reference
     # the decoupled weight decay per step, lr * weight_decay, is the AdamW configurations'
     param = torch.nn.Parameter(torch.zeros(8, 8, dtype=torch.bfloat16))
     group = fq.CONFIGS["adafactor"][1]([param], 0.3).param_groups[0]
-    assert group["lr"] * group["weight_decay"] == pytest.approx(3e-3 * fq.HPARAMS["weight_decay"])
+    assert group["lr"] * group["weight_decay"] == pytest.approx(fq.GPU["lr"] * fq.HPARAMS["weight_decay"])
     losses = {"fp32": [1.0, 2.0], "default": [1.1, 2.2], "adafactor-fp32": [1.2, 2.0], "adafactor-m4": [1.32, 2.1]}
     losses["adafactor-m32"] = [1.1, 2.1]
     runs = [{"key": k, "seed": s, "label": k, "final_eval": v} for k, vs in losses.items() for s, v in enumerate(vs)]
