@@ -153,6 +153,8 @@ ALSO_AGAINST = {
     "adafactor-m32": ("default", "adafactor-fp32"),
     "adafactor-m8": ("default", "adafactor-fp32", "adafactor-m32"),
     "adafactor-m4": ("default", "adafactor-fp32", "adafactor-m32"),
+    # the state formats' targets are stated against the 8-bit default
+    **{key: ("default",) for key in CONFIGS if key not in ("fp32", "default") and not key.startswith("adafactor")},
 }
 
 
