@@ -53,6 +53,20 @@ BLOCK = 64
 _BIG = 2.0**60  # q is saturated here (inf: here, NaN: 0)
 
 
+def neighbour_sums(x: torch.Tensor) -> torch.Tensor:
+    """The sum of each row of ``x`` (a power-of-two width), added in a fixed order: neighbours first,
+    then neighbouring pairs, and so on. torch's reduction order is its own; this one the kernel repeats."""
+    while x.shape[-1] > 1:
+        x = x[..., 0::2] + x[..., 1::2]
+    return x.squeeze(-1)
+
+
+def block_rms(q: torch.Tensor) -> torch.Tensor:
+    """The root mean square of each row of ``q`` (``(blocks, BLOCK)``): the sum of squares in
+    ``neighbour_sums``' order, an exact multiply by ``1 / BLOCK``, a correctly rounded square root."""
+    return (neighbour_sums(q * q) * (1.0 / BLOCK)).double().sqrt().float()
+
+
 class NormalisedCodec(MomentCodec):
     """A signed moment in units of the square root of its frame (see the module docstring)."""
 
@@ -123,7 +137,7 @@ class NormalisedCodec(MomentCodec):
         q = torch.where(r > 0, x / r, 0.0).nan_to_num(0.0, _BIG, -_BIG).clamp(-_BIG, _BIG)
         half = q.abs().amax(dim=1)
         if self.clip is not None:
-            half = torch.minimum(half, self.clip * q.square().mean(dim=1).sqrt())
+            half = torch.minimum(half, self.clip * block_rms(q))
         scales = half.to(torch.bfloat16)
         scales = torch.where(scales.float() < half, scales.view(torch.int16).add(1).view(torch.bfloat16), scales)
         words = bits().reshape(-1)
