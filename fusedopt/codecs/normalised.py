@@ -35,7 +35,10 @@ of the spacings measured (``benchmarks/norm_spacing.py``, benchmarks/RESULTS.md)
 
 Bytes per element: ``bits / 8 + 2 / 64``: 0.281 (norm2, 2.25 bits), 0.531 (norm4).
 
-No kernel branch yet (``kernel_format = None``): the PyTorch reference runs these formats.
+The fused update kernel (``fusedopt/kernels/normalised.py``) repeats these operations in the same
+order, with the log-grid second moment as the frame (the formats ``norm2-log4`` and ``norm4-log4``);
+``tests/test_lowbit_kernel.py`` holds it to this reference bit for bit in Triton's interpreter,
+``tests/gpu/test_lowbit_on_cuda.py`` on the GPU.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ import torch.nn.functional as F
 
 from fusedopt import rng
 
-from .base import BitsFn, MomentCodec
+from .base import NORMALISED, BitsFn, KernelFormat, MomentCodec
 
 BLOCK = 64
 _BIG = 2.0**60  # q is saturated here (inf: here, NaN: 0)
@@ -71,7 +74,6 @@ class NormalisedCodec(MomentCodec):
     """A signed moment in units of the square root of its frame (see the module docstring)."""
 
     suffixes = (".codes", ".scales")
-    kernel_format = None
     frame = True
 
     def __init__(self, bits: int, clip: float | None, shape: torch.Size, name: str):
@@ -82,6 +84,9 @@ class NormalisedCodec(MomentCodec):
         self.numel = self.shape.numel()
         self.blocks = max(1, -(-self.numel // BLOCK))
         self.top = (1 << bits) - 1  # L
+        # the kernel multiplies by the clip as torch does here: rounded to fp32 first
+        fp32_clip = 0.0 if clip is None else float(torch.tensor(clip, dtype=torch.float32))
+        self.kernel_format = KernelFormat(NORMALISED + bits, qmax=self.top, block=BLOCK, clip=fp32_clip)
 
     # --- layout ------------------------------------------------------------------------------
 
