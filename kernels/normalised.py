@@ -43,7 +43,7 @@ def _pair_sums(x, R: tl.constexpr, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _block_rms(q, R: tl.constexpr):
+def block_rms(q, R: tl.constexpr):
     """``fusedopt.codecs.normalised.block_rms`` of the rows of ``q``."""
     s = _pair_sums(q * q, R, 64)
     s = _pair_sums(s, R, 32)
@@ -95,7 +95,7 @@ def store_normalised(
     q = tl.where(q != q, 0.0, tl.minimum(tl.maximum(q, -_BIG), _BIG))  # nan_to_num, saturated
     half = tl.max(tl.abs(q), axis=1)
     if CLIP > 0:
-        half = tl.minimum(half, _block_rms(q, R) * CLIP)
+        half = tl.minimum(half, block_rms(q, R) * CLIP)
     # rounded up to bf16: the smallest bf16 pattern not below half's (half >= 0, finite)
     unit = ((half.to(tl.int32, bitcast=True) + 0xFFFF) & -65536).to(tl.float32, bitcast=True)
     t = (tl.div_rn(q, tl.maximum(unit, _TINY)[:, None]) + 1.0) * (TOP / 2)

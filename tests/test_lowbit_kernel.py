@@ -12,10 +12,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import fusedopt
 from fusedopt.codecs import PAIRED_FORMATS, codec_named
-from fusedopt.kernels import update
+from fusedopt.codecs.loggrid import FRACTIONS, LogGridCodec
+from fusedopt.codecs.normalised import block_rms
+from fusedopt.kernels import loggrid, normalised, update
 
 # The interpreter computes every lane, masked or not (a log2 of zero, a 0 / 0 in a lane whose result
 # is discarded): numpy warns about those.
@@ -28,24 +32,32 @@ PAIRED = list(PAIRED_FORMATS)
 # 15 elements: less than one block of every codec; 1517: several blocks over two programs, the last
 # block of each codec partial; 1024: whole blocks, one program
 SHAPES = [(3, 5), (37, 41), (4, 256)]
-GRADIENT_SCALES = [1e-3, 1.0, 0.0, 0.5]  # blocks re-round on new scales; a step without increments
+
+
+def _gradient(shape, step, gen):
+    """Step 0: magnitudes within a factor 2 on every other element (v's grids span a few binades, below
+    the widest spacing). Step 1: only the other elements, half the smallest of step 0 in the second
+    half of the rows (between their grids' two lowest levels: rounded on the kept grids) and a
+    thousandth of it in the first half (below the bottom levels: refitted); the elements of step 0 keep
+    their codes. Step 2: Gaussian and a thousand times larger (above the tops: refitted at the widest
+    spacing), but the second half of the rows (codes kept, tops decayed). Later steps: Gaussian."""
+    sign = torch.randn(shape, generator=gen).sign()
+    odd = (torch.arange(sign.numel()) % 2 == 1).view(shape)
+    if step == 0:
+        return torch.where(odd, 0.0, torch.empty(shape).uniform_(0.5, 1.0, generator=gen) * sign * 1e-3)
+    if step == 1:
+        second_half = (torch.arange(shape[0]) >= shape[0] // 2)[:, None]
+        return torch.where(odd, sign * torch.where(second_half, 0.5e-3, 0.5e-6), 0.0)
+    g = torch.randn(shape, generator=gen)
+    if step == 2:
+        g[shape[0] // 2 :] = 0.0
+    return g
 
 
 def _gradients(shapes, steps, seed):
-    """Per step, a gradient per shape. In the step of scale 0 only the first half of the rows has a
-    gradient (the other elements keep their codes and decay exactly)."""
+    """Per step, a gradient per shape (``_gradient``)."""
     gen = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(steps):
-        scale = GRADIENT_SCALES[i % len(GRADIENT_SCALES)]
-        grads = []
-        for s in shapes:
-            g = torch.randn(s, generator=gen) * (scale or 1.0)
-            if scale == 0.0:
-                g[s[0] // 2 :] = 0.0
-            grads.append(g)
-        out.append(grads)
-    return out
+    return [[_gradient(s, i, gen) for s in shapes] for i in range(steps)]
 
 
 def _train(backend, device, monkeypatch, fmt, shapes, *, dtype=torch.float32, master=None, fused=False,
@@ -136,16 +148,17 @@ def test_buckets_and_shards(monkeypatch, device, fmt):
 @pytest.mark.parametrize("fmt", ["norm2-log4", "rot4-log4"])
 def test_a_non_finite_gradient_leaves_everything_untouched(monkeypatch, device, fmt):
     shape = (40, 80)
-    good = _gradients([shape], 2, 5)
-    bad, worse = good[1][0].clone(), good[1][0].clone()
+    good = _gradients([shape], 3, 5)  # step 2's gradient leaves every grid: its blocks would be refitted
+    bad, worse = good[2][0].clone(), good[2][0].clone()
     bad[39, 79] = float("nan")  # in the last program's last block
     worse[0, 0] = float("-inf")
-    sequence = [good[0], [bad], [worse], good[1]]
+    sequence = [good[0], [bad], [worse], good[2]]
     monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
     w = torch.nn.Parameter(torch.randn(shape).to(device))
     opt = fusedopt.AdamW([w], lr=1e-2, state_format=fmt, min_compress_numel=0, master_weight_bits=None)
     w.grad = good[0][0].to(device)
     opt.step()
+    assert opt.state[w]["exp_avg_sq.steps"].max() < 18  # narrow grids, which the bad steps would widen
     snapshot = w.detach().clone(), {k: v.clone() for k, v in opt.state[w].items()}
     for g in (bad, worse):
         w.grad = g.to(device)
@@ -198,3 +211,33 @@ def test_the_kernel_refuses_layouts_it_has_no_branch_for():
     with pytest.raises(ValueError, match="one quantisation block size"):
         update._tile_row(block4.kernel_format, log.kernel_format)
     assert update._tile_row(norm.kernel_format, log.kernel_format) == 128
+
+
+@triton.jit
+def _helpers_kernel(q_ptr, rms_ptr, codes_ptr, tops_ptr, steps_ptr, fractions_ptr, values_ptr, R: tl.constexpr):
+    rows = tl.arange(0, R)
+    q = tl.load(q_ptr + rows[:, None] * 64 + tl.arange(0, 64)[None, :])
+    tl.store(rms_ptr + rows, normalised.block_rms(q, R))
+    at = rows[:, None] * 128 + tl.arange(0, 128)[None, :]
+    tops, steps = tl.load(tops_ptr + rows), tl.load(steps_ptr + rows)
+    tl.store(values_ptr + at, loggrid.levels(tl.load(codes_ptr + at), tops, steps, fractions_ptr))
+
+
+def test_the_device_helpers_round_as_the_reference(device):
+    """A block's rms (a sum whose order matters: rows of alike magnitudes, and rows over 40 binades) and
+    the log grid's levels
+    (every code, 0 and 16 included, spacings up to 255, tops down to where levels are subnormal)."""
+    gen = torch.Generator().manual_seed(4)
+    rows = 64
+    q = torch.randn(rows, 64, generator=gen)
+    q[::2] *= torch.exp2(torch.randint(-20, 20, (rows // 2, 64), generator=gen).float())
+    codes = torch.randint(0, 17, (rows, 128), generator=gen, dtype=torch.int32)
+    tops = torch.rand(rows, generator=gen) * torch.exp2(torch.randint(-120, 100, (rows,), generator=gen).float())
+    steps = torch.randint(0, 256, (rows,), generator=gen, dtype=torch.int32)
+    rms, values = torch.empty(rows, device=device), torch.empty(rows, 128, device=device)
+    args = [t.to(device) for t in (q, codes, tops, steps, FRACTIONS)]
+    _helpers_kernel[(1,)](args[0], rms, *args[1:4], args[4], values, R=rows)
+    assert torch.equal(rms.cpu(), block_rms(q))
+    expected = LogGridCodec.levels(codes, tops, steps.to(torch.uint8))
+    assert (expected > 0).any() and (expected[expected > 0] < 2.0**-126).any()  # subnormal levels too
+    assert torch.equal(values.cpu(), expected)
