@@ -127,11 +127,13 @@ def store_log_grid(
     same = y == values * decay  # no increment: the code stays
     kept = tl.where(same, codes, kept)
     fits = tl.min((same | inside).to(tl.int32), axis=1) > 0
-    fresh_tops, fresh_steps = _fresh_grid(y)
-    fresh, _ = _round_to_grid(y, fresh_tops, fresh_steps, u, fractions_ptr)
-    new_codes = tl.where(fits[:, None], kept, fresh)
-    new_tops = tl.where(fits, kept_tops, fresh_tops)
-    new_steps = tl.where(fits, steps, fresh_steps)
+    new_codes, new_tops, new_steps = kept, kept_tops, steps
+    if tl.min(fits.to(tl.int32), axis=0) == 0:  # a program refits (an fp64 log2 per element) only if it must
+        fresh_tops, fresh_steps = _fresh_grid(y)
+        fresh, _ = _round_to_grid(y, fresh_tops, fresh_steps, u, fractions_ptr)
+        new_codes = tl.where(fits[:, None], kept, fresh)
+        new_tops = tl.where(fits, kept_tops, fresh_tops)
+        new_steps = tl.where(fits, steps, fresh_steps)
     blocks, has_block = _blocks(start, n_elements, R)
     block_commit = (tl.zeros([R], tl.int32) + status) == 0
     tl.store(tops_ptr + blocks, new_tops, mask=has_block & block_commit)
