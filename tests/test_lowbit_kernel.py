@@ -132,10 +132,15 @@ def test_low_precision_parameters_corrections_and_release(monkeypatch, device, f
 @pytest.mark.parametrize("fmt", ["norm2-log4", "rot4-log4"])
 def test_buckets_and_shards(monkeypatch, device, fmt):
     """Parameters launched as buckets from the second step (sizes a bucket takes, and one it does not),
-    and as shards at global offsets (draws from the global index; past 2**31: 64-bit offsets, alone)."""
+    and as shards at global offsets (draws from the global index; past 2**31, or not a multiple of the
+    tile's row: 64-bit offsets, launched alone)."""
     shapes = [(32, 48), (8, 50), (37, 41), (16, 16)]
     base = _train("reference", device, monkeypatch, fmt, shapes, steps=3)
-    for firsts, fused, bucketed in (((0, 0, 0, 0), True, 3), ((256, 512, 0, 2**31 + 256), False, 2)):
+    for firsts, fused, bucketed in (
+        ((0, 0, 0, 0), True, 3),
+        ((256, 512, 0, 2**31 + 256), False, 2),
+        ((64, 37, 300, 2**33), False, 0),  # tile rows off the blocks' alignment: 64-bit offsets, alone
+    ):
         ref = _train("reference", device, monkeypatch, fmt, shapes, steps=3, firsts=firsts, fused=fused)
         if any(firsts):
             assert not all(torch.equal(a[k], b[k]) for a, b in zip(ref[1], base[1]) for k in a), "offsets unused"
