@@ -287,7 +287,7 @@ def _update_kernel(
     weight_decay,  # SGD's coupled decay
     lerp_weight,  # 1 - beta1 (AdamW, Lion); 1 - dampening (SGD)
     one_minus_beta2,
-    m_decay,  # the EMA decays of the moments (rotated formats), and their square roots (the decay of
+    m_decay,  # the EMA decays of the moments (rotated, log grid), and their square roots (the decay of
     m_decay_root,  # a nonnegative moment stored as its square root)
     v_decay,
     v_decay_root,
