@@ -44,7 +44,7 @@ BUCKET_MB = "FUSEDOPT_BUCKET_MB"
 # 128, not 32: in backward a budget of 32 MiB closed a bucket every few parameters of a 1.1B model,
 # and the launch pairs cost more than release saved (benchmarks/RESULTS.md)
 DEFAULT_BUCKET_MB = 128
-_MAX_BUILT = 1024  # bucket compositions kept (2 KiB of device memory each); more: it changes every step
+_MAX_BUILT = 1024  # bucket compositions kept (about 2 KiB of device memory each); more: it changes every step
 
 _NO_OBSERVER = contextlib.nullcontext()  # reusable: entered once per update when nobody observes
 _DEVICES = "parameter, gradient and optimizer state are on different devices"

@@ -4,7 +4,7 @@ A parameter's update costs two kernel launches of host time, which gradient rele
 inside backward. A bucket launches both kernels once for up to
 ``BUCKET_TENSORS`` parameters from a table of one row per member (``update.py``'s ``BUCKET``
 branch): every program finds its member from the rows' first-program columns, and the member's
-pointers as the first member's plus the deltas of its row. The table (2 KiB) depends only on
+pointers as the first member's plus the deltas of its row. The table (about 2 KiB) depends only on
 the members, so it is built once and reused while the members' prepared launches are; only the
 gradients are new each step, and their deltas travel as launch arguments (no host-to-device
 copy, no sync).
@@ -46,7 +46,8 @@ assert int(_GRAD_DELTA_BIAS) == GRAD_DELTA_BIAS
 
 
 def _pointer_tensors(u: PreparedUpdate) -> tuple:
-    """A member's tensors in table column order: param, correction, m, m scales, v, v scales, step, scratch."""
+    """A member's tensors in table column order: param, correction, m, m scales, v, v scales, v's third
+    storage tensor, step, scratch."""
     return (*u.head, *u.state_tensors)
 
 
@@ -94,7 +95,7 @@ class PreparedBucket:
         rows += [unused] * (BUCKET_TENSORS - len(members))
         with on_default_stream(first.head[0]):  # launches on any stream can then wait for the copy
             self.table = _to_device(torch.tensor(rows, dtype=torch.int64), first.head[0].device)
-        self.head, self.state_tensors = first.head, first.state_tensors
+        self.head, self.state_tensors, self.fractions = first.head, first.state_tensors, first.fractions
         self.step, self.scratch, self.skipped = first.step, first.scratch, first.skipped
         self.ints = first.ints  # the first member's sizes and keys (unused: the table has them)
         self.update_config = bucket_config(first.configs[False])
@@ -123,7 +124,7 @@ class PreparedBucket:
             self.check_config,
         )
         runtime_args = (
-            *self.head, base, self.head[0], *self.state_tensors, self.table, *self.ints, *deltas, *args
+            *self.head, base, self.head[0], *self.state_tensors, self.table, self.fractions, *self.ints, *deltas, *args
         )  # fmt: skip
         update_launcher = update._launch_update
         launch_remembered(update_launcher, self.launches, "update", self.programs, runtime_args, self.update_config)

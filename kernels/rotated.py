@@ -19,7 +19,7 @@ encode, which rounds only the increment against them (``RotatedCodec.encode_deca
 import triton
 import triton.language as tl
 
-from fusedopt.kernels.hashing import fmix32
+from fusedopt.kernels.hashing import spread_uniform
 from fusedopt.kernels.moments import commit_mask
 
 BLOCK = tl.constexpr(256)  # elements per rotation block (fusedopt.codecs.rotated.BLOCK)
@@ -129,11 +129,7 @@ def store_rotated(
         y = tl.sqrt_rn(x)
     y = tl.where(y != y, 0.0, tl.minimum(tl.maximum(y, -_BIG), _BIG))  # nan_to_num, saturated
     increment = tl.where(local < n_elements, y - decay * t_old, 0.0)  # padding: no increment
-    if local.dtype == tl.int64:
-        index = (local & 0xFFFFFFFF).to(tl.uint32)
-    else:
-        index = local.to(tl.uint32)
-    u = (fmix32(word ^ index) >> 8).to(tl.float32) * (2.0**-24)
+    u = spread_uniform(word, local)
     r = butterflies(increment, NB) * 0.0625
     kept = scales * decay
     one = tl.full([NB], 1.0, tl.float32)

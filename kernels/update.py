@@ -33,13 +33,17 @@ import triton
 import triton.language as tl
 
 from fusedopt import rng
-from fusedopt.codecs.base import NO_MOMENT, ROTATED, KernelFormat
-from fusedopt.kernels.hashing import element_bits, step_hash, tile_bits
+from fusedopt.codecs.base import LOG_GRID, NO_MOMENT, NORMALISED, ROTATED, KernelFormat, format_family
+from fusedopt.codecs.loggrid import FRACTIONS
+from fusedopt.kernels.hashing import element_bits, spread_uniform, step_hash, tile_bits
 from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig, launch_remembered
+from fusedopt.kernels.loggrid import levels, load_log_grid, store_log_grid
 from fusedopt.kernels.master import load_master, store_master
 from fusedopt.kernels.moments import commit_mask, load_moment, store_moment, tile_offsets
+from fusedopt.kernels.normalised import load_normalised, store_normalised
 from fusedopt.kernels.rotated import load_rotated, store_rotated
 from fusedopt.master import MASTER_CORRECTION
+from fusedopt.streams import on_default_stream
 
 # The algorithm branches of _update_kernel (ALGO): an algorithm's file names its branch as kernel_id.
 KERNEL_IDS = {0: "AdamW", 1: "SGD", 2: "Lion"}
@@ -65,11 +69,11 @@ GRAD_DELTA_BIAS = 1 << 62
 # tensor, the member's sizes and hash keys, and the first update and check program of the
 # launch that is the member's (a table has BUCKET_TENSORS rows: unused ones start at NO_START)
 (
-    COL_PARAM, COL_CORR, COL_M, COL_M_SCALE, COL_V, COL_V_SCALE, COL_STEP, COL_SCRATCH,
+    COL_PARAM, COL_CORR, COL_M, COL_M_SCALE, COL_V, COL_V_SCALE, COL_V_AUX, COL_STEP, COL_SCRATCH,
     COL_N, COL_N_PAIRS, COL_KEY_SHARED, COL_KEY_PARAM, COL_CHECK_PROGRAMS, COL_UPDATE_START, COL_CHECK_START,
     COL_FIRST,
-) = (tl.constexpr(i) for i in range(16))  # fmt: skip
-TABLE_COLS = 16
+) = (tl.constexpr(i) for i in range(17))  # fmt: skip
+TABLE_COLS = 17
 NO_START = 1 << 62
 _BUCKET_ROWS = tl.constexpr(BUCKET_TENSORS)
 _TABLE_COLS = tl.constexpr(TABLE_COLS)
@@ -79,7 +83,12 @@ _GRAD_DELTA_BIAS = tl.constexpr(GRAD_DELTA_BIAS)
 # draws), biased as the gradient deltas so Triton always types it int64
 INDEX_BIAS = 1 << 62
 _INDEX_BIAS = tl.constexpr(INDEX_BIAS)
-_ROTATED = tl.constexpr(ROTATED)  # a moment's FMT above it: rotated codes of FMT - ROTATED bits
+# a moment's FMT of a format with its own device twin: family + bits (fusedopt.codecs.base)
+_ROTATED = tl.constexpr(ROTATED)
+_LOG_GRID = tl.constexpr(LOG_GRID)
+_NORMALISED = tl.constexpr(NORMALISED)
+_LOG_BLOCK = tl.constexpr(128)  # the log grid's and the normalised codes' blocks (kernels/loggrid.py, normalised.py)
+_NORM_BLOCK = tl.constexpr(64)
 
 
 @triton.jit
@@ -243,9 +252,11 @@ def _update_kernel(
     m_scale_ptr,  # its block scales (8/4-bit)
     v_ptr,  # AdamW second moment
     v_scale_ptr,
+    v_aux_ptr,  # a third storage tensor of v: the log grid's spacings
     step_ptr,  # step count, already advanced by the check kernel
     scratch_ptr,  # the check kernel's words: [2] non-zero: the gradient was not finite
     table_ptr,  # BUCKET: int64 rows of the members' deltas, sizes, keys and first programs
+    fractions_ptr,  # the log grid's 32 fp32 fractions 2**(-j/32) (fusedopt.codecs.loggrid.FRACTIONS)
     n_elements,
     n_pairs,  # (n_elements + 1) // 2: bytes of 4-bit codes
     key_shared,  # host parts of the hash keys (uint32): the word shared by the roundings,
@@ -276,7 +287,7 @@ def _update_kernel(
     weight_decay,  # SGD's coupled decay
     lerp_weight,  # 1 - beta1 (AdamW, Lion); 1 - dampening (SGD)
     one_minus_beta2,
-    m_decay,  # the EMA decays of the moments (rotated formats), and their square roots (the decay of
+    m_decay,  # the EMA decays of the moments (rotated, log grid), and their square roots (the decay of
     m_decay_root,  # a nonnegative moment stored as its square root)
     v_decay,
     v_decay_root,
@@ -298,6 +309,7 @@ def _update_kernel(
     M_THR: tl.constexpr,
     M_TOP: tl.constexpr,
     M_INV_RESCALE: tl.constexpr,
+    M_CLIP: tl.constexpr,  # normalised codes: KernelFormat.clip
     V_FMT: tl.constexpr,
     V_SIGNED: tl.constexpr,
     V_POWER: tl.constexpr,
@@ -323,6 +335,7 @@ def _update_kernel(
         m_scale_ptr = _rebase(m_scale_ptr, row, COL_M_SCALE)
         v_ptr = _rebase(v_ptr, row, COL_V)
         v_scale_ptr = _rebase(v_scale_ptr, row, COL_V_SCALE)
+        v_aux_ptr = _rebase(v_aux_ptr, row, COL_V_AUX)
         step_ptr = _rebase(step_ptr, row, COL_STEP)
         scratch_ptr = _rebase(scratch_ptr, row, COL_SCRATCH)
         n_elements = tl.multiple_of(tl.load(row + COL_N).to(tl.int32), 16)
@@ -360,17 +373,29 @@ def _update_kernel(
         g = -g
     step = tl.load(step_ptr)
     p = load_master(param_ptr, corr_ptr, offs, mask, MASTER, PARAM_BF16, CORR_BITS)
-    if M_FMT > _ROTATED:  # the codes, scales and storage-domain values stay for the encode
+    LOG_ROWS: tl.constexpr = NB * QBLOCK // _LOG_BLOCK  # the tile in rows of one log-grid block
+    NORM_ROWS: tl.constexpr = NB * QBLOCK // _NORM_BLOCK
+    if M_FMT > _ROTATED and M_FMT < _LOG_GRID:  # the codes, scales and storage-domain values stay for the encode
         m_codes, m_scales, m_t, m = load_rotated(m_ptr, m_scale_ptr, start, n_elements, M_SIGNED, M_FMT - _ROTATED, NB)
-    else:
+    elif M_FMT < _ROTATED:
         m = load_moment(
             m_ptr, m_scale_ptr, start, n_elements, n_pairs, M_FMT, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, NB, QBLOCK
         )
-    if V_FMT > _ROTATED:
+    if V_FMT > _ROTATED and V_FMT < _LOG_GRID:
         v_codes, v_scales, v_t, v = load_rotated(v_ptr, v_scale_ptr, start, n_elements, V_SIGNED, V_FMT - _ROTATED, NB)
+    elif V_FMT > _LOG_GRID:  # the codes, tops, spacings and values stay for the encode
+        v_codes, v_tops, v_steps, v_values = load_log_grid(
+            v_ptr, v_scale_ptr, v_aux_ptr, fractions_ptr, start, n_elements, LOG_ROWS
+        )
+        v = tl.reshape(v_values, [NB, QBLOCK])
     else:
         v = load_moment(
             v_ptr, v_scale_ptr, start, n_elements, n_pairs, V_FMT, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, NB, QBLOCK
+        )
+    if M_FMT > _NORMALISED:  # m in units of sqrt(v) as decoded (0 past the end: the reference's padding)
+        root = tl.reshape(tl.where(mask, tl.sqrt_rn(v), 0.0), [NORM_ROWS, _NORM_BLOCK])
+        m = tl.reshape(
+            load_normalised(m_ptr, m_scale_ptr, root, start, n_elements, M_FMT - _NORMALISED, NORM_ROWS), [NB, QBLOCK]
         )
     step_size = tl.load(scratch_ptr + 3).to(tl.float32, bitcast=True)  # AdamW's bias corrections
     inv_bias_correction2_sqrt = tl.load(scratch_ptr + 4).to(tl.float32, bitcast=True)
@@ -404,13 +429,20 @@ def _update_kernel(
     # One hash per element feeds every rounding (fields as in fusedopt.rng: moment i takes
     # 12 bits from the top down, a bf16 + int8 parameter the low 8); each reads its top bits.
     shared = tile_bits(step_hash(key_shared, step), hash_start, NB, QBLOCK)
-    if M_FMT > _ROTATED or V_FMT > _ROTATED:
+    if (M_FMT > _ROTATED and M_FMT < _LOG_GRID) or (V_FMT > _ROTATED and V_FMT < _LOG_GRID):
         if start + NB * QBLOCK > n_elements:
             # the last program: a rotated block's padding coordinate i >= n draws element i mod n's
             # word (the reference's rule; in range, element_bits is tile_bits' word)
             source = tl.where(offs < n_elements, offs, offs % n_elements)
             shared = element_bits(step_hash(key_shared, step), source + (hash_start - start))
-    if M_FMT > _ROTATED:
+    if V_FMT > _LOG_GRID:  # first: a normalised first moment is stored in units of v as stored
+        v_u = tl.where(mask, spread_uniform(((shared << 12) >> 20) << 20, offs), 0.0)
+        v_codes, v_tops, v_steps = store_log_grid(
+            tl.reshape(v, [LOG_ROWS, _LOG_BLOCK]), v_codes, v_tops, v_steps, v_values, _as_f32(v_decay),
+            tl.reshape(v_u, [LOG_ROWS, _LOG_BLOCK]), tl.reshape(offs, [LOG_ROWS, _LOG_BLOCK]), v_ptr, v_scale_ptr,
+            v_aux_ptr, fractions_ptr, start, n_elements, status, LOG_ROWS,
+        )  # fmt: skip
+    if M_FMT > _ROTATED and M_FMT < _LOG_GRID:
         if M_SIGNED:
             m_storage_decay = _as_f32(m_decay)
         else:
@@ -418,6 +450,15 @@ def _update_kernel(
         store_rotated(
             m, m_codes, m_scales, m_t, m_storage_decay, (shared >> 20) << 20, offs, m_ptr, m_scale_ptr, start,
             n_elements, status, M_SIGNED, M_FMT - _ROTATED, M_QMAX, M_INV_RESCALE, NB,
+        )  # fmt: skip
+    elif M_FMT > _NORMALISED:
+        frame = tl.reshape(levels(v_codes, v_tops, v_steps, fractions_ptr), [NB, QBLOCK])  # v as just stored
+        root = tl.where(mask, tl.sqrt_rn(frame), 0.0)
+        m_u = tl.where(mask, spread_uniform((shared >> 20) << 20, offs), 0.0)
+        store_normalised(
+            tl.reshape(m, [NORM_ROWS, _NORM_BLOCK]), tl.reshape(root, [NORM_ROWS, _NORM_BLOCK]),
+            tl.reshape(m_u, [NORM_ROWS, _NORM_BLOCK]), m_ptr, m_scale_ptr, start, n_elements, status,
+            M_FMT - _NORMALISED, M_CLIP, NORM_ROWS,
         )  # fmt: skip
     else:
         store_moment(
@@ -440,7 +481,7 @@ def _update_kernel(
             QBLOCK,
             status,
         )
-    if V_FMT > _ROTATED:
+    if V_FMT > _ROTATED and V_FMT < _LOG_GRID:
         if V_SIGNED:
             v_storage_decay = _as_f32(v_decay)
         else:
@@ -449,7 +490,7 @@ def _update_kernel(
             v, v_codes, v_scales, v_t, v_storage_decay, ((shared << 12) >> 20) << 20, offs, v_ptr, v_scale_ptr, start,
             n_elements, status, V_SIGNED, V_FMT - _ROTATED, V_QMAX, V_INV_RESCALE, NB,
         )  # fmt: skip
-    else:
+    elif V_FMT < _ROTATED:
         store_moment(
             v,
             ((shared << 12) >> 20) << 20,
@@ -491,7 +532,7 @@ def _update_kernel(
 # runtime arguments: tensors, then ints (the gradient deltas last: always int64, not in the
 # launch key), then floats (see PreparedUpdate)
 CHECK_ARGS = dict(tensors=6, ints=1 + BUCKET_TENSORS, unkeyed_ints=BUCKET_TENSORS)
-UPDATE_ARGS = dict(tensors=11, ints=5 + BUCKET_TENSORS, unkeyed_ints=BUCKET_TENSORS)
+UPDATE_ARGS = dict(tensors=13, ints=5 + BUCKET_TENSORS, unkeyed_ints=BUCKET_TENSORS)
 _launch_check = DirectLauncher(_check_kernel, **CHECK_ARGS)
 _launch_update = DirectLauncher(_update_kernel, **UPDATE_ARGS)
 
@@ -525,12 +566,23 @@ def unsupported(algorithm, job) -> str | None:
     for slot, codec in job.codecs.items():
         if codec.kernel_format is None:
             return f"the fused kernel has no branch for the state format {codec.name!r} (of {slot!r})"
-        if codec.kernel_format.fmt > ROTATED:
-            if slot not in (job.decays or {}):
-                # the format keeps the decay exact on its scales (RotatedCodec.encode_decayed)
+    slots = list(job.codecs)
+    for i, (slot, codec) in enumerate(job.codecs.items()):
+        family = format_family(codec.kernel_format.fmt)
+        if family in (ROTATED, LOG_GRID) and slot not in (job.decays or {}):
+            # the format keeps the decay exact on its scales (encode_decayed)
+            return (
+                f"the state format {codec.name!r} needs the EMA decay of {slot!r}, which "
+                f"fusedopt.{algorithm.__name__} does not declare (ema_decays)"
+            )
+        if family == LOG_GRID and i != 1:
+            return f"the fused kernel reads a log-grid moment ({codec.name!r} of {slot!r}) only as the second moment"
+        if family == NORMALISED:
+            frame = (job.frames or {}).get(slot)
+            if not (i == 0 and frame in slots[1:] and format_family(job.codecs[frame].kernel_format.fmt) == LOG_GRID):
                 return (
-                    f"the state format {codec.name!r} needs the EMA decay of {slot!r}, which "
-                    f"fusedopt.{algorithm.__name__} does not declare (ema_decays)"
+                    f"the fused kernel stores {codec.name!r} (of {slot!r}) only in units of a log-grid second moment "
+                    "of the same parameter"
                 )
     return None
 
@@ -542,7 +594,7 @@ def launch_job(algorithm, job, scratch: torch.Tensor, scalars: tuple) -> "Prepar
     for slot, codec in job.codecs.items():
         fmt = codec.kernel_format
         values = state[slot] if fmt.fmt in (32, 16) else state[slot + ".codes"]
-        moments.append((fmt, values, state.get(slot + ".scales")))
+        moments.append((fmt, values, state.get(slot + ".scales"), state.get(slot + ".steps")))
     split = job.param.dtype != torch.float32 and job.master_weight_bits
     hyper = job.hyper
     return launch_update(
@@ -571,7 +623,7 @@ def launch_update(
     grad: torch.Tensor,
     accum: torch.Tensor | None,
     correction: torch.Tensor | None,
-    moments: list[tuple[KernelFormat, torch.Tensor | None, torch.Tensor | None]],
+    moments: list[tuple[KernelFormat, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]],
     step: torch.Tensor,
     scratch: torch.Tensor,
     skipped: torch.Tensor,
@@ -581,7 +633,8 @@ def launch_update(
     scalars: tuple[tuple, tuple],
     first: int = 0,
 ) -> "PreparedUpdate":
-    """Update one parameter in place. ``moments``: up to two (format, values, scales); ``keys``:
+    """Update one parameter in place. ``moments``: up to two (format, values, scales, a third storage
+    tensor: the log grid's spacings, of the second moment only); ``keys``:
     host keys of the shared and the parameter's own random word (``fusedopt.rng``); ``flags``:
     (maximize, nesterov); ``scalars``: ``pack_scalars`` of the algorithm's ``kernel_scalars``;
     ``first``: the global index of the parameter's element 0 in the random draws (a shard's offset).
@@ -625,7 +678,10 @@ class PreparedUpdate:
         if kernel_id not in KERNEL_IDS:
             raise ValueError(f"the fused kernel has no branch for kernel_id {kernel_id!r}")
         n = param.numel()
-        (m_fmt, m_val, m_scales), (v_fmt, v_val, v_scales) = (moments + [(NO_MOMENT, None, None)] * 2)[:2]
+        absent = (NO_MOMENT, None, None, None)
+        (m_fmt, m_val, m_scales, m_aux), (v_fmt, v_val, v_scales, v_aux) = (moments + [absent] * 2)[:2]
+        if m_aux is not None:
+            raise ValueError("the fused kernel takes a third storage tensor for the second moment only")
         self.algo = algo = kernel_id
         self.bias_corrections = bias_corrections
         self.n = n
@@ -660,12 +716,16 @@ class PreparedUpdate:
             m_scales if m_scales is not None else dummy,
             v_val if v_val is not None else dummy,
             v_scales if v_scales is not None else dummy,
+            v_aux if v_aux is not None else dummy,
             step,
             scratch,
         )
+        self.fractions = dummy  # after the bucket table: the same for every member of a bucket
+        if LOG_GRID in (format_family(m_fmt.fmt), format_family(v_fmt.fmt)):
+            self.fractions = _fractions(param.device)
         self.keys, self.first = keys, first
         self.ints = (n, (n + 1) // 2, *keys, first + INDEX_BIAS)  # sizes and hash keys, before the gradient deltas
-        self.tail = (*self.state_tensors, dummy, *self.ints)  # dummy: no bucket table
+        self.tail = (*self.state_tensors, dummy, self.fractions, *self.ints)  # dummy: no bucket table
         self.check_tensors = (scratch, step, skipped, dummy)
         self.bucketable: bool | None = None  # whether it can join a bucket (kernels/bucket.py decides once)
         self.check_launches: dict = {}  # resolved direct launches by gradient variant (launch_remembered)
@@ -735,11 +795,26 @@ def bucket_config(config: LaunchConfig) -> LaunchConfig:
 
 
 def _tile_row(m_fmt: KernelFormat, v_fmt: KernelFormat) -> int:
-    """The tile's row length: the moments' quantisation (or rotation) block."""
-    blocks = {f.block for f in (m_fmt, v_fmt) if f.fmt not in (0, 32, 16)}
-    if len(blocks) > 1:
-        raise ValueError(f"both moments must use one quantisation block size, got {sorted(blocks)}")
-    return blocks.pop() if blocks else 32  # unquantised moments: any tile row length works
+    """The tile's row length: the moments' quantisation (or rotation) block. A log-grid or normalised
+    moment's block may divide it instead (their twins view the tile in rows of their own block)."""
+    formats = [f for f in (m_fmt, v_fmt) if f.fmt not in (0, 32, 16)]
+    if not formats:
+        return 32  # unquantised moments: any tile row length works
+    row = max(f.block for f in formats)
+    for f in formats:
+        viewed = format_family(f.fmt) in (LOG_GRID, NORMALISED) and row % f.block == 0
+        if f.block != row and not viewed:
+            blocks = sorted({g.block for g in formats})
+            raise ValueError(f"both moments must use one quantisation block size, got {blocks}")
+    return row
+
+
+@functools.cache
+def _fractions(device: torch.device) -> torch.Tensor:
+    """The log grid's table of fractions on ``device`` (made on the default stream, which the update's
+    stream waits for, as for the state)."""
+    with on_default_stream(torch.empty(0, device=device)):
+        return FRACTIONS.to(device)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -762,6 +837,7 @@ def _update_config(
         **_moment_args("M", m_fmt),
         **_moment_args("V", v_fmt),
         M_INV_RESCALE=m_fmt.inverse_rescale,
+        M_CLIP=m_fmt.clip,
         V_INV_RESCALE=v_fmt.inverse_rescale,
         NB=block // qblock,
         QBLOCK=qblock,

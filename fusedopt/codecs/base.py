@@ -25,7 +25,7 @@ class KernelFormat:
     on it, so hashing must not walk the fields on every launch.
     """
 
-    fmt: int  # 0 none, 32 fp32, 16 bf16, 8 / 4 block codes, ROTATED + bits rotated codes
+    fmt: int  # 0 none, 32 fp32, 16 bf16, 8 / 4 block codes, ROTATED / LOG_GRID / NORMALISED + bits
     signed: bool = True
     power: int = 1  # levels q**power; negative: minifloat levels with -power mantissa bits
     qmax: int = 0
@@ -35,10 +35,19 @@ class KernelFormat:
     top: int = 0
     block: int = 32
     inverse_rescale: float = 0.0  # rotated codes: RotatedCodec.inverse_rescale
+    clip: float = 0.0  # normalised codes: the half-range's cap in block rms, an fp32 value (0: the absmax)
 
 
 NO_MOMENT = KernelFormat(0)
-ROTATED = 100  # KernelFormat.fmt of rotated codes (fusedopt.codecs.rotated): ROTATED + bits
+# KernelFormat.fmt of the formats with their own device twin: family + bits
+ROTATED = 100  # rotated codes (fusedopt.codecs.rotated)
+LOG_GRID = 200  # log-grid codes of a nonnegative moment (fusedopt.codecs.loggrid)
+NORMALISED = 300  # codes in units of the frame's square root (fusedopt.codecs.normalised)
+
+
+def format_family(fmt: int) -> int:
+    """``ROTATED``, ``LOG_GRID`` or ``NORMALISED`` for a ``KernelFormat.fmt`` of theirs, else 0."""
+    return fmt - fmt % 100
 
 
 class MomentCodec:

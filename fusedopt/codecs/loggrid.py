@@ -45,7 +45,10 @@ Draws: the moment's 12-bit field of the update's shared hash word for element ``
 index, through the optimizer's ``first``), mixed with ``i`` into 24 bits (``rng.spread_uniform``):
 an increment of ``v`` is often a thousandth of the gap between levels.
 
-No kernel branch yet (``kernel_format = None``): the PyTorch reference runs these formats.
+The fused update kernel (``fusedopt/kernels/loggrid.py``) repeats these operations in the same
+order (the log2 in fp64 only places a first guess that the exact comparisons settle) for algorithms
+that declare the moment's EMA decay (AdamW); ``tests/test_lowbit_kernel.py`` holds it to this
+reference bit for bit in Triton's interpreter, ``tests/gpu/test_lowbit_on_cuda.py`` on the GPU.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ import torch.nn.functional as F
 
 from fusedopt import rng
 
-from .base import BitsFn, MomentCodec
+from .base import LOG_GRID, BitsFn, KernelFormat, MomentCodec
 
 BLOCK = 128
 LEVELS = 15  # nonzero levels of a 4-bit index; 0 is zero
@@ -67,7 +70,7 @@ HEADROOM = 2.0  # a fresh block's top over its largest value (exact in fp32)
 _SLACK = 2.0**-20  # a value within fp32 rounding of the top or the bottom level is on the grid
 _BIG = 2.0**100  # values are saturated here (inf: here, NaN: 0)
 # 2**(-j / 32), j = 0..31, rounded once to fp32
-_FRACTIONS = torch.tensor([2.0 ** (-j / STEP_UNITS) for j in range(STEP_UNITS)], dtype=torch.float32)
+FRACTIONS = torch.tensor([2.0 ** (-j / STEP_UNITS) for j in range(STEP_UNITS)], dtype=torch.float32)
 
 
 def _pow2(exponent: torch.Tensor) -> torch.Tensor:
@@ -79,7 +82,7 @@ class LogGridCodec(MomentCodec):
     """A log-grid nonnegative moment (see the module docstring); one per shape."""
 
     suffixes = (".codes", ".scales", ".steps")
-    kernel_format = None
+    kernel_format = KernelFormat(LOG_GRID + 4, signed=False, block=BLOCK)
     state_bits = 4
 
     def __init__(self, shape: torch.Size, name: str):
@@ -109,7 +112,7 @@ class LogGridCodec(MomentCodec):
         top) under each block's ``tops`` and ``steps``: ``top * 2**(-(15 - c) * s / 32)``."""
         j = (LEVELS - codes).clamp_min(-1) * steps.to(torch.int32).unsqueeze(1)  # 32nds of a binade below top
         whole, frac = j >> 5, j & (STEP_UNITS - 1)  # floor division: j = -s (c = 16) gives a level above top
-        value = tops.unsqueeze(1) * _FRACTIONS.to(tops.device)[frac]
+        value = tops.unsqueeze(1) * FRACTIONS.to(tops.device)[frac]
         value = value * _pow2((-whole).clamp(-126, 127))  # whole <= 14 * 255 / 32
         return torch.where(codes > 0, value, 0.0)
 

@@ -35,7 +35,10 @@ of the spacings measured (``benchmarks/norm_spacing.py``, benchmarks/RESULTS.md)
 
 Bytes per element: ``bits / 8 + 2 / 64``: 0.281 (norm2, 2.25 bits), 0.531 (norm4).
 
-No kernel branch yet (``kernel_format = None``): the PyTorch reference runs these formats.
+The fused update kernel (``fusedopt/kernels/normalised.py``) repeats these operations in the same
+order, with the log-grid second moment as the frame (the formats ``norm2-log4`` and ``norm4-log4``);
+``tests/test_lowbit_kernel.py`` holds it to this reference bit for bit in Triton's interpreter,
+``tests/gpu/test_lowbit_on_cuda.py`` on the GPU.
 """
 
 from __future__ import annotations
@@ -47,17 +50,30 @@ import torch.nn.functional as F
 
 from fusedopt import rng
 
-from .base import BitsFn, MomentCodec
+from .base import NORMALISED, BitsFn, KernelFormat, MomentCodec
 
 BLOCK = 64
 _BIG = 2.0**60  # q is saturated here (inf: here, NaN: 0)
+
+
+def neighbour_sums(x: torch.Tensor) -> torch.Tensor:
+    """The sum of each row of ``x`` (a power-of-two width), added in a fixed order: neighbours first,
+    then neighbouring pairs, and so on. torch's reduction order is its own; this one the kernel repeats."""
+    while x.shape[-1] > 1:
+        x = x[..., 0::2] + x[..., 1::2]
+    return x.squeeze(-1)
+
+
+def block_rms(q: torch.Tensor) -> torch.Tensor:
+    """The root mean square of each row of ``q`` (``(blocks, BLOCK)``): the sum of squares in
+    ``neighbour_sums``' order, an exact multiply by ``1 / BLOCK``, a correctly rounded square root."""
+    return (neighbour_sums(q * q) * (1.0 / BLOCK)).double().sqrt().float()
 
 
 class NormalisedCodec(MomentCodec):
     """A signed moment in units of the square root of its frame (see the module docstring)."""
 
     suffixes = (".codes", ".scales")
-    kernel_format = None
     frame = True
 
     def __init__(self, bits: int, clip: float | None, shape: torch.Size, name: str):
@@ -68,6 +84,9 @@ class NormalisedCodec(MomentCodec):
         self.numel = self.shape.numel()
         self.blocks = max(1, -(-self.numel // BLOCK))
         self.top = (1 << bits) - 1  # L
+        # the kernel multiplies by the clip as torch does here: rounded to fp32 first
+        fp32_clip = 0.0 if clip is None else float(torch.tensor(clip, dtype=torch.float32))
+        self.kernel_format = KernelFormat(NORMALISED + bits, qmax=self.top, block=BLOCK, clip=fp32_clip)
 
     # --- layout ------------------------------------------------------------------------------
 
@@ -123,7 +142,7 @@ class NormalisedCodec(MomentCodec):
         q = torch.where(r > 0, x / r, 0.0).nan_to_num(0.0, _BIG, -_BIG).clamp(-_BIG, _BIG)
         half = q.abs().amax(dim=1)
         if self.clip is not None:
-            half = torch.minimum(half, self.clip * q.square().mean(dim=1).sqrt())
+            half = torch.minimum(half, self.clip * block_rms(q))
         scales = half.to(torch.bfloat16)
         scales = torch.where(scales.float() < half, scales.view(torch.int16).add(1).view(torch.bfloat16), scales)
         words = bits().reshape(-1)

@@ -1,0 +1,118 @@
+"""Normalised first moments inside the update kernel (the codecs ``norm2`` and ``norm4``).
+
+Device twin of ``fusedopt.codecs.normalised`` (its docstring defines the format): ``m`` stored in
+units of ``r = sqrt(v)``, ``v`` the frame as decoded (the log-grid second moment, ``loggrid.py``):
+the one before the update for the decode, the one just stored for the encode. The update's tile is
+viewed as ``[R, 64]``, one block per row. The same operations in the same order as the reference,
+so the interpreter agrees with it bit for bit: IEEE divisions and square roots (``div_rn``,
+``sqrt_rn``), the block's sum of squares in the reference's order (``neighbour_sums``), the scale
+rounded up to bf16 in integer arithmetic, the reference's draws (zero past the tensor's end, where
+the padding's codes are still stored).
+"""
+
+import triton
+import triton.language as tl
+
+from fusedopt.kernels.moments import commit_mask
+
+BLOCK = tl.constexpr(64)  # elements per block (fusedopt.codecs.normalised.BLOCK)
+_BIG = tl.constexpr(2.0**60)  # the reference's saturation of q
+_TINY = tl.constexpr(1e-30)  # the reference's divisor of a block of scale 0
+
+
+@triton.jit
+def _blocks(start, n_elements, R: tl.constexpr):
+    """(the block indices of the program's ``R`` rows, the mask of those the tensor has)."""
+    blocks = start // BLOCK + tl.arange(0, R)
+    n_blocks = (n_elements - 1) // BLOCK + 1  # ceil without overflow near 2**31 (n_elements >= 1)
+    return blocks, blocks < n_blocks
+
+
+@triton.jit
+def _byte_offsets(start, BITS: tl.constexpr, R: tl.constexpr):
+    """Offsets of the packed code bytes of the program's blocks, ``[R, 64 * BITS / 8]``."""
+    PER_ROW: tl.constexpr = BLOCK * BITS // 8
+    return start // (8 // BITS) + tl.arange(0, R)[:, None] * PER_ROW + tl.arange(0, PER_ROW)[None, :]
+
+
+@triton.jit
+def _pair_sums(x, R: tl.constexpr, WIDTH: tl.constexpr):
+    """``x[:, 0::2] + x[:, 1::2]`` of a ``[R, WIDTH]`` tile (one stage of ``neighbour_sums``)."""
+    even, odd = tl.split(tl.reshape(x, [R, WIDTH // 2, 2]))
+    return even + odd
+
+
+@triton.jit
+def block_rms(q, R: tl.constexpr):
+    """``fusedopt.codecs.normalised.block_rms`` of the rows of ``q``."""
+    s = _pair_sums(q * q, R, 64)
+    s = _pair_sums(s, R, 32)
+    s = _pair_sums(s, R, 16)
+    s = _pair_sums(s, R, 8)
+    s = _pair_sums(s, R, 4)
+    s = _pair_sums(s, R, 2)
+    return tl.sqrt_rn(tl.reshape(s, [R]) * (1.0 / 64))
+
+
+@triton.jit
+def load_normalised(codes_ptr, scales_ptr, r, start, n_elements, BITS: tl.constexpr, R: tl.constexpr):
+    """Decode the program's ``R`` blocks to ``m`` ``[R, 64]``; ``r``: the square root of the decoded
+    frame (0 past the tensor's end)."""
+    blocks, has_block = _blocks(start, n_elements, R)
+    scales = tl.load(scales_ptr + blocks, mask=has_block, other=0.0).to(tl.float32)
+    packed = tl.load(codes_ptr + _byte_offsets(start, BITS, R), mask=has_block[:, None], other=0).to(tl.int32)
+    if BITS == 4:  # element 2i in the low nibble
+        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [R, BLOCK])
+    else:  # element 4i + j at bits 2j
+        f0 = packed & 3
+        f1 = (packed >> 2) & 3
+        f2 = (packed >> 4) & 3
+        f3 = packed >> 6
+        codes = tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), [R, BLOCK])
+    TOP: tl.constexpr = 3 if BITS == 2 else 15  # 2**BITS - 1
+    q = (2.0 * codes.to(tl.float32) - TOP) * tl.div_rn(scales, TOP * 1.0)[:, None]
+    return q * r
+
+
+@triton.jit
+def store_normalised(
+    x,  # fp32 new moment [R, 64]
+    r,  # the square root of the frame as just stored [R, 64] (0 past the tensor's end)
+    u,  # uniforms [R, 64] (hashing.spread_uniform of the moment's field; 0 past the tensor's end)
+    codes_ptr,
+    scales_ptr,
+    start,
+    n_elements,
+    status,  # the check kernel's status: non-zero stores nothing
+    BITS: tl.constexpr,
+    CLIP: tl.constexpr,  # the half-range's cap in block rms (an fp32 value); 0: the block's absmax
+    R: tl.constexpr,
+):
+    """``NormalisedCodec.encode``: q = m / r, the block's half-range rounded up to bf16, the codes
+    rounded stochastically between the two levels around q."""
+    TOP: tl.constexpr = 3 if BITS == 2 else 15  # 2**BITS - 1
+    q = tl.where(r > 0, tl.div_rn(x, r), 0.0)
+    q = tl.where(q != q, 0.0, tl.minimum(tl.maximum(q, -_BIG), _BIG))  # nan_to_num, saturated
+    half = tl.max(tl.abs(q), axis=1)
+    if CLIP > 0:
+        half = tl.minimum(half, block_rms(q, R) * CLIP)
+    # rounded up to bf16: the smallest bf16 pattern not below half's (half >= 0, finite)
+    unit = ((half.to(tl.int32, bitcast=True) + 0xFFFF) & -65536).to(tl.float32, bitcast=True)
+    t = (tl.div_rn(q, tl.maximum(unit, _TINY)[:, None]) + 1.0) * (TOP / 2)
+    t = tl.minimum(tl.maximum(t, 0.0), TOP * 1.0)
+    codes = tl.minimum(tl.floor(t + u), TOP * 1.0)
+    codes = tl.where(unit[:, None] > 0, codes, 0.0).to(tl.int32)  # a zero block: the zero encoding
+    blocks, has_block = _blocks(start, n_elements, R)
+    block_commit = (tl.zeros([R], tl.int32) + status) == 0
+    tl.store(scales_ptr + blocks, unit.to(tl.bfloat16), mask=has_block & block_commit)  # exact: a bf16 value
+    if BITS == 4:
+        even, odd = tl.split(tl.reshape(codes, [R, BLOCK // 2, 2]))
+        packed = even | (odd << 4)
+    else:
+        f02, f13 = tl.split(tl.reshape(codes, [R, BLOCK // 4, 2, 2]))
+        f0, f2 = tl.split(f02)
+        f1, f3 = tl.split(f13)
+        packed = f0 | (f1 << 2) | (f2 << 4) | (f3 << 6)
+    PER_ROW: tl.constexpr = BLOCK * BITS // 8
+    commit = has_block[:, None] & commit_mask(status, R, PER_ROW)
+    tl.store(codes_ptr + _byte_offsets(start, BITS, R), packed.to(tl.uint8), mask=commit)

@@ -1,0 +1,248 @@
+"""The fused kernel's branch for the paired low-bit formats (``norm2-log4``, ``norm4-log4``,
+``rot4-log4``: ``kernels/loggrid.py``, ``kernels/normalised.py``) against the PyTorch reference.
+
+On the CPU the kernel runs in Triton's interpreter (conftest.py), where it repeats the reference's
+operations in the reference's order, so every stored bit must agree: parameters, master
+corrections, codes, scales, spacings, step counts. On a GPU this file runs the compiled kernel and
+asserts the same; ``tests/gpu/test_lowbit_on_cuda.py`` holds CUDA to the CPU reference with the
+bounds of a compiled kernel.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import fusedopt
+from fusedopt.codecs import PAIRED_FORMATS, codec_named
+from fusedopt.codecs.loggrid import FRACTIONS, LogGridCodec
+from fusedopt.codecs.normalised import block_rms
+from fusedopt.kernels import loggrid, normalised, update
+
+# The interpreter computes every lane, masked or not (a log2 of zero, a 0 / 0 in a lane whose result
+# is discarded): numpy warns about those.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+]
+
+PAIRED = list(PAIRED_FORMATS)
+# 15 elements: less than one block of every codec; 1517: several blocks over two programs, the last
+# block of each codec partial; 1024: whole blocks, one program
+SHAPES = [(3, 5), (37, 41), (4, 256)]
+
+
+def _gradient(shape, step, gen):
+    """Step 0: magnitudes within a factor 2 on every other element (v's grids span a few binades, below
+    the widest spacing). Step 1: only the other elements, half the smallest of step 0 in the second
+    half of the rows (between their grids' two lowest levels: rounded on the kept grids) and a
+    thousandth of it in the first half (below the bottom levels: refitted); the elements of step 0 keep
+    their codes. Step 2: Gaussian and a thousand times larger (above the tops: refitted at the widest
+    spacing), but the second half of the rows (codes kept, tops decayed). Later steps: Gaussian."""
+    sign = torch.randn(shape, generator=gen).sign()
+    odd = (torch.arange(sign.numel()) % 2 == 1).view(shape)
+    if step == 0:
+        return torch.where(odd, 0.0, torch.empty(shape).uniform_(0.5, 1.0, generator=gen) * sign * 1e-3)
+    if step == 1:
+        second_half = (torch.arange(shape[0]) >= shape[0] // 2)[:, None]
+        return torch.where(odd, sign * torch.where(second_half, 0.5e-3, 0.5e-6), 0.0)
+    g = torch.randn(shape, generator=gen)
+    if step == 2:
+        g[shape[0] // 2 :] = 0.0
+    return g
+
+
+def _gradients(shapes, steps, seed):
+    """Per step, a gradient per shape (``_gradient``)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [[_gradient(s, i, gen) for s in shapes] for i in range(steps)]
+
+
+def _train(backend, device, monkeypatch, fmt, shapes, *, dtype=torch.float32, master=None, fused=False,
+           steps=4, algo=fusedopt.AdamW, firsts=None, grads=None, seed=0, **kwargs):  # fmt: skip
+    """Parameters of ``shapes`` after ``steps`` updates; the reference runs on the CPU, where its
+    arithmetic is defined. Returns (parameters, states, the optimizer)."""
+    monkeypatch.setenv("FUSEDOPT_BACKEND", backend)
+    device = "cpu" if backend == "reference" else device
+    gen = torch.Generator().manual_seed(seed + 1)
+    ws = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device=device, dtype=dtype)) for s in shapes]
+    opt = algo(ws, lr=1e-2, state_format=fmt, min_compress_numel=0, master_weight_bits=master, fused=fused, **kwargs)
+    if firsts is not None:
+        offsets = dict(zip(ws, firsts))
+        opt.element_offset = lambda p: offsets[p]  # as a shard's offset in its parameter
+    for step_grads in grads or _gradients(shapes, steps, seed):
+        step_grads = [g.to(device=device, dtype=dtype) for g in step_grads]
+        if fused:
+            sum((w * g).sum() for w, g in zip(ws, step_grads)).backward()
+        else:
+            for w, g in zip(ws, step_grads):
+                w.grad = g
+        opt.step()
+        opt.zero_grad()
+    states = [{k: v.cpu() for k, v in opt.state[w].items()} for w in ws]
+    return [w.detach().cpu() for w in ws], states, opt
+
+
+def _assert_identical(ref, got):
+    """Parameters and every state tensor bit for bit; the moments hold something (parity of two paths
+    that both kept zeros proves nothing)."""
+    (ref_ws, ref_states, _), (got_ws, got_states, _) = ref, got
+    for r, g in zip(ref_ws, got_ws):
+        assert r.dtype == g.dtype and torch.equal(r, g)
+    for r, g in zip(ref_states, got_states):
+        assert r.keys() == g.keys()
+        for key in r:
+            assert r[key].dtype == g[key].dtype and torch.equal(r[key], g[key]), key
+        assert r["exp_avg.codes"].any() and r["exp_avg.scales"].any()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("fmt", PAIRED)
+def test_the_kernel_stores_the_references_bits(monkeypatch, device, fmt, shape):
+    ref = _train("reference", device, monkeypatch, fmt, [shape])
+    got = _train("triton", device, monkeypatch, fmt, [shape])
+    assert "exp_avg_sq.steps" in got[1][0] and ref[1][0]["exp_avg_sq.steps"].any()
+    _assert_identical(ref, got)
+
+
+CASES = [
+    pytest.param("norm2-log4", dtype, master, fused, id=f"norm2-log4-{str(dtype)[6:]}-{master}-{mode}")
+    for dtype in (torch.bfloat16, torch.float16)
+    for master in (24, None)
+    for fused, mode in ((False, "step"), (True, "release"))
+] + [
+    pytest.param(fmt, torch.bfloat16, 24, True, id=f"{fmt}-bfloat16-24-release") for fmt in ("norm4-log4", "rot4-log4")
+]
+
+
+@pytest.mark.parametrize("fmt,dtype,master,fused", CASES)
+def test_low_precision_parameters_corrections_and_release(monkeypatch, device, fmt, dtype, master, fused):
+    """bf16 / fp16 parameters with an 8-bit correction or none, updated in step() or in the gradient
+    hooks: the same parameters, corrections and state as the reference's."""
+    shapes = [(29, 67)]
+    ref = _train("reference", device, monkeypatch, fmt, shapes, dtype=dtype, master=master, fused=fused)
+    got = _train("triton", device, monkeypatch, fmt, shapes, dtype=dtype, master=master, fused=fused)
+    assert ("master_correction" in got[1][0]) == (master is not None)
+    assert not torch.equal(ref[0][0], torch.randn(shapes[0], generator=torch.Generator().manual_seed(1)).to(dtype))
+    _assert_identical(ref, got)
+
+
+@pytest.mark.parametrize("fmt", ["norm2-log4", "rot4-log4"])
+def test_buckets_and_shards(monkeypatch, device, fmt):
+    """Parameters launched as buckets from the second step (sizes a bucket takes, and one it does not),
+    and as shards at global offsets (draws from the global index; past 2**31, or not a multiple of the
+    tile's row: 64-bit offsets, launched alone)."""
+    shapes = [(32, 48), (8, 50), (37, 41), (16, 16)]
+    base = _train("reference", device, monkeypatch, fmt, shapes, steps=3)
+    for firsts, fused, bucketed in (
+        ((0, 0, 0, 0), True, 3),
+        ((256, 512, 0, 2**31 + 256), False, 2),
+        ((64, 37, 300, 2**33), False, 0),  # tile rows off the blocks' alignment: 64-bit offsets, alone
+    ):
+        ref = _train("reference", device, monkeypatch, fmt, shapes, steps=3, firsts=firsts, fused=fused)
+        if any(firsts):
+            assert not all(torch.equal(a[k], b[k]) for a, b in zip(ref[1], base[1]) for k in a), "offsets unused"
+        got = _train("triton", device, monkeypatch, fmt, shapes, steps=3, firsts=firsts, fused=fused)
+        built = [len(b.members) for b in got[2]._dispatch._built.values()]
+        assert max(built, default=0) == bucketed, (firsts, built)
+        _assert_identical(ref, got)
+
+
+@pytest.mark.parametrize("fmt", ["norm2-log4", "rot4-log4"])
+def test_a_non_finite_gradient_leaves_everything_untouched(monkeypatch, device, fmt):
+    shape = (40, 80)
+    good = _gradients([shape], 3, 5)  # step 2's gradient leaves every grid: its blocks would be refitted
+    bad, worse = good[2][0].clone(), good[2][0].clone()
+    bad[39, 79] = float("nan")  # in the last program's last block
+    worse[0, 0] = float("-inf")
+    sequence = [good[0], [bad], [worse], good[2]]
+    monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
+    w = torch.nn.Parameter(torch.randn(shape).to(device))
+    opt = fusedopt.AdamW([w], lr=1e-2, state_format=fmt, min_compress_numel=0, master_weight_bits=None)
+    w.grad = good[0][0].to(device)
+    opt.step()
+    assert opt.state[w]["exp_avg_sq.steps"].max() < 18  # narrow grids, which the bad steps would widen
+    snapshot = w.detach().clone(), {k: v.clone() for k, v in opt.state[w].items()}
+    for g in (bad, worse):
+        w.grad = g.to(device)
+        opt.step()
+        assert torch.equal(w, snapshot[0])
+        for key, value in snapshot[1].items():
+            assert torch.equal(opt.state[w][key], value), key
+    assert int(opt.num_skipped_updates) == 2
+    w0 = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    ref = _train("reference", device, monkeypatch, fmt, [shape], grads=sequence)
+    got = _train("triton", device, monkeypatch, fmt, [shape], grads=sequence)
+    assert float(got[1][0]["step"]) == 2 and not torch.equal(got[0][0], w0)
+    _assert_identical(ref, got)
+
+
+@pytest.mark.parametrize("algo,kwargs", [(fusedopt.Lion, {}), (fusedopt.SGD, {"momentum": 0.9})], ids=["lion", "sgd"])
+def test_lion_and_sgd_keep_one_moment_in_the_rotated_kernel(monkeypatch, device, algo, kwargs):
+    """One moment, signed: ``rot4-log4`` gives them ``rot4`` (its kernel branch); the log grid is unused."""
+    ref = _train("reference", device, monkeypatch, "rot4-log4", [(37, 41)], algo=algo, **kwargs)
+    got = _train("triton", device, monkeypatch, "rot4-log4", [(37, 41)], algo=algo, **kwargs)
+    (slot,) = got[2].state_slots(got[2].param_groups[0])
+    assert set(got[1][0]) == {"step", f"{slot}.codes", f"{slot}.scales"}
+    for r, g in zip(ref[0], got[0]):
+        assert torch.equal(r, g)
+    for key, value in ref[1][0].items():
+        assert torch.equal(value, got[1][0][key]), key
+
+
+def test_the_kernel_refuses_layouts_it_has_no_branch_for():
+    """What the branch needs, named: the log grid as the second moment with its EMA decay, normalised
+    codes framed by it, blocks that divide the tile's row."""
+    shape = torch.Size([64, 64])
+    norm, log, block4 = (
+        codec_named("norm2", True, shape),
+        codec_named("log4", False, shape),
+        codec_named("block4", True, shape),
+    )
+    AdamW = fusedopt.AdamW
+    decays = {"exp_avg": 0.9, "exp_avg_sq": 0.999}
+    frames = {"exp_avg": "exp_avg_sq"}
+
+    def reason(codecs, decays=decays, frames=frames):
+        return update.unsupported(AdamW, SimpleNamespace(codecs=codecs, decays=decays, frames=frames))
+
+    assert reason({"exp_avg": norm, "exp_avg_sq": log}) is None
+    assert "needs the EMA decay of 'exp_avg_sq'" in reason({"exp_avg": norm, "exp_avg_sq": log}, decays={})
+    assert "only as the second moment" in reason({"exp_avg_sq": log, "exp_avg": block4}, frames={})
+    assert "in units of a log-grid second moment" in reason({"exp_avg": norm, "exp_avg_sq": log}, frames={})
+    assert "in units of a log-grid second moment" in reason({"exp_avg": norm, "exp_avg_sq": block4})
+    with pytest.raises(ValueError, match="one quantisation block size"):
+        update._tile_row(block4.kernel_format, log.kernel_format)
+    assert update._tile_row(norm.kernel_format, log.kernel_format) == 128
+
+
+@triton.jit
+def _helpers_kernel(q_ptr, rms_ptr, codes_ptr, tops_ptr, steps_ptr, fractions_ptr, values_ptr, R: tl.constexpr):
+    rows = tl.arange(0, R)
+    q = tl.load(q_ptr + rows[:, None] * 64 + tl.arange(0, 64)[None, :])
+    tl.store(rms_ptr + rows, normalised.block_rms(q, R))
+    at = rows[:, None] * 128 + tl.arange(0, 128)[None, :]
+    tops, steps = tl.load(tops_ptr + rows), tl.load(steps_ptr + rows)
+    tl.store(values_ptr + at, loggrid.levels(tl.load(codes_ptr + at), tops, steps, fractions_ptr))
+
+
+def test_the_device_helpers_round_as_the_reference(device):
+    """A block's rms (a sum whose order matters: rows of alike magnitudes, and rows over 40 binades) and
+    the log grid's levels
+    (every code, 0 and 16 included, spacings up to 255, tops down to where levels are subnormal)."""
+    gen = torch.Generator().manual_seed(4)
+    rows = 64
+    q = torch.randn(rows, 64, generator=gen)
+    q[::2] *= torch.exp2(torch.randint(-20, 20, (rows // 2, 64), generator=gen).float())
+    codes = torch.randint(0, 17, (rows, 128), generator=gen, dtype=torch.int32)
+    tops = torch.rand(rows, generator=gen) * torch.exp2(torch.randint(-120, 100, (rows,), generator=gen).float())
+    steps = torch.randint(0, 256, (rows,), generator=gen, dtype=torch.int32)
+    rms, values = torch.empty(rows, device=device), torch.empty(rows, 128, device=device)
+    args = [t.to(device) for t in (q, codes, tops, steps, FRACTIONS)]
+    _helpers_kernel[(1,)](args[0], rms, *args[1:4], args[4], values, R=rows)
+    assert torch.equal(rms.cpu(), block_rms(q))
+    expected = LogGridCodec.levels(codes, tops, steps.to(torch.uint8))
+    assert (expected > 0).any() and (expected[expected > 0] < 2.0**-126).any()  # subnormal levels too
+    assert torch.equal(values.cpu(), expected)
