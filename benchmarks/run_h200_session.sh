@@ -38,7 +38,7 @@ done <<< "$LANES"
 TESTS=${TESTS-tests/gpu/test_lowbit_on_cuda.py tests/gpu/test_adafactor_cuda.py tests/gpu/test_rotated_on_cuda.py tests/gpu/test_gpu_parity.py tests/gpu/test_release_streams.py tests/gpu/test_recipes_cuda.py tests/gpu/test_direct_launch.py}
 (
   for t in $TESTS; do
-    timeout $(( $(left) - 20 )) python3 -m pytest -q -p no:cacheprovider "$t" > "$R/test_$(basename "$t" .py).log" 2>&1
+    timeout $(( $(left) - 20 )) python3 -m pytest -q -s -p no:cacheprovider "$t" > "$R/test_$(basename "$t" .py).log" 2>&1
   done
 ) &
 
