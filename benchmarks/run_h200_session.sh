@@ -21,7 +21,7 @@ START=$SECONDS
 left() { echo $(( ${DEADLINE:-360} - (SECONDS - START) )); }
 
 AB=${AB-}
-[ -n "$AB" ] && timeout ${AB_S:-100} python3 benchmarks/step_ab.py --rounds ${AB_ROUNDS:-6} --reps 5 --formats $AB \
+[ -n "$AB" ] && timeout -k 10 ${AB_S:-100} python3 benchmarks/step_ab.py --rounds ${AB_ROUNDS:-6} --reps 5 --formats $AB \
   --out "$R/step_ab.json" > "$R/step_ab.log" 2>&1
 
 # lanes: "name|seeds|keys|jobs"; every lane starts from the runs of $QBASE (same settings), if given
@@ -29,7 +29,7 @@ LANES=${LANES:-"all|0,1|fp32,bf16-rtn,default,default~,norm2-log4,turboadam,adaf
 while IFS='|' read -r name seeds keys jobs; do
   [ -z "$name" ] && continue
   [ -n "${QBASE:-}" ] && cp "$QBASE" "$R/quality_$name.json"
-  ( timeout $(( $(left) - 15 )) python3 benchmarks/format_quality.py --jobs "$jobs" --seeds "$seeds" \
+  ( timeout -k 10 $(( $(left) - 15 )) python3 benchmarks/format_quality.py --jobs "$jobs" --seeds "$seeds" \
       --out "$R/quality_$name.json" --only "$keys" > "$R/quality_$name.log" 2>&1
     python3 benchmarks/format_quality.py --report-only --seeds "$seeds" --out "$R/quality_$name.json" --only "$keys" \
       > "$R/quality_${name}_report.txt" 2>&1 ) &
@@ -38,14 +38,16 @@ done <<< "$LANES"
 TESTS=${TESTS-tests/gpu/test_lowbit_on_cuda.py tests/gpu/test_adafactor_cuda.py tests/gpu/test_gpu_parity.py tests/gpu/test_rotated_on_cuda.py tests/gpu/test_release_streams.py}
 (
   for t in $TESTS; do
-    timeout $(( $(left) - 20 )) python3 -m pytest -q -s -p no:cacheprovider "$t" > "$R/test_$(basename "$t" .py).log" 2>&1
+    [ "$(left)" -gt 40 ] || { echo "no time left" > "$R/test_$(basename "$t" .py).log"; continue; }
+    timeout -k 10 $(( $(left) - 20 )) python3 -m pytest -q -s -p no:cacheprovider "$t" > "$R/test_$(basename "$t" .py).log" 2>&1
   done
 ) &
 
 FITS=${FITS-}
 (
   for c in $FITS; do
-    timeout $(( $(left) - 20 )) python3 benchmarks/fit_7b.py --config "$c" --steps ${FIT_STEPS:-200} --warmup 20 \
+    [ "$(left)" -gt 60 ] || continue
+    timeout -k 10 $(( $(left) - 20 )) python3 benchmarks/fit_7b.py --config "$c" --steps ${FIT_STEPS:-200} --warmup 20 \
       --out "$R/fit_7b_$c.json" > "$R/fit_7b_$c.log" 2>&1
   done
 ) &
