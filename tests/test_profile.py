@@ -744,6 +744,7 @@ def test_plan_rows_name_their_state_format(capsys):
         "fusedopt:fused=True,state_format='norm2-log4'",
         "fusedopt:fused=True,state_format='rot4'",
         "fusedopt:state_bits=4,state_format='block8'",
+        "fusedopt:state_format='rot4'",
     ]
     rows = plan(None, 24.0, configs, model="1b")
     assert [r.description for r in rows] == [
@@ -751,6 +752,7 @@ def test_plan_rows_name_their_state_format(capsys):
         "fusedopt AdamW, norm2-log4 state, 24-bit master, fused=True",
         "fusedopt AdamW, rot4 state, 24-bit master, fused=True",
         "fusedopt AdamW, block8 state, 24-bit master",  # named by its format, not by the overridden bits
+        "fusedopt AdamW, rot4 state, 24-bit master",  # not the default: its other options are
     ]
     assert len({r.per_param.at_peak for r in rows[:3]}) == 3  # three formats, three costs
     adafactor = ["fusedopt.Adafactor:beta1=0.9", "fusedopt.Adafactor:beta1=0.9,state_format='rot4'"]
