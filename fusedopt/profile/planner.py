@@ -11,7 +11,8 @@ The peak of a training step is modelled as ``bytes_per_param * num_params + acti
 * ``activations`` is everything else at the peak (activations, loss-head buffers, temporaries).
   It is taken from a measurement of the same model and batch when there is one (``measured``),
   else estimated from the model shape (``estimate``; with a bare parameter count, the shape of
-  the preset nearest in size), else left out (and the output says so).
+  the preset nearest in size; a Llama-style Hugging Face config gives its shape), else left out
+  (and the output says why, and ranks the formats on their other bytes).
 
 :func:`recommend` evaluates every fusedopt AdamW format (``state_bits`` x ``master_weight_bits``,
 with and without ``fused=True``) and picks the best-quality one that fits, quality being the
