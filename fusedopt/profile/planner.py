@@ -637,8 +637,9 @@ def _format_undecided(rec: Recommendation, *, memory_bytes: int) -> str:
             f" {mark} {r.description:<{width}}  peak {_gib(r.peak)}+ GiB  room {r.margin / GIB:.2f} GiB  "
             f"quality {r.quality}"
         )
-    lines.append(
-        f"If the activations fit in {c.margin / GIB:.2f} GiB, use: {c.description} "
-        f'(--config "{config_string(c.config)}"), peak {_gib(c.peak)}+ GiB.'
-    )
+    if c is not None:
+        lines.append(
+            f"If the activations fit in {c.margin / GIB:.2f} GiB, use: {c.description} "
+            f'(--config "{config_string(c.config)}"), peak {_gib(c.peak)}+ GiB.'
+        )
     return "\n".join(lines)
