@@ -140,7 +140,7 @@ def report(data: dict) -> str:
         lines += [
             "",
             "The planner's prediction (fusedopt-profile plan, no measurement; activations estimated from the "
-            "embedded model's shape, '+': not included, a Hugging Face model) against the measurement",
+            "model's shape, '+': not included, a non-Llama Hugging Face config) against the measurement",
             compare_io.table(
                 ["key", "state+corr B/param: plan", "measured", f"persistent {unit}: plan", "measured"]
                 + [f"peak {unit}: plan", "measured", "plan from"],

@@ -731,3 +731,145 @@ def test_embedded_model_on_cuda():
     grads = unfused["param_bytes"]
     saved = unfused["memory"]["peak"] - fused["memory"]["peak"]
     assert 0.6 * grads <= saved <= 1.1 * grads, report.table()
+
+
+# --- the planner: labels, Hugging Face shapes, unknown activations -----------------------------------
+
+
+def test_plan_rows_name_their_state_format(capsys):
+    """A state_format (which wins over state_bits) is named in the row, never hidden behind the default's
+    words; the recommendation speaks of a configuration in the table's words."""
+    configs = [
+        "fusedopt:fused=True",
+        "fusedopt:fused=True,state_format='norm2-log4'",
+        "fusedopt:fused=True,state_format='rot4'",
+        "fusedopt:state_bits=4,state_format='block8'",
+        "fusedopt:state_format='rot4'",
+    ]
+    rows = plan(None, 24.0, configs, model="1b")
+    assert [r.description for r in rows] == [
+        "fusedopt AdamW, 8-bit state, 24-bit master, fused=True",
+        "fusedopt AdamW, norm2-log4 state, 24-bit master, fused=True",
+        "fusedopt AdamW, rot4 state, 24-bit master, fused=True",
+        "fusedopt AdamW, block8 state, 24-bit master",  # named by its format, not by the overridden bits
+        "fusedopt AdamW, rot4 state, 24-bit master",  # not the default: its other options are
+    ]
+    assert len({r.per_param.at_peak for r in rows[:3]}) == 3  # three formats, three costs
+    adafactor = ["fusedopt.Adafactor:beta1=0.9", "fusedopt.Adafactor:beta1=0.9,state_format='rot4'"]
+    block8, rot4 = plan(None, 24.0, adafactor, model="1b")
+    assert "rot4" not in block8.description and "state_format='rot4'" in rot4.description
+    assert rot4.per_param.state < block8.per_param.state
+    text = _plan_output(capsys, "--model", "1b", "--gpu-memory", "24", "--config", "fusedopt")
+    name = "fusedopt AdamW, 8-bit state, 24-bit master (default)"
+    assert any(line.startswith(name + " ") for line in text.splitlines())  # the table's row
+    assert f"Use: {name} (" in text and f" * {name} " in text  # the recommendation's lines
+
+
+def _without_header(text: str) -> list[str]:
+    return text.splitlines()[1:]  # the first line names the model as it was given
+
+
+def test_plan_estimates_a_llama_hf_config_like_its_shape(capsys):
+    """benchmarks/tinyllama_1b.json is the 1b preset's shape: the same plan, number for number."""
+    pytest.importorskip("transformers")
+    configs = [
+        "--config",
+        "fusedopt:fused=True",
+        "--config",
+        "fusedopt:fused=True,state_bits=4,master_weight_bits=None",
+    ]
+    hf_config = os.path.join(REPO, "benchmarks", "tinyllama_1b.json")
+    from_hf = _plan_output(capsys, "--hf-config", hf_config, "--gpu-memory", "24", *configs)
+    shape = "vocab=32000,d_model=2048,layers=22,heads=32,kv_heads=4,ffn=5632"
+    from_shape = _plan_output(capsys, "--shape", shape, "--gpu-memory", "24", *configs)
+    assert _without_header(from_hf) == _without_header(from_shape)
+    assert "activations: 0.52 GiB, estimate\n" in from_hf and "n/a" not in from_hf and "?" not in from_hf
+    assert "Use: fusedopt AdamW, 8-bit state, 24-bit master (default)" in from_hf
+
+
+def _llama_fields(**extra) -> str:
+    fields = dict(
+        vocab_size=1000,
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+    )
+    return json.dumps({**fields, **extra})
+
+
+@pytest.mark.parametrize(
+    "config, source",
+    [
+        ('{"model_type": "mistral", ' + _llama_fields()[1:], "estimate"),
+        (
+            '{"model_type": "qwen3", ' + _llama_fields(head_dim=64)[1:],
+            "estimate (from its Llama-style fields; a qwen3 block may differ from a Llama one)",
+        ),
+        (
+            '{"model_type": "qwen3", ' + _llama_fields(head_dim=128)[1:],
+            "not included: {path} gives no shape to estimate them from; it has head_dim=128, "
+            "not hidden_size / num_attention_heads = 64",
+        ),
+        (
+            '{"model_type": "gpt2", "n_embd": 256, "n_layer": 2, "n_head": 4, "vocab_size": 1000}',
+            "not included: {path} gives no shape to estimate them from; it is not a Llama-style config "
+            "(no num_key_value_heads, intermediate_size)",
+        ),
+    ],
+)
+def test_plan_says_how_an_hf_config_gives_activations(config, source, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    path = _write(tmp_path / "config.json", config)
+    rows = plan(None, 24.0, ["fusedopt"], model=ModelSpec.from_args(None, None, path))
+    assert rows[0].activation_source == source.format(path=path)
+    assert (rows[0].activations is None) == source.startswith("not included")
+    text = _plan_output(capsys, "--hf-config", path, "--gpu-memory", "24", "--config", "fusedopt")
+    if rows[0].activations is None:
+        assert f"activations: {source.format(path=path)}\n" in text
+    else:
+        assert f"activations: {rows[0].activations / 2**30:.2f} GiB, {source}\n" in text
+
+
+def test_plan_without_activations_ranks_what_fits_before_them(tmp_path, capsys):
+    """No activation figure: the planner must not say that nothing fits when formats fit on their
+    other bytes; it says that the verdict needs activations, how to give them, and ranks those formats."""
+    pytest.importorskip("transformers")
+    path = _write(tmp_path / "gpt2.json", '{"model_type": "gpt2", "n_embd": 512, "n_layer": 4, "n_head": 8}')
+    spec = ModelSpec.from_args(None, None, path)
+    memory = 0.24  # GiB: the leaner formats fit before activations, the default does not
+    rec = recommend(None, memory, model=spec)
+    assert rec.choice is None and rec.fitting == []
+    undecided = rec.undecided
+    assert 0 < len(undecided) < len(rec.rows)
+    assert all((r.fits is None) == (r.peak <= memory * 2**30) for r in rec.rows) and not any(r.fits for r in rec.rows)
+    choice = rec.choice_if_activations_fit
+    assert choice in undecided and choice.config == parse_config("fusedopt:state_bits=8,master_weight_bits=None")
+    text = _plan_output(capsys, "--hf-config", path, "--gpu-memory", str(memory))
+    assert "No fusedopt AdamW configuration fits" not in text
+    assert "depends on the activations, which are not known" in text and "--activations GIB" in text
+    listed = [line for line in text.splitlines() if line.startswith((" * ", "   fusedopt"))]
+    assert len(listed) == len(undecided) and all("+ GiB  room " in line for line in listed)
+    assert f"If the activations fit in {choice.margin / 2**30:.2f} GiB, use: {choice.description} (" in text
+    # activations given: the verdict follows from the room each format leaves
+    room = choice.margin / 2**30
+    settled = recommend(None, memory, model=spec, activations_gib=room * 0.99)
+    assert settled.choice.config == choice.config and settled.undecided == []
+    # bytes alone over the memory: nothing fits, and the figure says it is before activations
+    text = _plan_output(capsys, "--hf-config", path, "--gpu-memory", "0.05")
+    assert "No fusedopt AdamW configuration fits in 0.05 GiB" in text and "GiB before activations" in text
+
+
+def test_recommendation_with_some_activations_unknown_says_so():
+    """A measured row fits while others lack activations: the choice is among those that fit, and
+    the output says that more formats might."""
+    from fusedopt.profile.planner import Recommendation, format_recommendation
+
+    rows = recommend(7_000_000_000, 80.0).rows
+    unknown = [r for r in rows if r.config != rows[-1].config]
+    for r in unknown:
+        r.activations, r.fits = None, None
+    text = format_recommendation(Recommendation(rows, rows[-1]), memory_bytes=80 * 2**30)
+    assert f"Use: {rows[-1].description} (" in text
+    assert f"({len(unknown)} more formats fit on their other bytes; their activations are not known)" in text

@@ -120,7 +120,7 @@ def _plan_parser() -> argparse.ArgumentParser:
         "configuration to use: the best-quality one that fits (quality as measured in benchmarks/RESULTS.md). "
         "Per-parameter bytes come from a profiler measurement (--results), else from the optimizer's state "
         "layout, else from fusedopt's byte model (the stored bytes of each state format); activations are "
-        "estimated from the model shape at --batch x --seq-len.",
+        "estimated from the model shape at --batch x --seq-len (a Hugging Face config's, when Llama-style).",
     )
     p.add_argument("--params", type=_parse_count, help="parameter count, e.g. 7e9, 1.1B (or give a model)")
     p.add_argument("--gpu-memory", type=_parse_gib, required=True, metavar="GIB", help="memory size in GiB")

@@ -326,6 +326,45 @@ def causal_lm_from_config(config) -> nn.Module:
         raise UserError(f"cannot build a causal LM from this Hugging Face config: {exc}") from None
 
 
+# The fields of a Llama-style Hugging Face config that give the embedded model's shape (one field each).
+HF_SHAPE_FIELDS = {
+    "vocab_size": "vocab",
+    "hidden_size": "d_model",
+    "num_hidden_layers": "layers",
+    "num_attention_heads": "heads",
+    "num_key_value_heads": "kv_heads",
+    "intermediate_size": "ffn",
+}
+# Model types whose decoder block is the embedded model's (RMSNorm, rotary attention, SwiGLU MLP).
+LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def hf_model_shape(config) -> tuple[ModelShape | None, str]:
+    """The embedded model's shape equal to a Llama-style Hugging Face config, with a caveat when the
+    config is of another model type (``""`` for a Llama one); or ``(None, why)``, ``why`` completing
+    "it ..." (e.g. "is not a Llama-style config (no intermediate_size)")."""
+    values, missing = {}, []
+    for key, field in HF_SHAPE_FIELDS.items():
+        value = getattr(config, key, None)
+        if value is None:
+            missing.append(key)
+        elif not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            return None, f"has {key}={value!r}, not a positive integer"
+        else:
+            values[field] = value
+    if missing:
+        return None, f"is not a Llama-style config (no {', '.join(missing)})"
+    shape = ModelShape(**values)
+    if shape.d_model % shape.heads or shape.heads % shape.kv_heads:
+        return None, "has a hidden_size, num_attention_heads or num_key_value_heads that does not divide evenly"
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is not None and head_dim != shape.head_dim:
+        return None, f"has head_dim={head_dim}, not hidden_size / num_attention_heads = {shape.head_dim}"
+    if config.model_type in LLAMA_MODEL_TYPES:
+        return shape, ""
+    return shape, f"from its Llama-style fields; a {config.model_type} block may differ from a Llama one"
+
+
 def hf_num_params(config) -> int:
     """Parameter count of the HF model for ``config``, built on the meta device (nothing allocated)."""
     with torch.device("meta"):
@@ -376,6 +415,16 @@ class ModelSpec:
         if self.kind == "hf":
             return None
         return ModelShape(**self.shape) if self.shape else PRESETS[self.preset]
+
+    def activation_shape(self) -> tuple[ModelShape | None, str]:
+        """The shape the activation estimate uses, with a caveat (``""``: none), or ``(None, why)``:
+        a Hugging Face config gives the equal embedded shape when it is Llama-style."""
+        if self.kind == "hf":
+            shape, caveat = hf_model_shape(load_hf_config(self.hf_config))
+            if shape is None:
+                return None, f"{self.hf_config} gives no shape to estimate them from; it {caveat}"
+            return shape, caveat
+        return self.model_shape(), ""
 
     def num_params(self) -> int:
         if self.kind == "hf":

@@ -11,7 +11,8 @@ The peak of a training step is modelled as ``bytes_per_param * num_params + acti
 * ``activations`` is everything else at the peak (activations, loss-head buffers, temporaries).
   It is taken from a measurement of the same model and batch when there is one (``measured``),
   else estimated from the model shape (``estimate``; with a bare parameter count, the shape of
-  the preset nearest in size), else left out (and the output says so).
+  the preset nearest in size; a Llama-style Hugging Face config gives its shape), else left out
+  (and the output says why, and ranks the formats on their other bytes).
 
 :func:`recommend` evaluates every fusedopt AdamW format (``state_bits`` x ``master_weight_bits``,
 with and without ``fused=True``) and picks the best-quality one that fits, quality being the
@@ -228,6 +229,14 @@ DEFAULT_FORMAT = (FUSEDOPT_DEFAULTS["state_bits"], FUSEDOPT_DEFAULTS["master_wei
 BASELINE_CONFIGS = ("torch.AdamW:autocast='bf16'", "torch.AdamW", "fusedopt.AdamW", "fusedopt.AdamW:fused=True")
 
 
+# What a row without an activation figure says, and how to give one.
+NOT_INCLUDED = "not included"
+ACTIVATIONS_HINT = (
+    "give --activations GIB, a measurement of this model, batch and sequence length (--results), or a shape "
+    "the estimate knows (--model, --shape, or a Llama-style --hf-config)"
+)
+
+
 def _bits(value) -> str:
     return "no correction" if value is None else f"{value}-bit master"
 
@@ -244,12 +253,13 @@ def describe(config, dtype: torch.dtype) -> str:
         return what + (", step in backward" if kwargs.get("release") else "")
     if config.optimizer == "fusedopt.AdamW":
         options = {**FUSEDOPT_DEFAULTS, **kwargs}
-        parts = [f"{options['state_bits']}-bit state"]
+        state_format = options.get("state_format")  # wins over state_bits, as in the optimizer
+        parts = [f"{state_format} state" if state_format is not None else f"{options['state_bits']}-bit state"]
         if config.param_dtype(dtype) != torch.float32:
             parts.append(_bits(options["master_weight_bits"]))
         if options["fused"]:
             parts.append("fused=True")
-        default = all(options[k] == v for k, v in FUSEDOPT_DEFAULTS.items())
+        default = state_format is None and all(options[k] == v for k, v in FUSEDOPT_DEFAULTS.items())
         return "fusedopt AdamW, " + ", ".join(parts) + (" (default)" if default else "")
     return config.label
 
@@ -301,6 +311,7 @@ def plan_configs(
     measurements: list[dict] | None = None,
     activations: int | None = None,
     activation_source: str = "estimate",
+    why_no_estimate: str = "",
 ) -> list[PlanRow]:
     """One row per configuration: estimated peak and whether it fits in ``memory_bytes``.
 
@@ -308,7 +319,8 @@ def plan_configs(
     configuration label and parameter dtype match is used for the per-parameter costs, and its
     activation figure (activations + rest at the peak) when ``model_key``, batch and sequence
     length match too; one of another dtype is not used, and the row's ``note`` says so.
-    ``activations`` (bytes) overrides every activation figure.
+    ``activations`` (bytes) overrides every activation figure. Without a figure, a row's
+    ``activation_source`` is ``"not included"`` and ``why_no_estimate`` when given.
     """
     rows = []
     names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -352,7 +364,10 @@ def plan_configs(
             act = activation_estimate(
                 model_shape, batch=batch, seq_len=seq_len, dtype=dtype, checkpointing=checkpointing
             )
-            act_source = activation_source if act is not None else "not included"
+            if act is not None:
+                act_source = activation_source
+            else:
+                act_source = NOT_INCLUDED + (f": {why_no_estimate}" if why_no_estimate else "")
         persistent = int(per.persistent * num_params)
         grads = int(per.grads_at_peak * num_params)
         if match is None:  # a measurement saw what release held; a model adds its bound
@@ -418,8 +433,13 @@ def _inputs(num_params, model, dtype, batch, seq_len, activations_gib):
     num_params = int(num_params)
     if num_params < 1:
         raise UserError(f"impossible parameter count: {num_params}")
-    shape, source = (spec.model_shape(), "estimate") if spec is not None else (None, "estimate")
-    if spec is None:
+    why_no_estimate = ""
+    if spec is not None:
+        shape, caveat = spec.activation_shape()
+        source = f"estimate ({caveat})" if shape is not None and caveat else "estimate"
+        if shape is None:
+            why_no_estimate = caveat
+    else:
         preset = nearest_preset(num_params)
         shape = PRESETS[preset]
         source = f"estimate for the {preset} preset's shape ({PRESETS[preset].num_params():,} params)"
@@ -433,6 +453,7 @@ def _inputs(num_params, model, dtype, batch, seq_len, activations_gib):
         checkpointing=spec.checkpointing if spec is not None else True,
         activations=int(activations_gib * GIB) if activations_gib is not None else None,
         activation_source=source,
+        why_no_estimate=why_no_estimate,
     )
     return num_params, kwargs
 
@@ -457,14 +478,22 @@ def plan(
 
 @dataclass
 class Recommendation:
-    """Every candidate format (best quality first) and the one to use (None: nothing fits)."""
+    """Every candidate format (best quality first) and the one to use (None: nothing is known to fit).
+
+    Where activations are not known, ``undecided`` lists the formats whose other bytes fit, and
+    ``choice_if_activations_fit`` is the one to use if the activations fit in its margin."""
 
     rows: list[PlanRow]
     choice: PlanRow | None
+    choice_if_activations_fit: PlanRow | None = None
 
     @property
     def fitting(self) -> list[PlanRow]:
         return [r for r in self.rows if r.fits]
+
+    @property
+    def undecided(self) -> list[PlanRow]:
+        return [r for r in self.rows if r.fits is None]
 
 
 def recommend(
@@ -487,9 +516,15 @@ def recommend(
     num_params, kwargs = _inputs(num_params, model, dtype, batch, seq_len, activations_gib)
     configs = candidate_configs(kwargs["dtype"])
     rows = plan_configs(num_params, int(memory_gib * GIB), configs, measurements=measurements, **kwargs)
+    choice = _first_from_default(rows, lambda r: r.fits is True)
+    tentative = None if choice else _first_from_default(rows, lambda r: r.fits is None)
+    return Recommendation(rows, choice, tentative)
+
+
+def _first_from_default(rows: list[PlanRow], eligible) -> PlanRow | None:
+    """The first eligible row from the default format down, else the first eligible row."""
     start = next((i for i, r in enumerate(rows) if _format(r.config) == DEFAULT_FORMAT), 0)
-    choice = next((r for r in rows[start:] if r.fits), None) or next((r for r in rows if r.fits), None)
-    return Recommendation(rows, choice)
+    return next((r for r in rows[start:] if eligible(r)), None) or next((r for r in rows if eligible(r)), None)
 
 
 def _format(config) -> tuple:
@@ -513,9 +548,11 @@ def format_plan(rows: list[PlanRow], *, num_params: int, memory_bytes: int, head
         lines.append(header)
     lines.append(f"{num_params:,} parameters; memory {memory_bytes / GIB:.2f} GiB")
     sources = {(r.activations, r.activation_source) for r in rows}
-    one_source = len(sources) == 1 and rows[0].activations is not None
-    if one_source:
+    one_source = len(sources) == 1
+    if one_source and rows[0].activations is not None:
         lines.append(f"activations: {_gib(rows[0].activations)} GiB, {rows[0].activation_source}")
+    elif one_source:
+        lines.append(f"activations: {rows[0].activation_source}")
     width = max(len("config"), *(len(r.description) for r in rows))
     head = (
         f"{'config':<{width}}  {'B/param':>7}  {'persist GiB':>11}  {'grads GiB':>9}  {'activ GiB':>9}  "
@@ -534,9 +571,7 @@ def format_plan(rows: list[PlanRow], *, num_params: int, memory_bytes: int, head
         )
     lines += [f"note: {r.description}: {r.note}" for r in rows if r.note]
     if any(r.activations is None for r in rows):
-        lines.append(
-            "activations not included ('+'): give --model/--shape/--hf-config, --activations, or a measurement"
-        )
+        lines.append(f"activations not included ('+'): {ACTIVATIONS_HINT}")
     lines.append(
         "B/param = parameter + master-weight correction + optimizer state + gradient alive at the peak (none with "
         "fused=True: each gradient is applied and freed in backward), per parameter; peak = B/param x parameters "
@@ -548,11 +583,14 @@ def format_plan(rows: list[PlanRow], *, num_params: int, memory_bytes: int, head
 def format_recommendation(rec: Recommendation, *, memory_bytes: int) -> str:
     fitting = rec.fitting
     lines = []
+    if not fitting and rec.undecided:
+        return _format_undecided(rec, memory_bytes=memory_bytes)
     if not fitting:
         leanest = min(rec.rows, key=lambda r: r.peak)
+        needs = f"{_gib(leanest.peak)} GiB" + (" before activations" if leanest.activations is None else "")
         lines.append(
             f"No fusedopt AdamW configuration fits in {memory_bytes / GIB:.2f} GiB: the leanest, "
-            f"{leanest.description}, needs {_gib(leanest.peak)} GiB. Try a smaller --batch or --seq-len, "
+            f"{leanest.description}, needs {needs}. Try a smaller --batch or --seq-len, "
             "activation checkpointing, or more GPU memory."
         )
         return "\n".join(lines)
@@ -574,4 +612,34 @@ def format_recommendation(rec: Recommendation, *, memory_bytes: int) -> str:
     )
     if _format(c.config) != _format(fitting[0].config):
         lines.append("  (rows above it keep more bits than the default: more memory for no measured gain)")
+    if rec.undecided:
+        lines.append(f"  ({len(rec.undecided)} more formats fit on their other bytes; their activations are not known)")
+    return "\n".join(lines)
+
+
+def _format_undecided(rec: Recommendation, *, memory_bytes: int) -> str:
+    """Nothing is known to fit, but some formats fit before activations: rank those, '+' marking
+    a peak still without activations, and say what settles it."""
+    undecided = rec.undecided
+    whys = {r.activation_source for r in undecided}
+    why = whys.pop().removeprefix(NOT_INCLUDED).removeprefix(": ") if len(whys) == 1 else ""
+    lines = [
+        f"Whether a fusedopt AdamW configuration fits in {memory_bytes / GIB:.2f} GiB depends on the "
+        "activations, which are not known" + (f": {why}." if why else ".") + f" To include them, {ACTIVATIONS_HINT}.",
+        "Before activations ('+'), these fit, best quality first, with the room left for activations "
+        "(quality: held-out loss against fp32 AdamW, benchmarks/RESULTS.md):",
+    ]
+    width = max(len(r.description) for r in undecided)
+    c = rec.choice_if_activations_fit
+    for r in undecided:
+        mark = "*" if r is c else " "
+        lines.append(
+            f" {mark} {r.description:<{width}}  peak {_gib(r.peak)}+ GiB  room {r.margin / GIB:.2f} GiB  "
+            f"quality {r.quality}"
+        )
+    if c is not None:
+        lines.append(
+            f"If the activations fit in {c.margin / GIB:.2f} GiB, use: {c.description} "
+            f'(--config "{config_string(c.config)}"), peak {_gib(c.peak)}+ GiB.'
+        )
     return "\n".join(lines)

@@ -89,8 +89,9 @@ def _fits_check(job: dict, spec: ModelSpec, config: OptimizerConfig, device: tor
         what = f"{capacity / GIB:.1f} GiB of RAM available"
     n = job["num_params"]
     per = byte_model(config.optimizer, config.kwargs, dtype)
+    shape = spec.activation_shape()[0]
     act = activation_estimate(
-        spec.model_shape(), batch=job["batch"], seq_len=job["seq_len"], dtype=dtype, checkpointing=spec.checkpointing
+        shape, batch=job["batch"], seq_len=job["seq_len"], dtype=dtype, checkpointing=spec.checkpointing
     )
     need = per.at_peak * n + (act or 0)
     if need > capacity:
@@ -362,8 +363,9 @@ def run_profile(
     missing = {config.label: config.unavailable(torch_device.type) or config.check() for config in configs}
     if torch_device.type == "cpu":
         available = psutil.virtual_memory().available
+        shape = spec.activation_shape()[0]
         act = activation_estimate(
-            spec.model_shape(), batch=batch, seq_len=seq_len, dtype=torch_dtype, checkpointing=spec.checkpointing
+            shape, batch=batch, seq_len=seq_len, dtype=torch_dtype, checkpointing=spec.checkpointing
         )
         per = [byte_model(c.optimizer, c.kwargs, c.param_dtype(torch_dtype)).at_peak for c in configs]
         need = min(per) * num_params + (act or 0)
