@@ -67,17 +67,19 @@ class _StandIn:
 
 
 def launcher_us(reps: int) -> float:
-    """us per launch of the update kernel's argument layout (11 tensors, 4 + 16 ints, 8 floats, 26
-    constexprs): building the key each time, and a resolved launch (``launch_resolved``)."""
-    tensors = update.UPDATE_ARGS["tensors"]
-    names = [f"t{i}" for i in range(tensors)] + [f"i{i}" for i in range(20)] + [f"f{i}" for i in range(8)]
+    """us per launch of the update kernel's argument layout (``update.UPDATE_ARGS``: its tensors, keyed
+    and unkeyed ints, 8 floats, 26 constexprs): building the key each time, and a resolved launch
+    (``launch_resolved``)."""
+    tensors, ints, unkeyed = (update.UPDATE_ARGS[k] for k in ("tensors", "ints", "unkeyed_ints"))
+    names = [f"t{i}" for i in range(tensors)] + [f"i{i}" for i in range(ints)] + [f"f{i}" for i in range(8)]
     constexprs = [f"C{i}" for i in range(26)]
     launch = DirectLauncher(_StandIn(names + constexprs, constexprs), **update.UPDATE_ARGS)
     launch._device = lambda first: 0  # CPU tensors as if on CUDA device 0
     launch._stream = lambda device: 0
     torch.cuda.current_device = lambda: 0
     config = LaunchConfig({c: i for i, c in enumerate(constexprs)}, {"num_warps": 4})
-    args = tuple(torch.randn(64) for _ in range(tensors)) + (4096, 2048, 123456789, 3000000000) + update.NO_GRAD_DELTAS
+    keyed = (4096, 2048, 123456789, 3000000000, 7, 11, 13)[: ints - unkeyed]  # int32 and int64 values
+    args = tuple(torch.randn(64) for _ in range(tensors)) + keyed + update.NO_GRAD_DELTAS[:unkeyed]
     args += tuple(float(i) for i in range(8))
     launch(1, args, config)  # the first launch goes "through Triton" and fills the cache
     t0 = time.perf_counter()
