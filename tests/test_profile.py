@@ -873,3 +873,21 @@ def test_recommendation_with_some_activations_unknown_says_so():
     text = format_recommendation(Recommendation(rows, rows[-1]), memory_bytes=80 * 2**30)
     assert f"Use: {rows[-1].description} (" in text
     assert f"({len(unknown)} more formats fit on their other bytes; their activations are not known)" in text
+
+
+def test_cli_stops_quietly_when_its_reader_goes_away():
+    """`fusedopt-profile plan ... | head -1`: a closed pipe ends the command without a traceback."""
+    import subprocess
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusedopt.profile", "plan", "--params", "1e9", "--gpu-memory", "24"],
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=120,
+    )
+    os.close(write_end)
+    assert proc.returncode == 141, proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -298,4 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:  # one configuration, in the fresh process run_profile started
         return worker_main(argv[1], argv[2])
-    return run_command(argv)
+    try:
+        return run_command(argv)
+    except BrokenPipeError:
+        # the reader went away (`fusedopt-profile plan ... | head`): stop quietly, as other tools do;
+        # stdout goes to devnull so the interpreter's final flush does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a command killed by a closed pipe
