@@ -18,7 +18,7 @@ the interpreter agrees with it bit for bit:
 import triton
 import triton.language as tl
 
-from fusedopt.kernels.moments import _pow2, commit_mask
+from fusedopt.kernels.moments import _pow2, block_rows, commit_mask
 
 BLOCK = tl.constexpr(128)  # elements per block (fusedopt.codecs.loggrid.BLOCK)
 LEVELS = tl.constexpr(15)  # nonzero levels; code 0 is zero
@@ -26,14 +26,6 @@ MAX_STEP = tl.constexpr(18)  # the encoder's widest spacing, in 32nds of a binad
 _BIG = tl.constexpr(2.0**100)  # the reference's saturation
 _ABOVE = tl.constexpr(1.0 + 2.0**-20)  # 1 +- the reference's slack (exact in fp32)
 _BELOW = tl.constexpr(1.0 - 2.0**-20)
-
-
-@triton.jit
-def _blocks(start, n_elements, R: tl.constexpr):
-    """(the block indices of the program's ``R`` rows, the mask of those the tensor has)."""
-    blocks = start // BLOCK + tl.arange(0, R)
-    n_blocks = (n_elements - 1) // BLOCK + 1  # ceil without overflow near 2**31 (n_elements >= 1)
-    return blocks, blocks < n_blocks
 
 
 @triton.jit
@@ -56,7 +48,7 @@ def levels(codes, tops, steps, fractions_ptr):
 def load_log_grid(codes_ptr, tops_ptr, steps_ptr, fractions_ptr, start, n_elements, R: tl.constexpr):
     """Decode the program's ``R`` blocks: (codes, tops, steps, values ``[R, 128]``). Padding elements
     decode too (their codes are 0)."""
-    blocks, has_block = _blocks(start, n_elements, R)
+    blocks, has_block = block_rows(start, n_elements, BLOCK, R)
     tops = tl.load(tops_ptr + blocks, mask=has_block, other=0.0)
     steps = tl.load(steps_ptr + blocks, mask=has_block, other=0).to(tl.int32)
     byte = start // 2 + tl.arange(0, R)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
@@ -134,7 +126,7 @@ def store_log_grid(
         new_codes = tl.where(fits[:, None], kept, fresh)
         new_tops = tl.where(fits, kept_tops, fresh_tops)
         new_steps = tl.where(fits, steps, fresh_steps)
-    blocks, has_block = _blocks(start, n_elements, R)
+    blocks, has_block = block_rows(start, n_elements, BLOCK, R)
     block_commit = (tl.zeros([R], tl.int32) + status) == 0
     tl.store(tops_ptr + blocks, new_tops, mask=has_block & block_commit)
     tl.store(steps_ptr + blocks, new_steps.to(tl.uint8), mask=has_block & block_commit)

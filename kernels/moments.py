@@ -68,6 +68,15 @@ def tile_offsets(start, NB: tl.constexpr, QBLOCK: tl.constexpr):
 
 
 @triton.jit
+def block_rows(start, n_elements, BLOCK: tl.constexpr, R: tl.constexpr):
+    """(the indices of the ``R`` blocks of ``BLOCK`` elements from element ``start``, the mask of
+    those the tensor has): the row layout of the block formats' device twins."""
+    blocks = start // BLOCK + tl.arange(0, R)
+    n_blocks = (n_elements - 1) // BLOCK + 1  # ceil without overflow near 2**31 (n_elements >= 1)
+    return blocks, blocks < n_blocks
+
+
+@triton.jit
 def commit_mask(status, ROWS: tl.constexpr, COLS: tl.constexpr):
     """The check kernel's status as a [ROWS, COLS] store mask (True: the update is committed).
 

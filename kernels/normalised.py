@@ -13,19 +13,11 @@ the padding's codes are still stored).
 import triton
 import triton.language as tl
 
-from fusedopt.kernels.moments import commit_mask
+from fusedopt.kernels.moments import block_rows, commit_mask
 
 BLOCK = tl.constexpr(64)  # elements per block (fusedopt.codecs.normalised.BLOCK)
 _BIG = tl.constexpr(2.0**60)  # the reference's saturation of q
 _TINY = tl.constexpr(1e-30)  # the reference's divisor of a block of scale 0
-
-
-@triton.jit
-def _blocks(start, n_elements, R: tl.constexpr):
-    """(the block indices of the program's ``R`` rows, the mask of those the tensor has)."""
-    blocks = start // BLOCK + tl.arange(0, R)
-    n_blocks = (n_elements - 1) // BLOCK + 1  # ceil without overflow near 2**31 (n_elements >= 1)
-    return blocks, blocks < n_blocks
 
 
 @triton.jit
@@ -58,7 +50,7 @@ def block_rms(q, R: tl.constexpr):
 def load_normalised(codes_ptr, scales_ptr, r, start, n_elements, BITS: tl.constexpr, R: tl.constexpr):
     """Decode the program's ``R`` blocks to ``m`` ``[R, 64]``; ``r``: the square root of the decoded
     frame (0 past the tensor's end)."""
-    blocks, has_block = _blocks(start, n_elements, R)
+    blocks, has_block = block_rows(start, n_elements, BLOCK, R)
     scales = tl.load(scales_ptr + blocks, mask=has_block, other=0.0).to(tl.float32)
     packed = tl.load(codes_ptr + _byte_offsets(start, BITS, R), mask=has_block[:, None], other=0).to(tl.int32)
     if BITS == 4:  # element 2i in the low nibble
@@ -102,7 +94,7 @@ def store_normalised(
     t = tl.minimum(tl.maximum(t, 0.0), TOP * 1.0)
     codes = tl.minimum(tl.floor(t + u), TOP * 1.0)
     codes = tl.where(unit[:, None] > 0, codes, 0.0).to(tl.int32)  # a zero block: the zero encoding
-    blocks, has_block = _blocks(start, n_elements, R)
+    blocks, has_block = block_rows(start, n_elements, BLOCK, R)
     block_commit = (tl.zeros([R], tl.int32) + status) == 0
     tl.store(scales_ptr + blocks, unit.to(tl.bfloat16), mask=has_block & block_commit)  # exact: a bf16 value
     if BITS == 4:

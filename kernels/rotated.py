@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from fusedopt.kernels.hashing import spread_uniform
-from fusedopt.kernels.moments import commit_mask
+from fusedopt.kernels.moments import block_rows, commit_mask
 
 BLOCK = tl.constexpr(256)  # elements per rotation block (fusedopt.codecs.rotated.BLOCK)
 _TINY = tl.constexpr(1e-30)  # the reference's divisor of a block of scale 0
@@ -58,18 +58,10 @@ def _byte_offsets(start, BITS: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def _blocks(start, n_elements, NB: tl.constexpr):
-    """(this program's block indices, the mask of those the tensor has: ``ceil(n / 256)``)."""
-    blocks = start // 256 + tl.arange(0, NB)
-    n_blocks = (n_elements - 1) // 256 + 1  # ceil without overflow near 2**31 (n_elements >= 1)
-    return blocks, blocks < n_blocks
-
-
-@triton.jit
 def load_rotated(codes_ptr, scale_ptr, start, n_elements, SIGNED: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr):
     """Decode a program's blocks: (codes as fp32, scales ``[NB]``, values in the storage domain, the
     moment). Padding coordinates (past ``n``) decode too: the encode needs their codes."""
-    blocks, has_block = _blocks(start, n_elements, NB)
+    blocks, has_block = block_rows(start, n_elements, BLOCK, NB)
     scales = tl.load(scale_ptr + blocks, mask=has_block, other=0.0)
     byte = _byte_offsets(start, BITS, NB)
     packed = tl.load(codes_ptr + byte, mask=has_block[:, None], other=0)
@@ -141,7 +133,7 @@ def store_rotated(
     fresh = tl.floor(values * tl.div_rn(one, tl.maximum(new_scales, _TINY))[:, None] + u)
     q = tl.where(over[:, None], fresh, q)
     q = tl.minimum(tl.maximum(q, -QMAX * 1.0), QMAX * 1.0).to(tl.int32)
-    blocks, has_block = _blocks(start, n_elements, NB)
+    blocks, has_block = block_rows(start, n_elements, BLOCK, NB)
     block_commit = (tl.zeros([NB], tl.int32) + status) == 0
     tl.store(scale_ptr + blocks, new_scales, mask=has_block & block_commit)
     if BITS == 8:
