@@ -73,8 +73,11 @@ def test_readme_test_command_is_what_ci_runs():
 def test_readme_cites_nothing_outside_the_repository():
     for name in re.findall(r"`((?:docs|benchmarks|examples|tests)/[\w./-]+)`", README):
         assert os.path.exists(os.path.join(REPO, name)), name
-    assert "DESIGN.md" not in README and "../" not in README
-    assert not re.search(r"\bsitting\b", README)
+    for name in re.findall(r"[\w./-]+\.md\b", README):  # every document it names is in the repository
+        assert os.path.exists(os.path.join(REPO, name)), name
+    assert "../" not in README
+    # results carry their method in benchmarks/RESULTS.md; the README holds no dated history
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", README)
 
 
 def test_readme_planner_command_runs():
