@@ -99,6 +99,17 @@ LINEUP: tuple[Entry, ...] = (
         "fusedopt.AdamW:state_bits=4,master_weight_bits=None,fused=True",
         "fusedopt 4-bit state, no correction, fused=True",
     ),
+    Entry("FOROT4R", "fusedopt.AdamW:state_format='rot4',fused=True", "fusedopt rot4 state, 24-bit master, fused=True"),
+    Entry(
+        "FONL4R",
+        "fusedopt.AdamW:state_format='norm2-log4',fused=True",
+        "fusedopt norm2-log4 state, 24-bit master, fused=True",
+    ),
+    Entry(
+        "FONL4NR",
+        "fusedopt.AdamW:state_format='norm2-log4',master_weight_bits=None,fused=True",
+        "fusedopt norm2-log4 state, no correction, fused=True",
+    ),
     # fusedopt.Adafactor (torch.optim.Adafactor's arguments and defaults; memory and fit only)
     Entry(
         "AFR", "fusedopt.Adafactor:fused=True", "fusedopt Adafactor, no momentum, 24-bit master, fused=True", None, {}

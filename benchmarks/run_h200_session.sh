@@ -5,7 +5,7 @@
 # 1. alone on the GPU when AB is set (its step times are compared): benchmarks/step_ab.py --formats $AB;
 # 2. then side by side, each lane bounded by `timeout` so the archive is always written:
 #    quality (format_quality.py --jobs, one process per lane of $LANES: seeds and configurations),
-#    GPU tests ($TESTS), and the 7B fine-tunes under the 24 GiB cap ($FITS; their step times are taken
+#    GPU tests ($TESTS), peak memory of the 1.1B step ($MEM), and the 7B fine-tunes under the 24 GiB cap ($FITS; their step times are taken
 #    while the GPU is shared).
 # Defaults are this file's last call; every list can be overridden from the environment.
 set -uo pipefail
@@ -42,6 +42,10 @@ TESTS=${TESTS-tests/gpu/test_lowbit_on_cuda.py tests/gpu/test_adafactor_cuda.py 
     timeout -k 10 $(( $(left) - 20 )) python3 -m pytest -q -s -p no:cacheprovider "$t" > "$R/test_$(basename "$t" .py).log" 2>&1
   done
 ) &
+
+MEM=${MEM-}  # line-up keys for compare_memory (regime a); peaks are per process, so sharing the GPU leaves them as they are
+[ -n "$MEM" ] && ( timeout -k 10 $(( $(left) - 15 )) python3 benchmarks/compare_memory.py --regime a --only "$MEM" \
+  --out "$R/memory_a.json" > "$R/memory_a.log" 2>&1 ) &
 
 FITS=${FITS-}
 (
