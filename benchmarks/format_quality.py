@@ -94,6 +94,11 @@ CONFIGS = {
         lambda ps, lr: fusedopt.AdamW(ps, lr=lr, state_format="norm2-log4", **HPARAMS),
         "norm2-log4 (0.82 B/param), 24-bit",
     ),
+    "norm2-log4-nomaster": (
+        torch.bfloat16,
+        lambda ps, lr: fusedopt.AdamW(ps, lr=lr, state_format="norm2-log4", master_weight_bits=None, **HPARAMS),
+        "norm2-log4, no correction",
+    ),
     "norm4-log4": (
         torch.bfloat16,
         lambda ps, lr: fusedopt.AdamW(ps, lr=lr, state_format="norm4-log4", **HPARAMS),

@@ -34,17 +34,30 @@ from fusedopt import codecs
 from fusedopt.kernels import update
 
 SLOW_OPCODES = ("MUFU", "I2F", "I2FP", "F2I", "FRND", "F2F", "I2I", "F2FP")
-_POINTERS = ("param_ptr", "corr_ptr", "grad_ptr", "accum_ptr", "m_ptr", "m_scale_ptr", "v_ptr", "v_scale_ptr")
+_POINTERS = (
+    "param_ptr", "corr_ptr", "grad_ptr", "accum_ptr", "m_ptr", "m_scale_ptr", "v_ptr", "v_scale_ptr", "v_aux_ptr",
+    "fractions_ptr",
+)  # fmt: skip
 
 
-def _formats(state_bits: int | str):
-    """The moments' kernel formats of ``state_bits``, or of the ``state_format`` named."""
+def _codecs(state_bits: int | str):
+    """The moments' codecs of ``state_bits``, or of the ``state_format`` named."""
     shape = torch.Size([1024, 1024])
     name = state_bits if isinstance(state_bits, str) else None
     bits = 8 if name else state_bits
-    m = codecs.codec_for(bits, shape, 0, state_format=name).kernel_format
-    v = codecs.codec_for(bits, shape, 0, signed=False, state_format=name).kernel_format
-    return m, v
+    return codecs.codec_for(bits, shape, 0, state_format=name), codecs.codec_for(
+        bits, shape, 0, signed=False, state_format=name
+    )
+
+
+_TRITON_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.uint8: "*u8", torch.int8: "*i8"}
+
+
+def _state_pointer_types(prefix: str, codec) -> dict:
+    """The pointer types of a moment's stored tensors, in the codec's order: values, scales, aux."""
+    layout = codec.layout(torch.Size([1024, 1024]))
+    names = (f"{prefix}_ptr", f"{prefix}_scale_ptr", f"{prefix}_aux_ptr")
+    return {name: _TRITON_TYPES[dtype] for name, (dtype, _) in zip(names, layout.values())}
 
 
 def compile_update(state_bits: int | str, kernel=None, bucket: bool = False):
@@ -52,7 +65,8 @@ def compile_update(state_bits: int | str, kernel=None, bucket: bool = False):
     parameters and the given state format (``state_bits``, or a ``state_format`` name)."""
     kernel = kernel or update._update_kernel
     corr_bits = 8 if state_bits in (8, 4) or isinstance(state_bits, str) else 0
-    m, v = _formats(state_bits)
+    m_codec, v_codec = _codecs(state_bits)
+    m, v = m_codec.kernel_format, v_codec.kernel_format
     own_draw = corr_bits != 8
     config = update._update_config(0, torch.bfloat16, corr_bits, own_draw, False, False, False, m, v, update.BLOCK,
                                    update.NUM_WARPS, update.MAX_REGISTERS, False)  # fmt: skip
@@ -61,6 +75,9 @@ def compile_update(state_bits: int | str, kernel=None, bucket: bool = False):
     types = dict.fromkeys(_POINTERS, "*u8")
     types.update(param_ptr="*bf16", grad_ptr="*bf16", accum_ptr="*bf16", corr_ptr="*i8", step_ptr="*fp32")
     types.update(scratch_ptr="*i32", m_ptr=value_types.get(m.fmt, "*u8"), v_ptr=value_types.get(v.fmt, "*u8"))
+    types.update(v_aux_ptr="*u8", fractions_ptr="*fp32")
+    if isinstance(state_bits, str):  # the paired and rotated formats: their own stored dtypes
+        types.update(_state_pointer_types("m", m_codec), **_state_pointer_types("v", v_codec))
     types.update(table_ptr="*i64", **{f"gd{i}": "i64" for i in range(update.BUCKET_TENSORS)})
     cx["BUCKET"] = bucket
     names = kernel.arg_names

@@ -9,9 +9,8 @@ the interpreter agrees with it bit for bit:
 * a level is ``top * 2**(-frac / 32)`` rounded once, times an exact power of two; the 32 fp32
   fractions are the reference's table (``fractions_ptr``, loaded by index: a computed power would
   round differently);
-* the fp64 log2 only places a first guess of the level below a value, which the exact comparisons
-  against the level values settle as the reference does; the stochastic decision compares fp64
-  products, exact for these fp32 values;
+* the level below a value is found by the reference's binary search over the level values; the
+  stochastic decision compares fp64 products, exact for these fp32 values;
 * the draws are the reference's: the moment's field of the shared word, mixed with the local index.
 """
 
@@ -60,20 +59,20 @@ def load_log_grid(codes_ptr, tops_ptr, steps_ptr, fractions_ptr, start, n_elemen
 @triton.jit
 def _round_to_grid(y, tops, steps, u, fractions_ptr):
     """``LogGridCodec.round_to_grid``: (codes, whether each value is on the grid)."""
-    s = tl.maximum(steps.to(tl.float32), 1.0)[:, None]
-    ratio = tl.maximum(tops[:, None].to(tl.float64) / y.to(tl.float64), 1.0)
-    position = LEVELS - tl.div_rn(tl.log2(ratio).to(tl.float32) * 32.0, s)
-    position = tl.where(tl.abs(position) < float("inf"), position, 1.0)  # NaN and +-inf: 1
-    lo = tl.minimum(tl.maximum(tl.floor(position), 1.0), LEVELS * 1.0).to(tl.int32)
-    # the log2 may be an ulp off: settle lo exactly against the level values
-    lo = tl.where((lo > 1) & (levels(lo, tops, steps, fractions_ptr) > y), lo - 1, lo)
-    lo = tl.where((lo < LEVELS) & (levels(lo + 1, tops, steps, fractions_ptr) <= y), lo + 1, lo)
-    low = levels(lo, tops, steps, fractions_ptr)
+    # the level below y by binary search over the 15 levels, from level 1 (the row's bottom)
+    bottom = _level_at((LEVELS - 1) * steps, tops, fractions_ptr)
+    lo = tl.full(y.shape, 1, tl.int32)
+    low = tl.zeros_like(y) + bottom[:, None]
+    for i in tl.static_range(4):
+        candidate = lo + (8 >> i)
+        value = levels(candidate, tops, steps, fractions_ptr)
+        take = (candidate <= LEVELS) & (value <= y)
+        lo = tl.where(take, candidate, lo)
+        low = tl.where(take, value, low)
     gap = levels(lo + 1, tops, steps, fractions_ptr) - low
     # u * gap < y - low, decided in fp64 (exact for these fp32 products)
     up = (lo < LEVELS) & (gap > 0) & (u.to(tl.float64) * gap.to(tl.float64) < (y - low).to(tl.float64))
     codes = tl.where(y > 0, lo + up.to(tl.int32), 0)
-    bottom = _level_at((LEVELS - 1) * steps, tops, fractions_ptr)
     widest = steps >= MAX_STEP  # a refit would not reach lower: level 1 it is
     inside = (y == 0) | ((y <= (tops * _ABOVE)[:, None]) & ((y >= (bottom * _BELOW)[:, None]) | widest[:, None]))
     return codes, inside
@@ -120,7 +119,7 @@ def store_log_grid(
     kept = tl.where(same, codes, kept)
     fits = tl.min((same | inside).to(tl.int32), axis=1) > 0
     new_codes, new_tops, new_steps = kept, kept_tops, steps
-    if tl.min(fits.to(tl.int32), axis=0) == 0:  # a program refits (an fp64 log2 per element) only if it must
+    if tl.min(fits.to(tl.int32), axis=0) == 0:  # a program refits (a second search per element) only if it must
         fresh_tops, fresh_steps = _fresh_grid(y)
         fresh, _ = _round_to_grid(y, fresh_tops, fresh_steps, u, fractions_ptr)
         new_codes = tl.where(fits[:, None], kept, fresh)

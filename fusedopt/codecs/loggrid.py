@@ -46,7 +46,7 @@ index, through the optimizer's ``first``), mixed with ``i`` into 24 bits (``rng.
 an increment of ``v`` is often a thousandth of the gap between levels.
 
 The fused update kernel (``fusedopt/kernels/loggrid.py``) repeats these operations in the same
-order (the log2 in fp64 only places a first guess that the exact comparisons settle) for algorithms
+order (the level below a value by the same binary search over the level values) for algorithms
 that declare the moment's EMA decay (AdamW); ``tests/test_lowbit_kernel.py`` holds it to this
 reference bit for bit in Triton's interpreter, ``tests/gpu/test_lowbit_on_cuda.py`` on the GPU.
 """
@@ -164,13 +164,12 @@ class LogGridCodec(MomentCodec):
         """``y`` (``(blocks, 128)``, >= 0) rounded stochastically to the levels of (tops, steps), unbiased
         in value; 0 stays 0, a nonzero value below the bottom level takes it. Returns (codes, whether each
         value is on the grid: 0, or between the bottom level and the top, give or take fp32 rounding)."""
-        s = steps.to(torch.float32).clamp_min(1.0).unsqueeze(1)
-        ratio = (tops.unsqueeze(1).double() / y.double()).clamp_min(1.0)  # inf for y = 0
-        position = LEVELS - torch.log2(ratio).float() * STEP_UNITS / s
-        lo = position.nan_to_num(1.0, 1.0, 1.0).floor().clamp(1, LEVELS).to(torch.int32)
-        # the log2 above may be an ulp off: settle lo exactly against the level values
-        lo = torch.where((lo > 1) & (self.levels(lo, tops, steps) > y), lo - 1, lo)
-        lo = torch.where((lo < LEVELS) & (self.levels(lo + 1, tops, steps) <= y), lo + 1, lo)
+        # the highest level at or below y (level 1 if none): a binary search over the level values,
+        # which rise with the code, so the answer is exact (no log2 to round) and cheap in the kernel
+        lo = torch.ones_like(y, dtype=torch.int32)
+        for half in (8, 4, 2, 1):
+            candidate = lo + half
+            lo = torch.where((candidate <= LEVELS) & (self.levels(candidate, tops, steps) <= y), candidate, lo)
         low, high = self.levels(lo, tops, steps), self.levels(lo + 1, tops, steps)
         gap = high - low
         # u * gap < y - low, decided in fp64 (exact for these fp32 products)
