@@ -20,6 +20,13 @@ The time a stage costs is the base time minus the variant's. Variants:
   nobarrier  without the block barrier that makes every load issue before the arithmetic
              (a candidate, not a stand-in: its results are right)
 
+With ``--state-format norm2-log4`` (or another log-grid format) also: lgsearch (the level below a
+value by the binary search over loaded levels instead of the scan over the row's levels: a
+candidate), lgnogather (levels from arithmetic instead of the table), lgnorefit (no block ever
+refitted), lgnofp64 (the stochastic decision and the fresh grid in fp32), nmfast (approximate
+division and square root in the normalised first moment); and launch variants that change only
+the configuration (results right): w1 / w4 (warps per program), b512 / b2048 (elements per program).
+
 Variants named twice (e.g. base,nohash,base) are timed twice: the spread is the run's noise.
 The RESULTS block 5's candidates are in the kernels now (benchmarks/RESULTS.md): the 1-D scale
 store, the sign or-ed into the decoded bits, square levels without fix-up, and 8-bit minifloat
@@ -74,7 +81,39 @@ EDITS = {
     "fastmath": [("update.py", "tl.sqrt_rn(v)", "tl.sqrt(v)"), ("update.py", "tl.div_rn(m, denom)", "(m / denom)")],
     "nomaster": [("update.py", "QBLOCK),\n        MASTER,", "QBLOCK),\n        1,")],
     "nobarrier": [("update.py", "    tl.debug_barrier()\n", "")],
+    # the log-grid second moment (--state-format norm2-log4 and the like)
+    "lgsearch": [(
+        "loggrid.py",
+        "    for c in tl.static_range(2, LEVELS + 1):\n"
+        "        level = _level_at((LEVELS - c) * steps, tops, fractions_ptr)[:, None]\n"
+        "        above = _level_at((LEVELS - c - 1) * steps, tops, fractions_ptr)[:, None]  # c = 15: above the top\n"
+        "        take = level <= y\n"
+        "        lo = tl.where(take, c, lo)\n"
+        "        low = tl.where(take, level, low)\n"
+        "        high = tl.where(take, above, high)\n",
+        "    for i in tl.static_range(4):\n"
+        "        candidate = lo + (8 >> i)\n"
+        "        value = levels(candidate, tops, steps, fractions_ptr)\n"
+        "        take = (candidate <= LEVELS) & (value <= y)\n"
+        "        lo = tl.where(take, candidate, lo)\n"
+        "        low = tl.where(take, value, low)\n"
+        "    high = levels(lo + 1, tops, steps, fractions_ptr)\n",
+    )],
+    "lgnogather": [("loggrid.py", "tl.load(fractions_ptr + (j & 31))", "(1.0 - (j & 31).to(tl.float32) * 0.0216)")],
+    "lgnorefit": [("loggrid.py", "if tl.min(fits.to(tl.int32), axis=0) == 0:", "if False:")],
+    "lgnofp64": [
+        ("loggrid.py", "u.to(tl.float64) * gap.to(tl.float64) < (y - low).to(tl.float64)", "u * gap < (y - low)"),
+        ("loggrid.py", "tl.log2(tops.to(tl.float64) / smallest.to(tl.float64))", "tl.log2(tops / smallest)"),
+    ],
+    "nmfast": [
+        ("normalised.py", "tl.div_rn(x, r)", "(x / r)"),
+        ("normalised.py", "tl.div_rn(q, tl.maximum(unit, _TINY)[:, None])", "(q / tl.maximum(unit, _TINY)[:, None])"),
+        ("update.py", "root = tl.where(mask, tl.sqrt_rn(frame), 0.0)", "root = tl.where(mask, tl.sqrt(frame), 0.0)"),
+        ("update.py", "root = tl.reshape(tl.where(mask, tl.sqrt_rn(v), 0.0)", "root = tl.reshape(tl.where(mask, tl.sqrt(v), 0.0)"),
+    ],
 }  # fmt: skip
+# variants of the launch configuration, not of the source: update.py's module constants, set while timed
+RUNTIME = {"w1": dict(NUM_WARPS=1), "w4": dict(NUM_WARPS=4), "b512": dict(BLOCK=512), "b2048": dict(BLOCK=2048)}
 EDITS["floor"] = [e for name in ("nohash", "noencode", "nodecode", "fastmath", "nomaster") for e in EDITS[name]]
 
 
@@ -92,7 +131,7 @@ def build_variant(root: str, name: str):
                 text = f.read().replace("fusedopt.kernels", package)
             with open(path, "w") as f:
                 f.write(text)
-    for filename, old, new in EDITS.get(name, []):
+    for filename, old, new in EDITS.get(name.split("+")[0], []):
         path = os.path.join(target, filename)
         with open(path) as f:
             text = f.read()
@@ -115,6 +154,19 @@ def variant_kernels(variant):
         real_update._launch_update, real_update._launch_check = original
 
 
+@contextlib.contextmanager
+def launch_constants(values: dict):
+    """Set ``fusedopt.kernels.update``'s launch constants (``NUM_WARPS``, ``BLOCK``) inside the block."""
+    original = {name: getattr(real_update, name) for name in values}
+    for name, value in values.items():
+        setattr(real_update, name, value)
+    try:
+        yield
+    finally:
+        for name, value in original.items():
+            setattr(real_update, name, value)
+
+
 def main(argv=None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from step_bandwidth import bench_config, copy_bandwidth, fusedopt_bytes
@@ -124,7 +176,10 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=10)
     default_variants = "base,nohash,noencode,nodecode,noscale,noround,fastmath,nomaster,floor"
     parser.add_argument("--variants", default=default_variants)
+    parser.add_argument("--state-format", help="time fusedopt.AdamW with this state_format (default: state_bits=8)")
     args = parser.parse_args(argv)
+    kwargs = {"state_format": args.state_format} if args.state_format else {}
+    per_element = None if args.state_format else fusedopt_bytes(8, 24)  # the byte model knows the default only
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
@@ -134,11 +189,12 @@ def main(argv=None) -> int:
     results = []
     try:
         for name in args.variants.split(","):
-            with variant_kernels(build_variant(root, name)):
-                r = bench_config(name, lambda ps: fusedopt.AdamW(ps, lr=1e-4), fusedopt_bytes(8, 24), args.reps)
+            source = name if name in EDITS else "base"
+            with variant_kernels(build_variant(root, source)), launch_constants(RUNTIME.get(name, {})):
+                r = bench_config(name, lambda ps: fusedopt.AdamW(ps, lr=1e-4, **kwargs), per_element or 0.0, args.reps)
             r["fraction_of_copy"] = r["GBps"] / copy_gbps
             results.append(r)
-            print(f"{name:10s} {r['ms']:8.3f} ms  {r['GBps']:7.0f} GB/s  {100 * r['fraction_of_copy']:4.0f}% of copy")
+            print(f"{name:10s} {r['ms']:8.3f} ms  {r['GBps']:7.0f} GB/s  {100 * r['fraction_of_copy']:4.0f}% of copy", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     base = next((r["ms"] for r in results if r["name"] == "base"), None)

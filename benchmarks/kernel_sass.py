@@ -118,7 +118,7 @@ def sass_report(kernel) -> tuple[dict, str, str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--state-bits", type=int, nargs="+", default=[8, 4, 16, 32])
+    parser.add_argument("--state-bits", type=int, nargs="*", default=[8, 4, 16, 32])
     parser.add_argument("--formats", nargs="*", default=[], help="also these state_format names (e.g. rot8)")
     parser.add_argument("--dump", help="write each kernel's SASS to this folder")
     parser.add_argument("--variant", help="a variant of benchmarks/kernel_ablation.py instead of the real kernel")

@@ -2,7 +2,8 @@
 # One device call (10 minutes) for the state-format and Adafactor measurements, run from the repo
 # root on the GPU machine with benchmarks/wheels/turboadam-*.whl carried:
 #   bash benchmarks/run_h200_session.sh          (everything lands in $OUT/results.tgz)
-# 1. alone on the GPU when AB is set (its step times are compared): benchmarks/step_ab.py --formats $AB;
+# 1. alone on the GPU: kernel_ablation.py's variants when ABLATION is set, then, when AB is set (its step
+#    times are compared), benchmarks/step_ab.py --formats $AB;
 # 2. then side by side, each lane bounded by `timeout` so the archive is always written:
 #    quality (format_quality.py --jobs, one process per lane of $LANES: seeds and configurations),
 #    GPU tests ($TESTS), peak memory of the 1.1B step ($MEM), and the 7B fine-tunes under the 24 GiB cap ($FITS; their step times are taken
@@ -19,6 +20,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/gpu.t
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$R/gpu.txt"
 START=$SECONDS
 left() { echo $(( ${DEADLINE:-360} - (SECONDS - START) )); }
+
+ABLATION=${ABLATION-}  # kernel_ablation.py's variants of the $ABLATION_FORMAT step, alone on the GPU, before AB
+[ -n "$ABLATION" ] && timeout -k 10 ${ABLATION_S:-200} python3 benchmarks/kernel_ablation.py --variants "$ABLATION" \
+  --state-format "${ABLATION_FORMAT:-norm2-log4}" --out "$R/ablation.json" > "$R/ablation.log" 2>&1
 
 AB=${AB-}
 [ -n "$AB" ] && timeout -k 10 ${AB_S:-100} python3 benchmarks/step_ab.py --rounds ${AB_ROUNDS:-6} --reps 5 --formats $AB \
@@ -39,7 +44,8 @@ TESTS=${TESTS-tests/gpu/test_lowbit_on_cuda.py tests/gpu/test_adafactor_cuda.py 
 (
   for t in $TESTS; do
     [ "$(left)" -gt 40 ] || { echo "no time left" > "$R/test_$(basename "$t" .py).log"; continue; }
-    timeout -k 10 $(( $(left) - 20 )) python3 -m pytest -q -s -p no:cacheprovider "$t" > "$R/test_$(basename "$t" .py).log" 2>&1
+    timeout -k 10 $(( $(left) - 20 )) python3 -m pytest -q -s -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} "$t" \
+      > "$R/test_$(basename "$t" .py).log" 2>&1
   done
 ) &
 
