@@ -6,8 +6,8 @@
 #    times are compared), benchmarks/step_ab.py --formats $AB;
 # 2. then side by side, each lane bounded by `timeout` so the archive is always written:
 #    quality (format_quality.py --jobs, one process per lane of $LANES: seeds and configurations),
-#    GPU tests ($TESTS), peak memory of the 1.1B step ($MEM), and the 7B fine-tunes under the 24 GiB cap ($FITS; their step times are taken
-#    while the GPU is shared).
+#    GPU tests ($TESTS, filtered by -k $TESTS_K if set), peak memory of the 1.1B step ($MEM), and the 7B
+#    fine-tunes under the 24 GiB cap ($FITS; their step times are taken while the GPU is shared).
 # Defaults are this file's last call; every list can be overridden from the environment.
 set -uo pipefail
 OUT=${OUT:-out}
