@@ -9,8 +9,8 @@ the interpreter agrees with it bit for bit:
 * a level is ``top * 2**(-frac / 32)`` rounded once, times an exact power of two; the 32 fp32
   fractions are the reference's table (``fractions_ptr``, loaded by index: a computed power would
   round differently);
-* the level below a value is the one the reference's binary search finds (a scan over the row's
-  levels here); the stochastic decision compares fp64 products, exact for these fp32 values;
+* the level below a value is found by the reference's binary search over the level values; the
+  stochastic decision compares fp64 products, exact for these fp32 values;
 * the draws are the reference's: the moment's field of the shared word, mixed with the local index.
 """
 
@@ -57,28 +57,36 @@ def load_log_grid(codes_ptr, tops_ptr, steps_ptr, fractions_ptr, start, n_elemen
 
 
 @triton.jit
+def _bottom(tops, steps, fractions_ptr):
+    """Level 1 of each row: the grid's lowest nonzero level."""
+    return _level_at((LEVELS - 1) * steps, tops, fractions_ptr)
+
+
+@triton.jit
+def _on_grid(y, tops, steps, fractions_ptr):
+    """The ``inside`` of ``LogGridCodec.round_to_grid``: 0, or between the bottom level and the top, give
+    or take fp32 rounding (at the widest spacing, any value up to the top)."""
+    bottom = _bottom(tops, steps, fractions_ptr)
+    widest = steps >= MAX_STEP  # a refit would not reach lower: level 1 it is
+    return (y == 0) | ((y <= (tops * _ABOVE)[:, None]) & ((y >= (bottom * _BELOW)[:, None]) | widest[:, None]))
+
+
+@triton.jit
 def _round_to_grid(y, tops, steps, u, fractions_ptr):
-    """``LogGridCodec.round_to_grid``: (codes, whether each value is on the grid)."""
-    # The level below y (the reference's binary search finds the same one: the levels rise with the
-    # code): a scan over the row's 15 levels, computed once per row, so no element loads a level.
-    bottom = _level_at((LEVELS - 1) * steps, tops, fractions_ptr)  # level 1
+    """The codes of ``LogGridCodec.round_to_grid``."""
+    # the level below y: the reference's binary search over the level values, from level 1
     lo = tl.full(y.shape, 1, tl.int32)
-    low = tl.zeros_like(y) + bottom[:, None]
-    high = tl.zeros_like(y) + _level_at((LEVELS - 2) * steps, tops, fractions_ptr)[:, None]  # level 2
-    for c in tl.static_range(2, LEVELS + 1):
-        level = _level_at((LEVELS - c) * steps, tops, fractions_ptr)[:, None]
-        above = _level_at((LEVELS - c - 1) * steps, tops, fractions_ptr)[:, None]  # c = 15: above the top
-        take = level <= y
-        lo = tl.where(take, c, lo)
-        low = tl.where(take, level, low)
-        high = tl.where(take, above, high)
-    gap = high - low
+    low = tl.zeros_like(y) + _bottom(tops, steps, fractions_ptr)[:, None]
+    for i in tl.static_range(4):
+        candidate = lo + (8 >> i)
+        value = levels(candidate, tops, steps, fractions_ptr)
+        take = (candidate <= LEVELS) & (value <= y)
+        lo = tl.where(take, candidate, lo)
+        low = tl.where(take, value, low)
+    gap = levels(lo + 1, tops, steps, fractions_ptr) - low
     # u * gap < y - low, decided in fp64 (exact for these fp32 products)
     up = (lo < LEVELS) & (gap > 0) & (u.to(tl.float64) * gap.to(tl.float64) < (y - low).to(tl.float64))
-    codes = tl.where(y > 0, lo + up.to(tl.int32), 0)
-    widest = steps >= MAX_STEP  # a refit would not reach lower: level 1 it is
-    inside = (y == 0) | ((y <= (tops * _ABOVE)[:, None]) & ((y >= (bottom * _BELOW)[:, None]) | widest[:, None]))
-    return codes, inside
+    return tl.where(y > 0, lo + up.to(tl.int32), 0)
 
 
 @triton.jit
@@ -117,17 +125,17 @@ def store_log_grid(
     y = tl.where(x != x, 0.0, tl.minimum(tl.maximum(x, 0.0), _BIG))  # nan_to_num, saturated, >= 0
     y = tl.where(local < n_elements, y, 0.0)  # the reference's zero padding
     kept_tops = tops * decay
-    kept, inside = _round_to_grid(y, kept_tops, steps, u, fractions_ptr)
     same = y == values * decay  # no increment: the code stays
-    kept = tl.where(same, codes, kept)
-    fits = tl.min((same | inside).to(tl.int32), axis=1) > 0
-    new_codes, new_tops, new_steps = kept, kept_tops, steps
-    if tl.min(fits.to(tl.int32), axis=0) == 0:  # a program refits (a second scan per element) only if it must
+    fits = tl.min((same | _on_grid(y, kept_tops, steps, fractions_ptr)).to(tl.int32), axis=1) > 0
+    # Each row is rounded once, on its grid: the decayed one where it fits, a fresh one where it does not
+    # (the reference rounds on both and picks per row: the same codes).
+    new_tops, new_steps = kept_tops, steps
+    if tl.min(fits.to(tl.int32), axis=0) == 0:  # only a program with a row to refit finds the rows' extremes
         fresh_tops, fresh_steps = _fresh_grid(y)
-        fresh, _ = _round_to_grid(y, fresh_tops, fresh_steps, u, fractions_ptr)
-        new_codes = tl.where(fits[:, None], kept, fresh)
         new_tops = tl.where(fits, kept_tops, fresh_tops)
         new_steps = tl.where(fits, steps, fresh_steps)
+    rounded = _round_to_grid(y, new_tops, new_steps, u, fractions_ptr)
+    new_codes = tl.where(fits[:, None] & same, codes, rounded)
     blocks, has_block = block_rows(start, n_elements, BLOCK, R)
     block_commit = (tl.zeros([R], tl.int32) + status) == 0
     tl.store(tops_ptr + blocks, new_tops, mask=has_block & block_commit)
