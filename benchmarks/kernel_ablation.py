@@ -20,10 +20,8 @@ The time a stage costs is the base time minus the variant's. Variants:
   nobarrier  without the block barrier that makes every load issue before the arithmetic
              (a candidate, not a stand-in: its results are right)
 
-With ``--state-format norm2-log4`` (or another log-grid format) also: lgsearch (the level below a
-value by the binary search over loaded levels instead of the scan over the row's levels: a
-candidate), lgnogather (levels from arithmetic instead of the table), lgnorefit (no block ever
-refitted), lgnofp64 (the stochastic decision and the fresh grid in fp32), nmfast (approximate
+With ``--state-format norm2-log4`` (or another log-grid format) also: lgnogather (levels from
+arithmetic instead of the table), lgnorefit (no block ever refitted), lgnofp64 (the stochastic decision and the fresh grid in fp32), nmfast (approximate
 division and square root in the normalised first moment); and launch variants that change only
 the configuration (results right): w1 / w4 (warps per program), b512 / b2048 (elements per program).
 
@@ -82,23 +80,6 @@ EDITS = {
     "nomaster": [("update.py", "QBLOCK),\n        MASTER,", "QBLOCK),\n        1,")],
     "nobarrier": [("update.py", "    tl.debug_barrier()\n", "")],
     # the log-grid second moment (--state-format norm2-log4 and the like)
-    "lgsearch": [(
-        "loggrid.py",
-        "    for c in tl.static_range(2, LEVELS + 1):\n"
-        "        level = _level_at((LEVELS - c) * steps, tops, fractions_ptr)[:, None]\n"
-        "        above = _level_at((LEVELS - c - 1) * steps, tops, fractions_ptr)[:, None]  # c = 15: above the top\n"
-        "        take = level <= y\n"
-        "        lo = tl.where(take, c, lo)\n"
-        "        low = tl.where(take, level, low)\n"
-        "        high = tl.where(take, above, high)\n",
-        "    for i in tl.static_range(4):\n"
-        "        candidate = lo + (8 >> i)\n"
-        "        value = levels(candidate, tops, steps, fractions_ptr)\n"
-        "        take = (candidate <= LEVELS) & (value <= y)\n"
-        "        lo = tl.where(take, candidate, lo)\n"
-        "        low = tl.where(take, value, low)\n"
-        "    high = levels(lo + 1, tops, steps, fractions_ptr)\n",
-    )],
     "lgnogather": [("loggrid.py", "tl.load(fractions_ptr + (j & 31))", "(1.0 - (j & 31).to(tl.float32) * 0.0216)")],
     "lgnorefit": [("loggrid.py", "if tl.min(fits.to(tl.int32), axis=0) == 0:", "if False:")],
     "lgnofp64": [
