@@ -21,9 +21,10 @@ The time a stage costs is the base time minus the variant's. Variants:
              (a candidate, not a stand-in: its results are right)
 
 With ``--state-format norm2-log4`` (or another log-grid format) also: lgnogather (levels from
-arithmetic instead of the table), lgnorefit (no block ever refitted), lgnofp64 (the stochastic decision and the fresh grid in fp32), nmfast (approximate
-division and square root in the normalised first moment); and launch variants that change only
-the configuration (results right): w1 / w4 (warps per program), b512 / b2048 (elements per program).
+arithmetic instead of the table), lgnorefit (no block ever refitted), lgnofp64 (the stochastic
+decision and the fresh grid in fp32), nmfast (approximate division and square root in the
+normalised first moment); and launch variants that change only the configuration (results
+right): w1 / w4 (warps per program), b512 / b2048 (elements per program).
 
 Variants named twice (e.g. base,nohash,base) are timed twice: the spread is the run's noise.
 The RESULTS block 5's candidates are in the kernels now (benchmarks/RESULTS.md): the 1-D scale
