@@ -6,6 +6,7 @@ benchmark (``format_quality.py``). Runs anywhere (no GPU): it reads results.
     python benchmarks/format_frontier.py \\
         --quality benchmarks/results/format-quality/h200-lr1.5e-3.json \\
         --memory benchmarks/results/issue6/memory_a.json benchmarks/results/session-h200/memory_adafactor.json \\
+                 benchmarks/results/h200-2026-12-02b/call1/memory_a.json \\
         --png benchmarks/results/format-quality/frontier.png
 
 A configuration's peak is the measured one (``compare_memory.py --regime a``) where it was
@@ -34,6 +35,9 @@ MEASURED = {
     "default": "FOR",
     "block4": "FO4R",
     "block4-nomaster": "FO4NR",
+    "rot4": "FOROT4R",
+    "norm2-log4": "FONL4R",
+    "norm2-log4-nomaster": "FONL4NR",
     "turboadam": "H",
     "adafactor-m4": "AFM4R",
     "adafactor-m8": "AFM8R",
@@ -41,10 +45,8 @@ MEASURED = {
 }
 # fusedopt configurations without a measured peak: the planner's --config for them
 PREDICTED = {
-    "rot4": "fusedopt:fused=True,state_format='rot4'",
     "rot8": "fusedopt:fused=True,state_format='rot8'",
     "rot2": "fusedopt:fused=True,state_format='rot2'",
-    "norm2-log4": "fusedopt:fused=True,state_format='norm2-log4'",
     "norm4-log4": "fusedopt:fused=True,state_format='norm4-log4'",
     "rot4-log4": "fusedopt:fused=True,state_format='rot4-log4'",
     "nomaster": "fusedopt:fused=True,master_weight_bits=None",

@@ -248,19 +248,19 @@ def test_format_quality_reports_the_held_out_samples_part_of_a_paired_difference
 def test_format_frontier_takes_measured_peaks_and_predicts_the_rest(tmp_path):
     import format_frontier as ff
 
-    losses = {"fp32": [1.0, 2.0], "default": [1.01, 2.0], "block4": [1.02, 2.04], "rot4": [1.0, 2.02]}
+    losses = {"fp32": [1.0, 2.0], "default": [1.01, 2.0], "block4": [1.02, 2.04], "rot4-log4": [1.0, 2.02]}
     losses["mystery"] = [1.0, 2.0]  # neither measured nor predictable: left out
     runs = [{"key": k, "seed": s, "label": k, "final_eval": v} for k, vs in losses.items() for s, v in enumerate(vs)]
     memory = tmp_path / "memory.json"
     rows = {"FOR": {"ok": True, "peak": 6 << 30}, "FO4R": {"ok": True, "peak": 5 << 30}, "A": {"ok": False}}
     memory.write_text(json.dumps({"rows": rows}))
     pts = {p["key"]: p for p in ff.points({"runs": runs}, ff.measured_peaks([str(memory)]))}
-    assert set(pts) == {"default", "block4", "rot4"}  # fp32's run (A) failed: no peak, no point
+    assert set(pts) == {"default", "block4", "rot4-log4"}  # fp32's run (A) failed: no peak, no point
     assert pts["block4"]["peak_gib"] == 5 and pts["block4"]["peak_from"] == "measured"
     assert pts["block4"]["diff_pct"] == pytest.approx((100 * 0.01 / 1.01 + 2.0) / 2)
     assert pts["block4"]["low"] == pytest.approx(100 * 0.01 / 1.01) and pts["block4"]["high"] == pytest.approx(2.0)
     assert pts["default"]["diff_pct"] == 0 and pts["default"]["peak_gib"] == 6
-    assert pts["rot4"]["peak_from"] == "predicted" and 3 < pts["rot4"]["peak_gib"] < 6
+    assert pts["rot4-log4"]["peak_from"] == "predicted" and 3 < pts["rot4-log4"]["peak_gib"] < 6
     assert "(predicted)" in ff.table(list(pts.values()))
 
 
