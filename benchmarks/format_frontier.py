@@ -153,8 +153,9 @@ def main(argv=None) -> int:
     print(table(pts))
     if args.png:
         s = quality["settings"]
-        seeds = max(p["seeds"] for p in pts)
-        title = f"quality: {s['shape']}, {s['steps']} steps, lr {s['lr']:g}, {seeds} paired seeds (bars: range)"
+        fewest, most = min(p["seeds"] for p in pts), max(p["seeds"] for p in pts)
+        seeds = f"{most}" if fewest == most else f"{fewest}-{most}"
+        title = f"{s['steps']} steps, lr {s['lr']:g}, {seeds} paired seeds (bars: range over seeds)"
         plot(pts, args.png, title)
     return 0
 
