@@ -14,9 +14,12 @@ The peak of a training step is modelled as ``bytes_per_param * num_params + acti
   the preset nearest in size; a Llama-style Hugging Face config gives its shape), else left out
   (and the output says why, and ranks the formats on their other bytes).
 
-:func:`recommend` evaluates every fusedopt AdamW format (``state_bits`` x ``master_weight_bits``,
-with and without ``fused=True``) and picks the best-quality one that fits, quality being the
-project's measured loss against fp32 AdamW (:data:`QUALITY`).
+:func:`recommend` evaluates fusedopt AdamW's formats (:data:`CANDIDATE_FORMATS`: the ``state_bits``
+formats and the paired ``state_format="norm2-log4"``, each with its master-weight options, with and
+without ``fused=True``) and picks the first that fits from the default down: below the default, the
+paired format before the 4-bit block format, which needs more memory and measured worse. Each row
+carries its quality, the held-out loss against fp32 AdamW of the paired-seed benchmark
+(:data:`QUALITY`).
 """
 
 from __future__ import annotations
@@ -212,18 +215,46 @@ def activation_estimate(
     return int(blocks + head)
 
 
-# Quality of fusedopt AdamW's formats on bf16 parameters, (state_bits, master_weight_bits) -> held-out
-# loss against fp32 AdamW + autocast, 26M byte-level Llama, 2000 steps (benchmarks/RESULTS.md, issue 6 part 4).
+# Quality of fusedopt AdamW's formats on bf16 parameters, (state format, master_weight_bits) -> held-out
+# loss against fp32 AdamW, mean over paired seeds (benchmarks/format_quality.py, lr 1.5e-3 on the H200:
+# benchmarks/results/format-quality/h200-lr1.5e-3.txt). The state format is a state_bits value or a
+# state_format name (see format_of); a format missing here was not measured on that benchmark.
 QUALITY = {
-    (8, 24): "-0.28% (3 seeds; fp32 AdamW's own 3 seeds span 1.4%)",
-    (8, None): "-0.00% (3 seeds)",
-    (4, 24): "+0.78% (3 seeds; one seed alone +1.64%)",
-    (4, None): "+0.26% (3 seeds; one seed alone +0.60%)",
+    (32, 32): "+0.00% (fp32 AdamW's update: the reference)",
+    (8, 24): "-0.03% (sd 0.09, 6 seeds)",
+    ("norm2-log4", 24): "-0.29% (sd 0.27, 6 seeds)",
+    ("norm2-log4", None): "-0.48% (sd 0.37, 5 seeds)",
+    (4, 24): "+0.36% (sd 0.27, 6 seeds)",
+    (4, None): "+0.48% (sd 0.48, 6 seeds)",
 }
-# Candidate formats, best quality first: more state bits, then more master bits (32, 24, no correction).
-STATE_BITS = (32, 16, 8, 4)
-MASTER_BITS = (32, 24, None)
+NOT_MEASURED = "not measured"
+QUALITY_SOURCE = "quality: held-out loss against fp32 AdamW, mean over paired seeds, benchmarks/format_quality.py"
+# Candidate formats, (state format, master_weight_bits), in order of preference: more state bits, then more
+# master bits (32, 24, no correction); below the default's formats the paired norm2-log4, which stores both
+# moments in less memory than block4 and measured better, then block4.
+CANDIDATE_FORMATS = (
+    *((bits, master) for bits in (32, 16, 8) for master in (32, 24, None)),
+    ("norm2-log4", 24),
+    ("norm2-log4", None),
+    (4, 24),
+    (4, None),
+)
 DEFAULT_FORMAT = (FUSEDOPT_DEFAULTS["state_bits"], FUSEDOPT_DEFAULTS["master_weight_bits"])
+# What a format costs besides memory, said in its rows.
+FORMAT_CAVEATS = {"norm2-log4": "slower optimizer step"}
+_BITS_OF_FORMAT = {name: bits for bits, name in STATE_BITS_FORMATS.items()}
+
+
+def format_of(config) -> tuple:
+    """(state format, master_weight_bits) of a fusedopt configuration, the key of :data:`QUALITY` and
+    :data:`CANDIDATE_FORMATS`: its ``state_format`` when set (it wins over ``state_bits``, as in the
+    optimizers; a format that a ``state_bits`` value selects is named by that value), else ``state_bits``."""
+    options = {**FUSEDOPT_DEFAULTS, **config.kwargs}
+    name = options.get("state_format")
+    state = options["state_bits"] if name is None else _BITS_OF_FORMAT.get(name, name)
+    return state, options["master_weight_bits"]
+
+
 # The rows the planner shows besides its recommendation: torch.optim.AdamW as people run it and fusedopt's
 # default without and with gradient release.
 BASELINE_CONFIGS = ("torch.AdamW:autocast='bf16'", "torch.AdamW", "fusedopt.AdamW", "fusedopt.AdamW:fused=True")
@@ -259,6 +290,8 @@ def describe(config, dtype: torch.dtype) -> str:
             parts.append(_bits(options["master_weight_bits"]))
         if options["fused"]:
             parts.append("fused=True")
+        if state_format in FORMAT_CAVEATS:
+            parts.append(FORMAT_CAVEATS[state_format])
         default = state_format is None and all(options[k] == v for k, v in FUSEDOPT_DEFAULTS.items())
         return "fusedopt AdamW, " + ", ".join(parts) + (" (default)" if default else "")
     return config.label
@@ -278,7 +311,7 @@ class PlanRow:
     config: object = None  # the OptimizerConfig
     description: str = ""  # describe(config, dtype)
     margin: int = 0  # memory minus peak, bytes (negative: does not fit)
-    quality: str = ""  # QUALITY's figure, or "not measured"
+    quality: str = ""  # QUALITY's figure, or NOT_MEASURED
 
 
 def measured_per_param(result: dict) -> PerParam | None:
@@ -398,23 +431,22 @@ def _quality(config, param_dtype: torch.dtype) -> str:
     if config.optimizer == "torch.AdamW" and config.autocast:
         return "the reference (fp32 AdamW)"
     if config.optimizer != "fusedopt.AdamW" or param_dtype != torch.bfloat16:
-        return "not measured"
-    options = {**FUSEDOPT_DEFAULTS, **config.kwargs}
-    if options.get("state_format") is not None:
-        return "not measured"
-    return QUALITY.get((options["state_bits"], options["master_weight_bits"]), "not measured")
+        return NOT_MEASURED
+    return QUALITY.get(format_of(config), NOT_MEASURED)
 
 
 def candidate_configs(dtype: torch.dtype) -> list:
-    """fusedopt AdamW's formats, best quality first, each without and with ``fused=True`` (same update,
-    gradients released in backward; without it the step is faster at small micro-batches)."""
+    """fusedopt AdamW's formats (:data:`CANDIDATE_FORMATS`) in order of preference, each without and with
+    ``fused=True`` (same update, gradients released in backward; without it the step is faster at small
+    micro-batches). fp32 parameters need no correction: their formats without one only."""
     configs = []
-    masters = MASTER_BITS if dtype != torch.float32 else (None,)  # fp32 parameters need no correction
-    for state_bits in STATE_BITS:
-        for master in masters:
-            for fused in (False, True):
-                text = f"fusedopt.AdamW:state_bits={state_bits},master_weight_bits={master}"
-                configs.append(parse_config(text + (",fused=True" if fused else "")))
+    for state, master in CANDIDATE_FORMATS:
+        if dtype == torch.float32 and master is not None:
+            continue
+        option = f"state_format={state!r}" if isinstance(state, str) else f"state_bits={state}"
+        for fused in (False, True):
+            text = f"fusedopt.AdamW:{option},master_weight_bits={master}"
+            configs.append(parse_config(text + (",fused=True" if fused else "")))
     return configs
 
 
@@ -478,7 +510,7 @@ def plan(
 
 @dataclass
 class Recommendation:
-    """Every candidate format (best quality first) and the one to use (None: nothing is known to fit).
+    """Every candidate format (in order of preference) and the one to use (None: nothing is known to fit).
 
     Where activations are not known, ``undecided`` lists the formats whose other bytes fit, and
     ``choice_if_activations_fit`` is the one to use if the activations fit in its margin."""
@@ -509,9 +541,13 @@ def recommend(
 ) -> Recommendation:
     """The fusedopt AdamW configurations that fit in ``memory_gib``, and which one to use.
 
-    The choice is the first that fits from the default format down: formats with more bits than
-    the default cost memory and were not measured better (the default is within noise of fp32
-    AdamW, :data:`QUALITY`); among equals, ``fused=False`` (a faster step) before ``fused=True``.
+    The choice is the first that fits from the default format down (:data:`CANDIDATE_FORMATS`):
+    formats with more bits than the default cost memory and were not measured better (the default
+    is within noise of fp32 AdamW, :data:`QUALITY`); below it, the default's bits without the
+    correction, then the paired ``norm2-log4`` (less memory than the 4-bit block format and measured
+    better than it; after the default, whose optimizer step is faster and whose loss the seeds do
+    not tell apart from it), then the 4-bit block format. Among equals, ``fused=False`` (a faster
+    step) before ``fused=True``.
     """
     num_params, kwargs = _inputs(num_params, model, dtype, batch, seq_len, activations_gib)
     configs = candidate_configs(kwargs["dtype"])
@@ -523,13 +559,8 @@ def recommend(
 
 def _first_from_default(rows: list[PlanRow], eligible) -> PlanRow | None:
     """The first eligible row from the default format down, else the first eligible row."""
-    start = next((i for i, r in enumerate(rows) if _format(r.config) == DEFAULT_FORMAT), 0)
+    start = next((i for i, r in enumerate(rows) if format_of(r.config) == DEFAULT_FORMAT), 0)
     return next((r for r in rows[start:] if eligible(r)), None) or next((r for r in rows if eligible(r)), None)
-
-
-def _format(config) -> tuple:
-    options = {**FUSEDOPT_DEFAULTS, **config.kwargs}
-    return options["state_bits"], options["master_weight_bits"]
 
 
 def config_string(config) -> str:
@@ -595,8 +626,8 @@ def format_recommendation(rec: Recommendation, *, memory_bytes: int) -> str:
         )
         return "\n".join(lines)
     lines.append(
-        f"fusedopt AdamW configurations that fit in {memory_bytes / GIB:.2f} GiB, best quality first "
-        "(quality: held-out loss against fp32 AdamW, benchmarks/RESULTS.md):"
+        f"fusedopt AdamW configurations that fit in {memory_bytes / GIB:.2f} GiB, in order of preference "
+        f"({QUALITY_SOURCE}):"
     )
     width = max(len(r.description) for r in fitting)
     for r in fitting:
@@ -610,7 +641,7 @@ def format_recommendation(rec: Recommendation, *, memory_bytes: int) -> str:
         f'Use: {c.description} (--config "{config_string(c.config)}"), peak {_gib(c.peak)} GiB, '
         f"margin {c.margin / GIB:.2f} GiB."
     )
-    if _format(c.config) != _format(fitting[0].config):
+    if format_of(c.config) != format_of(fitting[0].config):
         lines.append("  (rows above it keep more bits than the default: more memory for no measured gain)")
     if rec.undecided:
         lines.append(f"  ({len(rec.undecided)} more formats fit on their other bytes; their activations are not known)")
@@ -626,8 +657,8 @@ def _format_undecided(rec: Recommendation, *, memory_bytes: int) -> str:
     lines = [
         f"Whether a fusedopt AdamW configuration fits in {memory_bytes / GIB:.2f} GiB depends on the "
         "activations, which are not known" + (f": {why}." if why else ".") + f" To include them, {ACTIVATIONS_HINT}.",
-        "Before activations ('+'), these fit, best quality first, with the room left for activations "
-        "(quality: held-out loss against fp32 AdamW, benchmarks/RESULTS.md):",
+        "Before activations ('+'), these fit, in order of preference, with the room left for "
+        f"activations ({QUALITY_SOURCE}):",
     ]
     width = max(len(r.description) for r in undecided)
     c = rec.choice_if_activations_fit
