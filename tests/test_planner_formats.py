@@ -147,3 +147,12 @@ def test_block4_is_never_chosen_while_norm2_log4_of_the_same_master_fits():
             master = format_of(rec.choice.config)[1]
             fitting = [r.description for r in rec.fitting if format_of(r.config) == ("norm2-log4", master)]
             assert not fitting, f"block4 chosen at {tenths / 10} B/param: {rec.choice.description} over {fitting}"
+
+
+def test_fp32_parameters_start_from_the_default_state_format():
+    """fp32 parameters keep no correction, so (8, 24) is not among their candidates: the choice still
+    starts at 8-bit state (the optimizer's default), not at the 32-bit state that also fits."""
+    rec = recommend(N, 1000.0, dtype="fp32", activations_gib=ACTIVATIONS_GIB)
+    assert any(format_of(r.config)[0] == 32 and r.fits for r in rec.rows)
+    assert format_of(rec.choice.config) == (DEFAULT_FORMAT[0], None)
+    assert not rec.choice.config.kwargs.get("fused")

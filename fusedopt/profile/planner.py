@@ -559,7 +559,11 @@ def recommend(
 
 def _first_from_default(rows: list[PlanRow], eligible) -> PlanRow | None:
     """The first eligible row from the default format down, else the first eligible row."""
-    start = next((i for i, r in enumerate(rows) if format_of(r.config) == DEFAULT_FORMAT), 0)
+    formats = [format_of(r.config) for r in rows]
+    if DEFAULT_FORMAT in formats:
+        start = formats.index(DEFAULT_FORMAT)
+    else:  # fp32 parameters take no correction: the default is the default state format
+        start = next((i for i, f in enumerate(formats) if f[0] == DEFAULT_FORMAT[0]), 0)
     return next((r for r in rows[start:] if eligible(r)), None) or next((r for r in rows if eligible(r)), None)
 
 
