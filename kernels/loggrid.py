@@ -64,8 +64,8 @@ def _bottom(tops, steps, fractions_ptr):
 
 @triton.jit
 def _on_grid(y, tops, steps, fractions_ptr):
-    """The ``inside`` of ``LogGridCodec.round_to_grid``: 0, or between the bottom level and the top, give
-    or take fp32 rounding (at the widest spacing, any value up to the top)."""
+    """``LogGridCodec.on_grid``: 0, or between the bottom level and the top, give or take fp32 rounding
+    (at the widest spacing, any value up to the top)."""
     bottom = _bottom(tops, steps, fractions_ptr)
     widest = steps >= MAX_STEP  # a refit would not reach lower: level 1 it is
     return (y == 0) | ((y <= (tops * _ABOVE)[:, None]) & ((y >= (bottom * _BELOW)[:, None]) | widest[:, None]))
@@ -127,8 +127,7 @@ def store_log_grid(
     kept_tops = tops * decay
     same = y == values * decay  # no increment: the code stays
     fits = tl.min((same | _on_grid(y, kept_tops, steps, fractions_ptr)).to(tl.int32), axis=1) > 0
-    # Each row is rounded once, on its grid: the decayed one where it fits, a fresh one where it does not
-    # (the reference rounds on both and picks per row: the same codes).
+    # each row is rounded once, on its grid: the decayed one where it fits, a fresh one where it does not
     new_tops, new_steps = kept_tops, steps
     if tl.min(fits.to(tl.int32), axis=0) == 0:  # only a program with a row to refit finds the rows' extremes
         fresh_tops, fresh_steps = _fresh_grid(y)

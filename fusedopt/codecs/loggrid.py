@@ -160,10 +160,17 @@ class LogGridCodec(MomentCodec):
         steps = torch.where(largest > 0, steps, 0.0).to(torch.uint8)
         return tops, steps
 
+    def on_grid(self, y: torch.Tensor, tops: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """Whether each value of ``y`` (``(blocks, 128)``, >= 0) is on the grid of (tops, steps): 0, or
+        between the bottom level and the top, give or take fp32 rounding (at the widest spacing, where a
+        refit would not reach lower, any value up to the top: it takes level 1)."""
+        bottom = self.levels(torch.ones_like(y[:, :1], dtype=torch.int32), tops, steps)
+        widest = (steps >= MAX_STEP).unsqueeze(1)
+        return (y == 0) | ((y <= tops.unsqueeze(1) * (1 + _SLACK)) & ((y >= bottom * (1 - _SLACK)) | widest))
+
     def round_to_grid(self, y: torch.Tensor, tops: torch.Tensor, steps: torch.Tensor, u: torch.Tensor):
-        """``y`` (``(blocks, 128)``, >= 0) rounded stochastically to the levels of (tops, steps), unbiased
-        in value; 0 stays 0, a nonzero value below the bottom level takes it. Returns (codes, whether each
-        value is on the grid: 0, or between the bottom level and the top, give or take fp32 rounding)."""
+        """The codes of ``y`` (``(blocks, 128)``, >= 0) rounded stochastically to the levels of (tops,
+        steps), unbiased in value; 0 stays 0, a nonzero value below the bottom level takes it."""
         # the highest level at or below y (level 1 if none): a binary search over the level values,
         # which rise with the code, so the answer is exact (no log2 to round) and cheap in the kernel
         lo = torch.ones_like(y, dtype=torch.int32)
@@ -174,11 +181,7 @@ class LogGridCodec(MomentCodec):
         gap = high - low
         # u * gap < y - low, decided in fp64 (exact for these fp32 products)
         up = (lo < LEVELS) & (gap > 0) & (u.double() * gap.double() < (y - low).double())
-        codes = torch.where(y > 0, lo + up.to(torch.int32), 0)
-        bottom = self.levels(torch.ones_like(lo[:, :1]), tops, steps)
-        widest = (steps >= MAX_STEP).unsqueeze(1)  # a refit would not reach lower: level 1 it is
-        inside = (y == 0) | ((y <= tops.unsqueeze(1) * (1 + _SLACK)) & ((y >= bottom * (1 - _SLACK)) | widest))
-        return codes, inside
+        return torch.where(y > 0, lo + up.to(torch.int32), 0)
 
     def _store(self, codes, tops, steps):
         return {".codes": self.pack(codes), ".scales": tops, ".steps": steps}
@@ -186,27 +189,19 @@ class LogGridCodec(MomentCodec):
     def encode(self, x, bits):
         y = self._values(x)
         tops, steps = self.fresh_grid(y)
-        codes, _ = self.round_to_grid(y, tops, steps, self.uniforms(bits))
-        return self._store(codes, tops, steps)
+        return self._store(self.round_to_grid(y, tops, steps, self.uniforms(bits)), tops, steps)
 
     def encode_decayed(self, x, bits, previous, decay):
         old_codes, old_values = self._decode_blocks(previous)
         y = self._values(x)
         tops, steps = previous[".scales"] * decay, previous[".steps"]
-        u = self.uniforms(bits)
-        codes, inside = self.round_to_grid(y, tops, steps, u)
-        # no increment: the code stays (the value decays with the top, exactly)
-        same = y == old_values * decay
-        codes = torch.where(same, old_codes, codes)
-        fits = (same | inside).all(dim=1)
+        same = y == old_values * decay  # no increment: the code stays (the value decays with the top, exactly)
+        fits = (same | self.on_grid(y, tops, steps)).all(dim=1)
+        # each block is rounded once: on its decayed grid where it fits, else on a fresh one
         fresh_tops, fresh_steps = self.fresh_grid(y)
-        fresh_codes, _ = self.round_to_grid(y, fresh_tops, fresh_steps, u)
-        keep = fits.unsqueeze(1)
-        return self._store(
-            torch.where(keep, codes, fresh_codes),
-            torch.where(fits, tops, fresh_tops),
-            torch.where(fits, steps, fresh_steps),
-        )
+        tops, steps = torch.where(fits, tops, fresh_tops), torch.where(fits, steps, fresh_steps)
+        codes = self.round_to_grid(y, tops, steps, self.uniforms(bits))
+        return self._store(torch.where(fits.unsqueeze(1) & same, old_codes, codes), tops, steps)
 
     def __repr__(self):
         return "LogGridCodec(4 bits, unsigned)"
