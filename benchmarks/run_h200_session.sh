@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (10 minutes) for the state-format and Adafactor measurements, run from the repo
-# root on the GPU machine with benchmarks/wheels/turboadam-*.whl carried:
+# root on the GPU machine with benchmarks/wheels/turboadam-*.whl (and any other competitor wheel) carried:
 #   bash benchmarks/run_h200_session.sh          (everything lands in $OUT/results.tgz)
 # 1. alone on the GPU: kernel_ablation.py's variants when ABLATION is set, then, when AB is set (its step
 #    times are compared), benchmarks/step_ab.py --formats $AB;
@@ -15,7 +15,7 @@ mkdir -p "$OUT/r"
 R=$OUT/r
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$R/install.log" 2>&1 || { cat "$R/install.log"; exit 1; }
-python3 -m pip install -q --no-deps benchmarks/wheels/turboadam-*.whl >> "$R/install.log" 2>&1
+python3 -m pip install -q --no-deps benchmarks/wheels/*.whl >> "$R/install.log" 2>&1  # the carried ones
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$R/gpu.txt"
 START=$SECONDS
@@ -27,7 +27,7 @@ ABLATION=${ABLATION-}  # kernel_ablation.py's variants of the $ABLATION_FORMAT s
 
 AB=${AB-}
 [ -n "$AB" ] && timeout -k 10 ${AB_S:-100} python3 benchmarks/step_ab.py --rounds ${AB_ROUNDS:-6} --reps 5 --formats $AB \
-  --out "$R/step_ab.json" > "$R/step_ab.log" 2>&1
+  ${AB_LINEUP:+--lineup $AB_LINEUP} --out "$R/step_ab.json" > "$R/step_ab.log" 2>&1
 
 # lanes: "name|seeds|keys|jobs"; every lane starts from the runs of $QBASE (same settings), if given
 LANES=${LANES:-"all|0,1|fp32,bf16-rtn,default,default~,norm2-log4,turboadam,adafactor-m4,block4,rot4,block4-nomaster|15"}

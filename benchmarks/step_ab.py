@@ -27,6 +27,10 @@ can join a bucket).
 24-bit master weights; kernels that run on CUDA only under ``FUSEDOPT_BACKEND=triton`` are built
 under it): the same A/B method, per-element speed against the default.
 
+``--lineup H E4`` adds other libraries' optimizers from ``benchmarks/competitors.py``'s line-up (built
+as the profiler builds them, with its shared hyperparameters; installed packages only): the
+seeds' own packages timed beside fusedopt's formats on the same tensors.
+
 ``--kernels`` then profiles 3 steps of each configuration (``torch.profiler``) and prints, per
 kernel, launches and GPU time per step against the event-timed step: what of the step is kernel
 time, and what is between kernels.
@@ -115,6 +119,7 @@ def main(argv=None) -> int:
         help="also the default's variants (all, or those whose name has a word given)",
     )
     parser.add_argument("--formats", nargs="*", default=(), help="also fusedopt AdamW with these state formats")
+    parser.add_argument("--lineup", nargs="*", default=(), help="also these line-up keys (competitors.py)")
     parser.add_argument("--kernels", action="store_true", help="then each configuration's kernel times per step")
     parser.add_argument(
         "--model", help="the parameters of this fusedopt.profile.models preset (e.g. 1b) instead of 8 large tensors"
@@ -139,6 +144,14 @@ def main(argv=None) -> int:
         with mock.patch.dict(os.environ, {"FUSEDOPT_BACKEND": "triton"}):  # the first step prepares the launch
             make = functools.partial(fusedopt.AdamW, lr=1e-4, state_format=fmt)
             configs[f"fusedopt {fmt} (24)"] = _build(make, shapes)
+    if args.lineup:
+        from competitors import select
+
+        for key, entry in zip(args.lineup, select(",".join(args.lineup), "step")):
+            if entry.release:
+                raise SystemExit(f"line-up key {key}: a release configuration has no optimizer step to time")
+            config = entry.optimizer_config()
+            configs[f"{entry.label} [{key}]"] = _build(functools.partial(config.build, device_type="cuda"), shapes)
     names = list(configs)
     times = {name: [] for name in names}
     for r in range(args.rounds):

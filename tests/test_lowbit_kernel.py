@@ -246,3 +246,43 @@ def test_the_device_helpers_round_as_the_reference(device):
     expected = LogGridCodec.levels(codes, tops, steps.to(torch.uint8))
     assert (expected > 0).any() and (expected[expected > 0] < 2.0**-126).any()  # subnormal levels too
     assert torch.equal(values.cpu(), expected)
+
+
+@triton.jit
+def _round_kernel(y_ptr, tops_ptr, steps_ptr, u_ptr, fractions_ptr, codes_ptr, R: tl.constexpr):
+    program = tl.program_id(0)
+    rows = program * R + tl.arange(0, R)
+    at = rows[:, None] * 128 + tl.arange(0, 128)[None, :]
+    tops, steps = tl.load(tops_ptr + rows), tl.load(steps_ptr + rows)
+    codes = loggrid._round_to_grid(tl.load(y_ptr + at), tops, steps, tl.load(u_ptr + at), fractions_ptr)
+    tl.store(codes_ptr + at, codes)
+
+
+@pytest.mark.parametrize("scale", ["normal", "subnormal"])
+def test_the_kernels_level_search_finds_the_references_level(device, scale):
+    """The kernel finds the level below a value from a log2 guess that three level values verify, the
+    reference by a binary search: the same codes for values on, between, above and below the levels, zeros,
+    every spacing up to 255, and tops down to where levels and values are subnormal (where a guess misses)."""
+    gen = torch.Generator().manual_seed(5)
+    rows = 64
+    exponents = (
+        torch.randint(-40, 40, (rows,), generator=gen)
+        if scale == "normal"
+        else torch.randint(-149, -110, (rows,), generator=gen)
+    )
+    tops = (1 + torch.rand(rows, generator=gen)) * torch.exp2(exponents.float())
+    steps = torch.randint(0, 256, (rows,), generator=gen, dtype=torch.int32)
+    steps[:8] = torch.arange(8)  # the narrowest spacings, 0 included
+    codes = torch.randint(1, 17, (rows, 128), generator=gen, dtype=torch.int32)
+    y = LogGridCodec.levels(codes, tops, steps.to(torch.uint8))  # on a level (and the level above the top)
+    y[:, 32:64] *= 1 + 2.0**-23  # one ulp above
+    y[:, 64:96] *= 1 - 2.0**-24  # one ulp below
+    y[:, 96:120] *= torch.exp2(torch.rand(rows, 24, generator=gen) * 10 - 8)  # anywhere, beyond both ends too
+    y[:, 120:] = 0
+    u = torch.rand(rows, 128, generator=gen)
+    expected = LogGridCodec(torch.Size([rows * 128]), "v").round_to_grid(y, tops, steps.to(torch.uint8), u)
+    got = torch.empty(rows, 128, dtype=torch.int32, device=device)
+    args = [t.to(device) for t in (y, tops, steps, u, FRACTIONS)]
+    _round_kernel[(rows // 8,)](*args, got, R=8)
+    assert torch.equal(expected > 0, y > 0) and (y[:, :120] > 0).float().mean() > 0.4  # subnormal levels can be 0
+    assert torch.equal(got.cpu(), expected)
