@@ -91,7 +91,7 @@ EDITS = {
     ],
     "nmfast": [
         ("normalised.py", "tl.div_rn(x, r)", "(x / r)"),
-        ("normalised.py", "tl.div_rn(q, tl.maximum(unit, _TINY)[:, None])", "(q / tl.maximum(unit, _TINY)[:, None])"),
+        ("normalised.py", "tl.div_rn(1.0, tl.maximum(unit, _TINY))", "(1.0 / tl.maximum(unit, _TINY))"),
         ("update.py", "root = tl.where(mask, tl.sqrt_rn(frame), 0.0)", "root = tl.where(mask, tl.sqrt(frame), 0.0)"),
         ("update.py", "tl.where(mask, tl.sqrt_rn(v), 0.0), [NORM_ROWS", "tl.where(mask, tl.sqrt(v), 0.0), [NORM_ROWS"),
     ],

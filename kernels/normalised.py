@@ -90,7 +90,7 @@ def store_normalised(
         half = tl.minimum(half, block_rms(q, R) * CLIP)
     # rounded up to bf16: the smallest bf16 pattern not below half's (half >= 0, finite)
     unit = ((half.to(tl.int32, bitcast=True) + 0xFFFF) & -65536).to(tl.float32, bitcast=True)
-    t = (tl.div_rn(q, tl.maximum(unit, _TINY)[:, None]) + 1.0) * (TOP / 2)
+    t = (q * tl.div_rn(1.0, tl.maximum(unit, _TINY))[:, None] + 1.0) * (TOP / 2)
     t = tl.minimum(tl.maximum(t, 0.0), TOP * 1.0)
     codes = tl.minimum(tl.floor(t + u), TOP * 1.0)
     codes = tl.where(unit[:, None] > 0, codes, 0.0).to(tl.int32)  # a zero block: the zero encoding

@@ -25,8 +25,9 @@ Format of one moment tensor of ``n`` elements, taken flattened in row-major orde
   ``[-scale, scale]`` (2 bits: ``-1, -1/3, 1/3, 1``; no level at 0, which halves the gap of a
   3-level code over the same range). A block of scale 0 is all zeros.
 
-Encode: stochastic rounding to the two levels around ``q / scale``, unbiased, from the moment's
-12-bit draw mixed with the element index (``rng.spread_uniform``). The codes are rounded afresh
+Encode: stochastic rounding to the two levels around ``q * (1 / scale)`` (the reciprocal rounded
+once per block), unbiased, from the moment's 12-bit draw mixed with the element index
+(``rng.spread_uniform``). The codes are rounded afresh
 each step: the frame moves every step, so a decay cannot be kept exact on a scale. Each step's
 rounding noise stays in ``m`` with weight ``b1**k``, about ``1 / (1 - b1**2)`` steps' worth; with 4
 levels spanning the block's absmax that noise is larger than ``m`` itself, and clipping the
@@ -149,7 +150,8 @@ class NormalisedCodec(MomentCodec):
         u = rng.spread_uniform(words, torch.arange(self.numel, dtype=torch.int64, device=words.device))
         u = F.pad(u, (0, self.blocks * BLOCK - self.numel)).view(self.blocks, BLOCK)
         unit = scales.float().unsqueeze(1)
-        t = ((q / unit.clamp_min(1e-30) + 1) * (self.top / 2)).clamp(0, self.top)
+        # times the block's reciprocal (one division per block, not per element: the kernel's cost)
+        t = ((q * (1.0 / unit.clamp_min(1e-30)) + 1) * (self.top / 2)).clamp(0, self.top)
         codes = torch.floor(t + u).clamp(max=self.top)
         codes = torch.where(unit > 0, codes, 0.0).to(torch.int32)  # a zero block: the zero encoding
         return {".codes": self.pack(codes), ".scales": scales}
