@@ -23,8 +23,7 @@ The time a stage costs is the base time minus the variant's. Variants:
 With ``--state-format norm2-log4`` (or another log-grid format) also: lgnogather (levels from
 arithmetic instead of the table), lgnorefit (no block ever refitted), lgnofp64 (the stochastic
 decision and the fresh grid in fp32), nmfast (approximate division and square root in the
-normalised first moment), lgsearch (the level below a value by the binary search alone, without
-the verified guess: results right); and launch variants that change only the configuration
+normalised first moment); and launch variants that change only the configuration
 (results right): w1 / w4 (warps per program), b256 / b512 / b2048 (elements per program), b512w4.
 
 Variants named twice (e.g. base,nohash,base) are timed twice: the spread is the run's noise.
@@ -84,7 +83,6 @@ EDITS = {
     # the log-grid second moment (--state-format norm2-log4 and the like)
     "lgnogather": [("loggrid.py", "tl.load(fractions_ptr + (j & 31))", "(1.0 - (j & 31).to(tl.float32) * 0.0216)")],
     "lgnorefit": [("loggrid.py", "if tl.min(fits.to(tl.int32), axis=0) == 0:", "if False:")],
-    "lgsearch": [("loggrid.py", "lo, low, high = _level_below(y,", "lo, low, high = _binary_search(y,")],
     "lgnofp64": [
         ("loggrid.py", "u.to(tl.float64) * gap.to(tl.float64) < (y - low).to(tl.float64)", "u * gap < (y - low)"),
         ("loggrid.py", "tl.log2(tops.to(tl.float64) / smallest.to(tl.float64))", "tl.log2(tops / smallest)"),

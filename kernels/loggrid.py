@@ -72,9 +72,10 @@ def _on_grid(y, tops, steps, fractions_ptr):
 
 
 @triton.jit
-def _binary_search(y, tops, steps, fractions_ptr):
-    """The reference's binary search over the level values, from level 1: (lo, low, high), the highest
-    level at or below y (level 1 if none) and the values of levels lo and lo + 1."""
+def _round_to_grid(y, tops, steps, u, fractions_ptr):
+    """The codes of ``LogGridCodec.round_to_grid``."""
+    # the level below y: the reference's binary search over the level values, from level 1 (a guess
+    # from the exponent bits verified by three level values measured slower: benchmarks/RESULTS.md)
     lo = tl.full(y.shape, 1, tl.int32)
     low = tl.zeros_like(y) + _bottom(tops, steps, fractions_ptr)[:, None]
     for i in tl.static_range(4):
@@ -83,48 +84,7 @@ def _binary_search(y, tops, steps, fractions_ptr):
         take = (candidate <= LEVELS) & (value <= y)
         lo = tl.where(take, candidate, lo)
         low = tl.where(take, value, low)
-    return lo, low, levels(lo + 1, tops, steps, fractions_ptr)
-
-
-@triton.jit
-def _rough_log2(x):
-    """log2 of positive normal fp32 ``x`` to within 0.01 (the exponent, and the mantissa's log2 as a
-    parabola), from the bit pattern: a few integer and fp32 operations where ``tl.log2`` takes dozens."""
-    bits = x.to(tl.int32, bitcast=True)
-    m = (bits & 0x7FFFFF).to(tl.float32) * 2.0**-23
-    return ((bits >> 23) - 127).to(tl.float32) + tl.fma(0.345 * m, 1.0 - m, m)
-
-
-@triton.jit
-def _level_below(y, tops, steps, fractions_ptr):
-    """The binary search's (lo, low, high) from three level values instead of six: levels rise with the
-    code, so a guess g from a rough log2 (within one level of lo at the encoder's spacings, unless a level
-    or the value is subnormal) is verified by
-    the levels g, g + 1 and one neighbour; a program where any nonzero value's guess missed searches."""
-    # levels per binade; at spacing 0 all levels are equal: level 15 at or above the top, else level 1
-    per_binade = tl.where(steps > 0, 32.0 / tl.maximum(steps, 1).to(tl.float32), 2.0**30)
-    t = LEVELS + (_rough_log2(y) - _rough_log2(tops)[:, None]) * per_binade[:, None]
-    g = tl.minimum(tl.maximum(tl.minimum(tl.maximum(t, 1.0), LEVELS * 1.0).to(tl.int32), 1), LEVELS)
-    level_g, level_g1 = levels(g, tops, steps, fractions_ptr), levels(g + 1, tops, steps, fractions_ptr)
-    at_g = (g == 1) | (level_g <= y)  # the search's test of a candidate: level 1 always passes
-    at_g1 = (g < LEVELS) & (level_g1 <= y)
-    e = tl.where(at_g1, g + 2, g - 1)  # the neighbour on the side the answer lies
-    level_e = levels(e, tops, steps, fractions_ptr)
-    at_e = (e == 1) | ((e <= LEVELS) & (level_e <= y))
-    lo = tl.where(at_g1, g + 1, tl.where(at_g, g, g - 1))
-    low = tl.where(at_g1, level_g1, tl.where(at_g, level_g, level_e))
-    high = tl.where(at_g1, level_e, tl.where(at_g, level_g1, level_g))
-    missed = (y > 0) & tl.where(at_g1, at_e, ~at_g & ~at_e)
-    if tl.max(tl.max(missed.to(tl.int32), axis=1), axis=0) > 0:
-        lo, low, high = _binary_search(y, tops, steps, fractions_ptr)
-    return lo, low, high
-
-
-@triton.jit
-def _round_to_grid(y, tops, steps, u, fractions_ptr):
-    """The codes of ``LogGridCodec.round_to_grid``."""
-    lo, low, high = _level_below(y, tops, steps, fractions_ptr)
-    gap = high - low
+    gap = levels(lo + 1, tops, steps, fractions_ptr) - low
     # u * gap < y - low, decided in fp64 (exact for these fp32 products)
     up = (lo < LEVELS) & (gap > 0) & (u.to(tl.float64) * gap.to(tl.float64) < (y - low).to(tl.float64))
     return tl.where(y > 0, lo + up.to(tl.int32), 0)
