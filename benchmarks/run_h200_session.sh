@@ -40,7 +40,7 @@ while IFS='|' read -r name seeds keys jobs; do
       > "$R/quality_${name}_report.txt" 2>&1 ) &
 done <<< "$LANES"
 
-TESTS=${TESTS-tests/gpu/test_lowbit_on_cuda.py tests/gpu/test_adafactor_cuda.py tests/gpu/test_gpu_parity.py tests/gpu/test_rotated_on_cuda.py tests/gpu/test_release_streams.py}
+TESTS=${TESTS-tests/gpu/test_state_formats_on_cuda.py tests/gpu/test_adafactor_cuda.py tests/gpu/test_gpu_parity.py tests/gpu/test_release_streams.py}
 (
   for t in $TESTS; do
     [ "$(left)" -gt 40 ] || { echo "no time left" > "$R/test_$(basename "$t" .py).log"; continue; }

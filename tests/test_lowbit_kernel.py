@@ -4,7 +4,7 @@
 On the CPU the kernel runs in Triton's interpreter (conftest.py), where it repeats the reference's
 operations in the reference's order, so every stored bit must agree: parameters, master
 corrections, codes, scales, spacings, step counts. On a GPU this file runs the compiled kernel and
-asserts the same; ``tests/gpu/test_lowbit_on_cuda.py`` holds CUDA to the CPU reference with the
+asserts the same; ``tests/gpu/test_state_formats_on_cuda.py`` holds CUDA to the CPU reference with the
 bounds of a compiled kernel.
 """
 

@@ -48,7 +48,7 @@ an increment of ``v`` is often a thousandth of the gap between levels.
 The fused update kernel (``fusedopt/kernels/loggrid.py``) repeats these operations in the same
 order (the level below a value by the same binary search over the level values) for algorithms
 that declare the moment's EMA decay (AdamW); ``tests/test_lowbit_kernel.py`` holds it to this
-reference bit for bit in Triton's interpreter, ``tests/gpu/test_lowbit_on_cuda.py`` on the GPU.
+reference bit for bit in Triton's interpreter, ``tests/gpu/test_state_formats_on_cuda.py`` on the GPU.
 """
 
 from __future__ import annotations

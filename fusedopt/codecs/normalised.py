@@ -39,7 +39,7 @@ Bytes per element: ``bits / 8 + 2 / 64``: 0.281 (norm2, 2.25 bits), 0.531 (norm4
 The fused update kernel (``fusedopt/kernels/normalised.py``) repeats these operations in the same
 order, with the log-grid second moment as the frame (the formats ``norm2-log4`` and ``norm4-log4``);
 ``tests/test_lowbit_kernel.py`` holds it to this reference bit for bit in Triton's interpreter,
-``tests/gpu/test_lowbit_on_cuda.py`` on the GPU.
+``tests/gpu/test_state_formats_on_cuda.py`` on the GPU.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ with its exact probability on average over coordinates.
 
 The fused update kernel (``fusedopt/kernels/rotated.py``) repeats these operations in the same
 order (the rotation's adds included), for algorithms that declare their EMA decays; the GPU parity
-tests (``tests/gpu/test_rotated_on_cuda.py``) hold it to this reference bit for bit.
+tests (``tests/gpu/test_state_formats_on_cuda.py``) hold it to this reference bit for bit.
 """
 
 from __future__ import annotations
