@@ -286,3 +286,50 @@ def test_the_kernels_level_search_finds_the_references_level(device, scale):
     _round_kernel[(rows // 8,)](*args, got, R=8, enable_fp_fusion=False)  # as update.py launches
     assert torch.equal(expected > 0, y > 0) and (y[:, :120] > 0).float().mean() > 0.4  # subnormal levels can be 0
     assert torch.equal(got.cpu(), expected)
+
+
+@triton.jit
+def _normalised_store_kernel(x_ptr, r_ptr, u_ptr, codes_ptr, scales_ptr, n, BITS: tl.constexpr, R: tl.constexpr):
+    at = tl.arange(0, R)[:, None] * 64 + tl.arange(0, 64)[None, :]
+    x, r, u = tl.load(x_ptr + at), tl.load(r_ptr + at), tl.load(u_ptr + at)
+    normalised.store_normalised(x, r, u, codes_ptr, scales_ptr, 0, n, 0, BITS, 0.0, R)
+
+
+def test_the_normalised_encode_multiplies_by_the_blocks_reciprocal(device):
+    """The kernel rounds ``q * (1 / scale)`` as the reference does, not ``q / scale``: values placed where
+    the two differ by an ulp and the element's draw lands between them take the reference's codes."""
+    gen = torch.Generator().manual_seed(6)
+    rows, top = 8, 15  # norm4: 15 gaps, the half-range is the block's absmax
+    n = rows * 64
+    words = torch.randint(0, 2**32, (n,), generator=gen, dtype=torch.int64)
+    u = fusedopt.rng.spread_uniform(words, torch.arange(n)).view(rows, 64)
+    unit = torch.tensor([1.6875, 1.1875, 1.3125, 1.8125, 1.5625, 1.4375, 1.9375, 1.0625]).unsqueeze(1)  # bf16
+    unit = unit * torch.exp2(torch.arange(-8, 8, 2).float()).unsqueeze(1)
+
+    def codes(q, reciprocal, u=u, unit=unit):
+        ratio = q * (1.0 / unit) if reciprocal else q / unit
+        t = ((ratio + 1) * (top / 2)).clamp(0, top)
+        return torch.floor(t + u).clamp(max=top)
+
+    # for each element, the first of 4001 neighbouring values (in ulps) of a random level crossing
+    # where the division and the reciprocal round to different codes
+    target = torch.randint(1, top, (rows, 64), generator=gen).float()
+    q0 = ((target - u) / (top / 2) - 1) * unit
+    ulps = torch.arange(-2000, 2001, dtype=torch.int32)
+    candidates = (q0.view(torch.int32).unsqueeze(-1) + ulps).view(torch.float32)
+    u3, unit3 = u.unsqueeze(-1), unit.unsqueeze(-1)
+    split = codes(candidates, True, u3, unit3) != codes(candidates, False, u3, unit3)
+    first = torch.where(split.any(-1), split.int().argmax(-1), 2000)
+    q = candidates.gather(-1, first.unsqueeze(-1)).squeeze(-1).clamp(-unit, unit)
+    q[:, 0] = unit.squeeze(1)  # the block's absmax: its scale is `unit`
+    assert (codes(q, True) != codes(q, False)).sum() > n // 8  # the test can tell the two apart
+
+    codec = codec_named("norm4", True, torch.Size([n]))
+    expected = codec.encode(q.reshape(-1), lambda: words, torch.ones(n))
+    got_codes = torch.empty_like(expected[".codes"], device=device)
+    got_scales = torch.empty_like(expected[".scales"], device=device)
+    x, r, uu = (t.to(device).contiguous() for t in (q, torch.ones(rows, 64), u))
+    _normalised_store_kernel[(1,)](x, r, uu, got_codes, got_scales, n, BITS=4, R=rows, enable_fp_fusion=False)
+    assert torch.equal(expected[".scales"].float(), unit.squeeze(1))
+    assert torch.equal(got_scales.cpu(), expected[".scales"])
+    assert torch.equal(got_codes.cpu(), expected[".codes"])
