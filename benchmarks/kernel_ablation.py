@@ -23,8 +23,10 @@ The time a stage costs is the base time minus the variant's. Variants:
 With ``--state-format norm2-log4`` (or another log-grid format) also: lgnogather (levels from
 arithmetic instead of the table), lgnorefit (no block ever refitted), lgnofp64 (the stochastic
 decision and the fresh grid in fp32), nmfast (approximate division and square root in the
-normalised first moment); and launch variants that change only the configuration
-(results right): w1 / w4 (warps per program), b256 / b512 / b2048 (elements per program), b512w4.
+normalised first moment), lgcheap (a stand-in for a format whose code comes from the exponent bits,
+rounded in the log domain: what a cheaper encode could save), lgcheapnm (with nmfast too); and
+launch variants that change only the configuration (results right): w1 / w4 (warps per program),
+b256 / b512 / b2048 (elements per program), b512w4.
 
 Variants named twice (e.g. base,nohash,base) are timed twice: the spread is the run's noise.
 The RESULTS block 5's candidates are in the kernels now (benchmarks/RESULTS.md): the 1-D scale
@@ -52,6 +54,16 @@ from fusedopt.kernels import update as real_update
 from fusedopt.kernels.launcher import DirectLauncher
 
 KERNELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
+
+_LOG_DOMAIN_ROUND = """@triton.jit
+def _log_domain_round(y, tops, steps, u):
+    bits, top_bits = y.to(tl.int32, bitcast=True), tops.to(tl.int32, bitcast=True)
+    below_top = (top_bits[:, None] - bits).to(tl.float32) * (2.0**-23 * 32.0)
+    t = LEVELS - below_top / tl.maximum(steps, 1).to(tl.float32)[:, None]
+    return tl.where(y > 0, tl.minimum(tl.maximum(tl.floor(t + u), 1.0), LEVELS * 1.0).to(tl.int32), 0)
+
+
+"""
 
 EDITS = {
     "nohash": [
@@ -87,6 +99,13 @@ EDITS = {
         ("loggrid.py", "u.to(tl.float64) * gap.to(tl.float64) < (y - low).to(tl.float64)", "u * gap < (y - low)"),
         ("loggrid.py", "tl.log2(tops.to(tl.float64) / smallest.to(tl.float64))", "tl.log2(tops / smallest)"),
     ],
+    # a stand-in for a cheaper log-grid format: the code from the exponent bits, rounded stochastically
+    # in the log domain (biased in value: a different format, not a faster kernel of this one)
+    "lgcheap": [
+        ("loggrid.py", "@triton.jit\ndef _fresh_grid(y):", _LOG_DOMAIN_ROUND + "@triton.jit\ndef _fresh_grid(y):"),
+        ("loggrid.py", "rounded = _round_to_grid(y, new_tops, new_steps, u, fractions_ptr)",
+         "rounded = _log_domain_round(y, new_tops, new_steps, u)"),
+    ],
     "nmfast": [
         ("normalised.py", "tl.div_rn(x, r)", "(x / r)"),
         ("normalised.py", "tl.div_rn(1.0, tl.maximum(unit, _TINY))", "(1.0 / tl.maximum(unit, _TINY))"),
@@ -100,6 +119,7 @@ RUNTIME = {
     "b256": dict(BLOCK=256), "b512w4": dict(BLOCK=512, NUM_WARPS=4),
 }  # fmt: skip
 EDITS["floor"] = [e for name in ("nohash", "noencode", "nodecode", "fastmath", "nomaster") for e in EDITS[name]]
+EDITS["lgcheapnm"] = EDITS["lgcheap"] + EDITS["nmfast"]  # both stand-ins: a bound on what they could save
 
 
 def build_variant(root: str, name: str):
