@@ -434,6 +434,7 @@ def _convert_param_state(
             if source is None:
                 raise ValueError(f"state {slot!r} of {where} is missing: a saved moment is stored relative to it")
             stored = {s: saved[slot + s].detach().to(p.device) for s in source.suffixes}
+            _refuse_invalid(source, stored, slot, where)
             frame = {"frame": saved_value(optimizer.frames[slot])} if source.frame else {}
             saved_values[slot] = source.decode(stored, **frame).float()
         return saved_values[slot]
@@ -452,6 +453,7 @@ def _convert_param_state(
             and same_frame
             and all(isinstance(t, torch.Tensor) and (t.dtype, t.shape) == layout[s] for s, t in entries.items())
         ):
+            _refuse_invalid(codec, entries, slot, where)
             out.update({slot + s: t.detach() for s, t in entries.items()})  # copied to p.device by pack_tensors
             stored_out[slot] = {s: t.detach().to(p.device) for s, t in entries.items()}
             copied.add(slot)
@@ -484,6 +486,13 @@ def _convert_param_state(
     out.update(correction)
     step_tensor = out.pop("step")
     return {"step": step_tensor, **pack_tensors(out, p.device)}  # shared allocations, as a fresh state
+
+
+def _refuse_invalid(codec: MomentCodec, stored: dict, slot: str, where: str) -> None:
+    """Refuse a saved moment whose storage its codec could not have written (``MomentCodec.invalid``)."""
+    problem = codec.invalid(stored)
+    if problem is not None:
+        raise ValueError(f"state {slot!r} of {where} ({codec.name}) is corrupt: {problem}")
 
 
 def _of_slot(key: str, slot: str) -> bool:

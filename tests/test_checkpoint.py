@@ -374,3 +374,37 @@ def test_format_one_checkpoint_with_square_level_codes_is_converted_not_misread(
         err = (loaded - moments[slot]).reshape(-1, 40).abs().amax(1) / moments[slot].reshape(-1, 40).abs().amax(1)
         assert err.max() < 2 * 0.066, (slot, err.max().item())
     assert fresh.state_dict()["fusedopt"]["format"] == 3
+
+
+@pytest.mark.parametrize("fmt", ["rot4", "norm2-log4", "rot4-log4"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+@pytest.mark.parametrize("into", ["same", "converted"])
+def test_a_checkpoint_with_a_corrupt_block_scale_is_refused_and_leaves_the_optimizer_intact(fmt, bad, into):
+    """A negative or non-finite block scale would make the moment, then the weights, NaN: it is refused,
+    whether the state is copied or converted to the loading optimizer's format."""
+    gen = torch.Generator().manual_seed(7)
+    p = torch.nn.Parameter(torch.randn(300, 7, generator=gen))
+    opt = fusedopt.AdamW([p], lr=1e-3, state_format=fmt, min_compress_numel=0)
+    for _ in range(2):
+        p.grad = torch.randn(300, 7, generator=gen)
+        opt.step()
+    for slot in ("exp_avg", "exp_avg_sq"):
+        saved = copy.deepcopy(opt.state_dict())
+        scales = saved["state"][0][slot + ".scales"]
+        scales[3] = bad
+        other = fmt
+        if into == "converted":  # the loading optimizer's format, not the saved one: each moment re-encoded
+            other = "norm4-log4"
+            del saved["param_groups"][0]["state_format"]
+        q = torch.nn.Parameter(p.detach().clone())
+        target = fusedopt.AdamW([q], lr=1e-3, state_format=other, min_compress_numel=0)
+        q.grad = torch.randn(300, 7, generator=gen)
+        target.step()
+        before = copy.deepcopy(target.state_dict())
+        with pytest.raises(
+            ValueError, match=rf"state '{slot}' of .* is corrupt: 1 of its {scales.numel()} block scales"
+        ):
+            target.load_state_dict(saved)
+        after = target.state_dict()
+        for key, value in before["state"][0].items():
+            assert torch.equal(after["state"][0][key], value)

@@ -89,6 +89,17 @@ class MomentCodec:
         the decay exact and round only the increment; the default ignores it."""
         return self.encode(x, bits)
 
+    def invalid(self, stored: dict[str, torch.Tensor]) -> str | None:
+        """What in ``stored`` (storage of this codec read from a checkpoint) no encode writes, or None;
+        checked before a loaded state is used. Here: a floating-point ``.scales`` entry (block scales)
+        with negative or non-finite values, which would turn the moment, then the weights, into NaN."""
+        scales = stored.get(".scales")
+        if isinstance(scales, torch.Tensor) and scales.is_floating_point():
+            bad = int((~(torch.isfinite(scales) & (scales >= 0))).sum())
+            if bad:
+                return f"{bad} of its {scales.numel()} block scales are negative or not finite"
+        return None
+
     def layout(self, shape: torch.Size) -> dict[str, tuple[torch.dtype, torch.Size]]:
         """Expected dtype and shape of each storage tensor (used to validate checkpoints)."""
         return {k: (t.dtype, t.shape) for k, t in self.zeros(shape, torch.device("meta")).items()}
