@@ -549,6 +549,8 @@ def _fits(t, dtype: torch.dtype, shape: torch.Size) -> bool:
 class _PlainCodec(MomentCodec):
     """Any floating tensor under the slot's own name (decoded to fp32)."""
 
+    name = "plain"
+
     def decode(self, stored):
         return stored[""].float()
 

@@ -1,6 +1,7 @@
 """Checkpoints: exact round trips, resume = no interruption, dtypes kept, conversions and refusals."""
 
 import copy
+import functools
 import io
 
 import pytest
@@ -408,3 +409,27 @@ def test_a_checkpoint_with_a_corrupt_block_scale_is_refused_and_leaves_the_optim
         after = target.state_dict()
         for key, value in before["state"][0].items():
             assert torch.equal(after["state"][0][key], value)
+
+
+@pytest.mark.parametrize("state_bits", [32, 16])
+@pytest.mark.parametrize("source", ["fusedopt", "torch"])
+def test_a_checkpoint_with_nan_in_a_plain_moment_is_refused(state_bits, source):
+    """NaN in an fp32 / bf16 moment (fusedopt's or torch.optim.AdamW's checkpoint) would reach the weights."""
+    gen = torch.Generator().manual_seed(8)
+    p = torch.nn.Parameter(torch.randn(40, 3, generator=gen))
+    make = (
+        torch.optim.AdamW
+        if source == "torch"
+        else functools.partial(fusedopt.AdamW, state_bits=state_bits, min_compress_numel=0)
+    )
+    opt = make([p], lr=1e-3)
+    p.grad = torch.randn(40, 3, generator=gen)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    saved["state"][0]["exp_avg"][5, 1] = float("nan")
+    q = torch.nn.Parameter(p.detach().clone())
+    target = fusedopt.AdamW([q], lr=1e-3, state_bits=state_bits, min_compress_numel=0)
+    assert target.codecs(q, target.param_groups[0])["exp_avg"].name == {32: "fp32", 16: "bf16"}[state_bits]
+    with pytest.raises(ValueError, match=r"state 'exp_avg' of .* is corrupt: 1 of its 120 values are NaN"):
+        target.load_state_dict(saved)
+    assert not target.state  # nothing loaded

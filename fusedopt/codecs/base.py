@@ -91,8 +91,15 @@ class MomentCodec:
 
     def invalid(self, stored: dict[str, torch.Tensor]) -> str | None:
         """What in ``stored`` (storage of this codec read from a checkpoint) no encode writes, or None;
-        checked before a loaded state is used. Here: a floating-point ``.scales`` entry (block scales)
-        with negative or non-finite values, which would turn the moment, then the weights, into NaN."""
+        checked before a loaded state is used. Here: NaN in a plain moment (the ``""`` entry), and a
+        floating-point ``.scales`` entry (block scales) with negative or non-finite values; either would
+        turn the moment, then the weights, into NaN. (An infinite plain second moment is left alone:
+        an fp32 ``v`` can overflow in training, and the update then is 0.)"""
+        plain = stored.get("")
+        if isinstance(plain, torch.Tensor) and plain.is_floating_point():
+            bad = int(plain.isnan().sum())
+            if bad:
+                return f"{bad} of its {plain.numel()} values are NaN"
         scales = stored.get(".scales")
         if isinstance(scales, torch.Tensor) and scales.is_floating_point():
             bad = int((~(torch.isfinite(scales) & (scales >= 0))).sum())
