@@ -21,12 +21,13 @@ The time a stage costs is the base time minus the variant's. Variants:
              (a candidate, not a stand-in: its results are right)
 
 With ``--state-format norm2-log4`` (or another log-grid format) also: lgnogather (levels from
-arithmetic instead of the table), lgnorefit (no block ever refitted), lgnofp64 (the stochastic
-decision and the fresh grid in fp32), nmfast (approximate division and square root in the
-normalised first moment), lgcheap (a stand-in for a format whose code comes from the exponent bits,
-rounded in the log domain: what a cheaper encode could save), lgcheapnm (with nmfast too); and
-launch variants that change only the configuration (results right): w1 / w4 (warps per program),
-b256 / b512 / b2048 (elements per program), b512w4.
+arithmetic instead of the table), lgnorefit (no fresh grid: out-of-grid values are rounded on the
+decayed one; slower than the base since each block is rounded once, so it no longer isolates the
+refit's cost), lgnofp64 (the stochastic decision and the fresh grid in fp32), nmfast (approximate
+division and square root in the normalised first moment), lgcheap (a stand-in for a format whose
+code comes from the exponent bits, rounded in the log domain: what a cheaper encode could save),
+lgcheapnm (with nmfast too); and launch variants that change only the configuration (results
+right): w1 / w4 (warps per program), b256 / b512 / b2048 (elements per program), b512w4.
 
 Variants named twice (e.g. base,nohash,base) are timed twice: the spread is the run's noise.
 The RESULTS block 5's candidates are in the kernels now (benchmarks/RESULTS.md): the 1-D scale

@@ -58,6 +58,18 @@ def train(model, opt, xs, *, micro_batches: int = 1, closure: bool = False) -> N
         opt.zero_grad()
 
 
+def step_with(opt, params, grads, fused: bool) -> None:
+    """One optimizer step on these gradients: through backward under ``fused=True`` (the update runs in
+    each parameter's hook), else set as ``.grad`` then ``opt.step()``; the gradients are cleared after."""
+    if fused:
+        sum((w * g).sum() for w, g in zip(params, grads)).backward()
+    else:
+        for w, g in zip(params, grads):
+            w.grad = g
+    opt.step()
+    opt.zero_grad()
+
+
 def twins(seed: int = 0, dtype=torch.float32):
     a = make_model(seed, dtype)
     return a, copy.deepcopy(a)

@@ -31,7 +31,7 @@ from cases import (
     master_cases,
     named_format_cases,
 )
-from helpers import code_levels
+from helpers import code_levels, step_with
 
 import fusedopt
 from fusedopt.codecs.rotated import RotatedCodec, rotated_codec
@@ -415,13 +415,7 @@ def test_rotated_kernel_in_buckets_and_shards(monkeypatch, device, fmt):
         offsets = dict(zip(ws, firsts))
         opt.element_offset = lambda p: offsets[p]  # as a shard's offset in its parameter
         for step_grads in grads:
-            if fused:
-                sum((w * g.to(run_device)).sum() for w, g in zip(ws, step_grads)).backward()
-            else:
-                for w, g in zip(ws, step_grads):
-                    w.grad = g.to(run_device)
-            opt.step()
-            opt.zero_grad()
+            step_with(opt, ws, [g.to(run_device) for g in step_grads], fused)
         built = [len(b.members) for b in opt._dispatch._built.values()]
         return [w.detach().cpu() for w in ws], [{k: v.cpu() for k, v in opt.state[w].items()} for w in ws], built
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from helpers import step_with
 
 import fusedopt
 from fusedopt.codecs import PAIRED_FORMATS, codec_named
@@ -73,14 +74,7 @@ def _train(backend, device, monkeypatch, fmt, shapes, *, dtype=torch.float32, ma
         offsets = dict(zip(ws, firsts))
         opt.element_offset = lambda p: offsets[p]  # as a shard's offset in its parameter
     for step_grads in grads or _gradients(shapes, steps, seed):
-        step_grads = [g.to(device=device, dtype=dtype) for g in step_grads]
-        if fused:
-            sum((w * g).sum() for w, g in zip(ws, step_grads)).backward()
-        else:
-            for w, g in zip(ws, step_grads):
-                w.grad = g
-        opt.step()
-        opt.zero_grad()
+        step_with(opt, ws, [g.to(device=device, dtype=dtype) for g in step_grads], fused)
     states = [{k: v.cpu() for k, v in opt.state[w].items()} for w in ws]
     return [w.detach().cpu() for w in ws], states, opt
 

@@ -113,8 +113,7 @@ class LogGridCodec(MomentCodec):
         j = (LEVELS - codes).clamp_min(-1) * steps.to(torch.int32).unsqueeze(1)  # 32nds of a binade below top
         whole, frac = j >> 5, j & (STEP_UNITS - 1)  # floor division: j = -s (c = 16) gives a level above top
         value = tops.unsqueeze(1) * FRACTIONS.to(tops.device)[frac]
-        value = value * _pow2((-whole).clamp(-126, 127))  # whole <= 14 * 255 / 32
-        return torch.where(codes > 0, value, 0.0)
+        return torch.where(codes > 0, value * _pow2(-whole), 0.0)  # -8 <= whole <= 15 * 255 / 32: no clamp needed
 
     # --- codes ---------------------------------------------------------------------------------
 

@@ -27,8 +27,8 @@ Format of one moment tensor of ``n`` elements, taken flattened in row-major orde
 
 Encode: stochastic rounding to the two levels around ``q * (1 / scale)`` (the reciprocal rounded
 once per block), unbiased, from the moment's 12-bit draw mixed with the element index
-(``rng.spread_uniform``). The codes are rounded afresh
-each step: the frame moves every step, so a decay cannot be kept exact on a scale. Each step's
+(``rng.spread_uniform``). The codes are rounded afresh each step: the frame moves every step, so a
+decay cannot be kept exact on a scale. Each step's
 rounding noise stays in ``m`` with weight ``b1**k``, about ``1 / (1 - b1**2)`` steps' worth; with 4
 levels spanning the block's absmax that noise is larger than ``m`` itself, and clipping the
 half-range at 1.2 rms (gaps of 0.8 rms) was the best trade of clipping bias against rounding noise

@@ -24,6 +24,7 @@ import time
 
 import pytest
 import torch
+from helpers import step_with
 
 import fusedopt
 from fusedopt.codecs import PAIRED_FORMATS
@@ -77,13 +78,7 @@ def _train(device, backend, monkeypatch, fmt, shapes, *, dtype=torch.bfloat16, m
     for i in range(steps):
         scale = [1e-3, 1.0, 1.0, 0.5][i % 4]
         grads = [(torch.randn(s, generator=gen) * scale).to(device=device, dtype=dtype) for s in shapes]
-        if fused:
-            sum((w * g).sum() for w, g in zip(ws, grads)).backward()
-        else:
-            for w, g in zip(ws, grads):
-                w.grad = g
-        opt.step()
-        opt.zero_grad()
+        step_with(opt, ws, grads, fused)
     return ws, opt
 
 
