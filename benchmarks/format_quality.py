@@ -109,6 +109,16 @@ CONFIGS = {
         lambda ps, lr: fusedopt.AdamW(ps, lr=lr, state_format="rot4-log4", **HPARAMS),
         "rot4-log4 (1.05 B/param), 24-bit",
     ),
+    "norm2-root4": (
+        torch.bfloat16,
+        lambda ps, lr: fusedopt.AdamW(ps, lr=lr, state_format="norm2-root4", **HPARAMS),
+        "norm2-root4 (0.81 B/param), 24-bit",
+    ),
+    "norm2-root4-nomaster": (
+        torch.bfloat16,
+        lambda ps, lr: fusedopt.AdamW(ps, lr=lr, state_format="norm2-root4", master_weight_bits=None, **HPARAMS),
+        "norm2-root4, no correction",
+    ),
     "turboadam": (
         torch.bfloat16,
         lambda ps, lr: __import__("turboadam").TurboAdam(ps, lr=lr, **HPARAMS),

@@ -33,14 +33,15 @@ import triton
 import triton.language as tl
 
 from fusedopt import rng
-from fusedopt.codecs.base import LOG_GRID, NO_MOMENT, NORMALISED, ROTATED, KernelFormat, format_family
+from fusedopt.codecs.base import LOG_GRID, NO_MOMENT, NORMALISED, ROOT_GRID, ROTATED, KernelFormat, format_family
 from fusedopt.codecs.loggrid import FRACTIONS
-from fusedopt.kernels.hashing import element_bits, spread_uniform, step_hash, tile_bits
+from fusedopt.kernels.hashing import element_bits, spread_bits, spread_uniform, step_hash, tile_bits
 from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig, launch_remembered
 from fusedopt.kernels.loggrid import levels, load_log_grid, store_log_grid
 from fusedopt.kernels.master import load_master, store_master
 from fusedopt.kernels.moments import commit_mask, load_moment, store_moment, tile_offsets
 from fusedopt.kernels.normalised import load_normalised, store_normalised
+from fusedopt.kernels.rootgrid import load_root_grid, store_root_grid
 from fusedopt.kernels.rotated import load_rotated, store_rotated
 from fusedopt.master import MASTER_CORRECTION
 from fusedopt.streams import on_default_stream
@@ -87,7 +88,8 @@ _INDEX_BIAS = tl.constexpr(INDEX_BIAS)
 _ROTATED = tl.constexpr(ROTATED)
 _LOG_GRID = tl.constexpr(LOG_GRID)
 _NORMALISED = tl.constexpr(NORMALISED)
-_LOG_BLOCK = tl.constexpr(128)  # the log grid's and the normalised codes' blocks (kernels/loggrid.py, normalised.py)
+_ROOT_GRID = tl.constexpr(ROOT_GRID)
+_LOG_BLOCK = tl.constexpr(128)  # the log and root grids' blocks, and the normalised codes' (kernels/loggrid.py, ...)
 _NORM_BLOCK = tl.constexpr(64)
 
 
@@ -383,17 +385,24 @@ def _update_kernel(
         )
     if V_FMT > _ROTATED and V_FMT < _LOG_GRID:
         v_codes, v_scales, v_t, v = load_rotated(v_ptr, v_scale_ptr, start, n_elements, V_SIGNED, V_FMT - _ROTATED, NB)
-    elif V_FMT > _LOG_GRID:  # the codes, tops, spacings and values stay for the encode
+    elif V_FMT > _LOG_GRID and V_FMT < _NORMALISED:  # the codes, tops, spacings and values stay for the encode
         v_codes, v_tops, v_steps, v_values = load_log_grid(
             v_ptr, v_scale_ptr, v_aux_ptr, fractions_ptr, start, n_elements, LOG_ROWS
         )
+        v = tl.reshape(v_values, [NB, QBLOCK])
+    elif V_FMT > _ROOT_GRID:  # the codes, units and roots stay for the encode (and m's decode)
+        v_codes, v_units, v_roots = load_root_grid(v_ptr, v_scale_ptr, start, n_elements, LOG_ROWS)
+        v_values = v_roots * v_roots
         v = tl.reshape(v_values, [NB, QBLOCK])
     else:
         v = load_moment(
             v_ptr, v_scale_ptr, start, n_elements, n_pairs, V_FMT, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, NB, QBLOCK
         )
-    if M_FMT > _NORMALISED:  # m in units of sqrt(v) as decoded (0 past the end: the reference's padding)
-        root = tl.reshape(tl.where(mask, tl.sqrt_rn(v), 0.0), [NORM_ROWS, _NORM_BLOCK])
+    if M_FMT > _NORMALISED and M_FMT < _ROOT_GRID:  # m in units of sqrt(v) as decoded (0 past the end)
+        if V_FMT > _ROOT_GRID:  # sqrt(v) is the stored root (RootGridCodec.roots)
+            root = tl.reshape(tl.where(mask, tl.reshape(v_roots, [NB, QBLOCK]), 0.0), [NORM_ROWS, _NORM_BLOCK])
+        else:
+            root = tl.reshape(tl.where(mask, tl.sqrt_rn(v), 0.0), [NORM_ROWS, _NORM_BLOCK])
         m = tl.reshape(
             load_normalised(m_ptr, m_scale_ptr, root, start, n_elements, M_FMT - _NORMALISED, NORM_ROWS), [NB, QBLOCK]
         )
@@ -435,7 +444,14 @@ def _update_kernel(
             # word (the reference's rule; in range, element_bits is tile_bits' word)
             source = tl.where(offs < n_elements, offs, offs % n_elements)
             shared = element_bits(step_hash(key_shared, step), source + (hash_start - start))
-    if V_FMT > _LOG_GRID:  # first: a normalised first moment is stored in units of v as stored
+    if V_FMT > _ROOT_GRID:  # first: a normalised first moment is stored in units of v as stored
+        v_draws = tl.where(mask, spread_bits(((shared << 12) >> 20) << 20, offs), 0)
+        stored_roots = store_root_grid(
+            tl.reshape(v, [LOG_ROWS, _LOG_BLOCK]), v_codes, v_units, v_values, _as_f32(v_decay), _as_f32(v_decay_root),
+            tl.reshape(v_draws, [LOG_ROWS, _LOG_BLOCK]), tl.reshape(offs, [LOG_ROWS, _LOG_BLOCK]), v_ptr, v_scale_ptr,
+            start, n_elements, status, LOG_ROWS,
+        )  # fmt: skip
+    elif V_FMT > _LOG_GRID and V_FMT < _NORMALISED:  # first: a normalised first moment is stored in units of v as stored
         v_u = tl.where(mask, spread_uniform(((shared << 12) >> 20) << 20, offs), 0.0)
         v_codes, v_tops, v_steps = store_log_grid(
             tl.reshape(v, [LOG_ROWS, _LOG_BLOCK]), v_codes, v_tops, v_steps, v_values, _as_f32(v_decay),
@@ -451,9 +467,12 @@ def _update_kernel(
             m, m_codes, m_scales, m_t, m_storage_decay, (shared >> 20) << 20, offs, m_ptr, m_scale_ptr, start,
             n_elements, status, M_SIGNED, M_FMT - _ROTATED, M_QMAX, M_INV_RESCALE, NB,
         )  # fmt: skip
-    elif M_FMT > _NORMALISED:
-        frame = tl.reshape(levels(v_codes, v_tops, v_steps, fractions_ptr), [NB, QBLOCK])  # v as just stored
-        root = tl.where(mask, tl.sqrt_rn(frame), 0.0)
+    elif M_FMT > _NORMALISED and M_FMT < _ROOT_GRID:
+        if V_FMT > _ROOT_GRID:  # sqrt(v) as just stored
+            root = tl.where(mask, tl.reshape(stored_roots, [NB, QBLOCK]), 0.0)
+        else:
+            frame = tl.reshape(levels(v_codes, v_tops, v_steps, fractions_ptr), [NB, QBLOCK])  # v as just stored
+            root = tl.where(mask, tl.sqrt_rn(frame), 0.0)
         m_u = tl.where(mask, spread_uniform((shared >> 20) << 20, offs), 0.0)
         store_normalised(
             tl.reshape(m, [NORM_ROWS, _NORM_BLOCK]), tl.reshape(root, [NORM_ROWS, _NORM_BLOCK]),
@@ -569,20 +588,21 @@ def unsupported(algorithm, job) -> str | None:
     slots = list(job.codecs)
     for i, (slot, codec) in enumerate(job.codecs.items()):
         family = format_family(codec.kernel_format.fmt)
-        if family in (ROTATED, LOG_GRID) and slot not in (job.decays or {}):
+        if family in (ROTATED, LOG_GRID, ROOT_GRID) and slot not in (job.decays or {}):
             # the format keeps the decay exact on its scales (encode_decayed)
             return (
                 f"the state format {codec.name!r} needs the EMA decay of {slot!r}, which "
                 f"fusedopt.{algorithm.__name__} does not declare (ema_decays)"
             )
-        if family == LOG_GRID and i != 1:
-            return f"the fused kernel reads a log-grid moment ({codec.name!r} of {slot!r}) only as the second moment"
+        if family in (LOG_GRID, ROOT_GRID) and i != 1:
+            return f"the fused kernel reads a {codec.name!r} moment (of {slot!r}) only as the second moment"
         if family == NORMALISED:
             frame = (job.frames or {}).get(slot)
-            if not (i == 0 and frame in slots[1:] and format_family(job.codecs[frame].kernel_format.fmt) == LOG_GRID):
+            framed = i == 0 and frame in slots[1:]
+            if not (framed and format_family(job.codecs[frame].kernel_format.fmt) in (LOG_GRID, ROOT_GRID)):
                 return (
-                    f"the fused kernel stores {codec.name!r} (of {slot!r}) only in units of a log-grid second moment "
-                    "of the same parameter"
+                    f"the fused kernel stores {codec.name!r} (of {slot!r}) only in units of a log- or root-grid second "
+                    "moment of the same parameter"
                 )
     return None
 
@@ -802,7 +822,7 @@ def _tile_row(m_fmt: KernelFormat, v_fmt: KernelFormat) -> int:
         return 32  # unquantised moments: any tile row length works
     row = max(f.block for f in formats)
     for f in formats:
-        viewed = format_family(f.fmt) in (LOG_GRID, NORMALISED) and row % f.block == 0
+        viewed = format_family(f.fmt) in (LOG_GRID, NORMALISED, ROOT_GRID) and row % f.block == 0
         if f.block != row and not viewed:
             blocks = sorted({g.block for g in formats})
             raise ValueError(f"both moments must use one quantisation block size, got {blocks}")

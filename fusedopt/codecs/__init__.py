@@ -24,6 +24,8 @@ from .loggrid import log_grid_codec
 from .normalised import FORMATS as NORMALISED_FORMATS
 from .normalised import normalised_codec
 from .rotated import FORMATS as ROTATED_FORMATS
+from .rootgrid import FORMATS as ROOT_GRID_FORMATS
+from .rootgrid import root_grid_codec
 from .rotated import rotated_codec
 
 __all__ = [
@@ -93,6 +95,8 @@ for _name in ROTATED_FORMATS:
 # name them per moment; users select them through the paired formats below.
 for _name in LOG_GRID_FORMATS:
     register_codec(_name, functools.partial(log_grid_codec, _name), selectable=False)
+for _name in ROOT_GRID_FORMATS:
+    register_codec(_name, functools.partial(root_grid_codec, _name), selectable=False)
 for _name in NORMALISED_FORMATS:
     register_codec(_name, functools.partial(normalised_codec, _name), selectable=False)
 
@@ -102,6 +106,7 @@ PAIRED_FORMATS = {
     "norm2-log4": ("norm2", "log4"),
     "norm4-log4": ("norm4", "log4"),
     "rot4-log4": ("rot4", "log4"),
+    "norm2-root4": ("norm2", "root4"),
 }
 
 

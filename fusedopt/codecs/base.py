@@ -25,7 +25,7 @@ class KernelFormat:
     on it, so hashing must not walk the fields on every launch.
     """
 
-    fmt: int  # 0 none, 32 fp32, 16 bf16, 8 / 4 block codes, ROTATED / LOG_GRID / NORMALISED + bits
+    fmt: int  # 0 none, 32 fp32, 16 bf16, 8 / 4 block codes, ROTATED / LOG_GRID / NORMALISED / ROOT_GRID + bits
     signed: bool = True
     power: int = 1  # levels q**power; negative: minifloat levels with -power mantissa bits
     qmax: int = 0
@@ -43,10 +43,11 @@ NO_MOMENT = KernelFormat(0)
 ROTATED = 100  # rotated codes (fusedopt.codecs.rotated)
 LOG_GRID = 200  # log-grid codes of a nonnegative moment (fusedopt.codecs.loggrid)
 NORMALISED = 300  # codes in units of the frame's square root (fusedopt.codecs.normalised)
+ROOT_GRID = 400  # minifloat codes of a nonnegative moment's square root (fusedopt.codecs.rootgrid)
 
 
 def format_family(fmt: int) -> int:
-    """``ROTATED``, ``LOG_GRID`` or ``NORMALISED`` for a ``KernelFormat.fmt`` of theirs, else 0."""
+    """``ROTATED``, ``LOG_GRID``, ``NORMALISED`` or ``ROOT_GRID`` for a ``KernelFormat.fmt`` of theirs, else 0."""
     return fmt - fmt % 100
 
 

@@ -1,0 +1,92 @@
+"""Root-grid second moments inside the update kernel (the codec ``root4`` of ``norm2-root4``).
+
+Device twin of ``fusedopt.codecs.rootgrid`` (its docstring defines the format). The update's tile is
+viewed as ``[R, 128]``, one block per row, so a block's largest root, its fit and its unit never
+leave the program. The same operations in the same order as the reference, so the interpreter
+agrees with it bit for bit: the minifloat level below a root and the stochastic decision are integer
+operations on the bits of ``t + 4`` (``blockwise.MinifloatLevels``), with the reference's draws (the
+moment's field of the shared word, mixed with the element index).
+"""
+
+import triton
+import triton.language as tl
+
+from fusedopt.codecs.rootgrid import FRESH_UNIT
+from fusedopt.kernels.moments import block_rows, commit_mask
+
+BLOCK = tl.constexpr(128)  # elements per block (fusedopt.codecs.rootgrid.BLOCK)
+_TOP = tl.constexpr(52.0)  # the top level, L(15)
+_QMAX = tl.constexpr(15)
+_SHIFT = tl.constexpr(21)  # 23 - the levels' 2 mantissa bits
+_BASE = tl.constexpr((127 + 2) << 23)  # the bits of 4.0 = 2**2
+_FRESH = tl.constexpr(FRESH_UNIT)  # HEADROOM / TOP, an fp32 value
+_TOP_SLACK = tl.constexpr(52.0 * (1.0 + 2.0**-20))  # exact in fp32
+_SMALLEST = tl.constexpr(2.0**-63)  # smaller roots decode as 0 (their square would be subnormal)
+_BIG_ROOT = tl.constexpr(2.0**50)  # the root of the reference's saturation of v, 2**100
+
+
+@triton.jit
+def roots(codes, units):
+    """``L(c) * w`` of int32 ``codes`` ``[R, 128]`` under the rows' ``units``, roots too small to square
+    in fp32's normal range as 0 (``RootGridCodec.roots``)."""
+    level = ((codes << _SHIFT) + _BASE).to(tl.float32, bitcast=True) - 4.0  # exact
+    r = level * units[:, None]
+    return tl.where(r >= _SMALLEST, r, 0.0)
+
+
+@triton.jit
+def load_root_grid(codes_ptr, units_ptr, start, n_elements, R: tl.constexpr):
+    """Decode the program's ``R`` blocks: (codes, units, roots ``[R, 128]``). Padding elements decode
+    too (their codes are 0)."""
+    blocks, has_block = block_rows(start, n_elements, BLOCK, R)
+    units = tl.load(units_ptr + blocks, mask=has_block, other=0.0)
+    byte = start // 2 + tl.arange(0, R)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
+    packed = tl.load(codes_ptr + byte, mask=has_block[:, None], other=0).to(tl.int32)
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [R, BLOCK])  # element 2i in the low nibble
+    return codes, units, roots(codes, units)
+
+
+@triton.jit
+def store_root_grid(
+    x,  # fp32 new moment [R, 128]
+    codes,  # the codes, units and decoded values (roots squared) before the update
+    units,
+    values,
+    decay,  # the EMA's decay (fp32) and its square root (the unit's decay)
+    decay_root,
+    draws,  # int32 [R, 128]: the 24-bit draws (hashing.spread_bits of the moment's field)
+    local,  # element offsets [R, 128]
+    codes_ptr,
+    units_ptr,
+    start,
+    n_elements,
+    status,  # the check kernel's status: non-zero stores nothing
+    R: tl.constexpr,
+):
+    """``RootGridCodec.encode_decayed``: the unit decays by ``sqrt(d)``, elements without an increment
+    keep their codes, the others are rounded on the decayed grid, a block above its top level afresh.
+    Returns the roots as now stored."""
+    # sqrt of the saturated moment (NaN: 0), as the reference; the update's sqrt_rn(x) is the same value
+    r = tl.sqrt_rn(x)
+    r = tl.where(r != r, 0.0, tl.minimum(tl.maximum(r, 0.0), _BIG_ROOT))
+    r = tl.where(local < n_elements, r, 0.0)  # the reference's zero padding
+    kept_units = units * decay_root
+    same = x == values * decay  # no increment: the code stays
+    fits = tl.min((same | (r <= (kept_units * _TOP_SLACK)[:, None])).to(tl.int32), axis=1) > 0
+    fits = fits & (kept_units > 0)
+    new_units = tl.where(fits, kept_units, tl.max(r, axis=1) * _FRESH)
+    inverse = tl.where(new_units > 0, tl.div_rn(1.0, new_units), 0.0)
+    t = r * inverse[:, None]
+    t = tl.where(t < _TOP, t, _TOP)  # saturate (inf, NaN too)
+    level_bits = (t + 4.0).to(tl.int32, bitcast=True)  # the one rounding, as the reference's
+    rounded = tl.minimum((level_bits - _BASE + (draws >> 3)) >> _SHIFT, _QMAX)  # floor(u * 2**21): draw >> 3
+    rounded = tl.where(r > 0, tl.maximum(rounded, 1), 0)
+    new_codes = tl.where(fits[:, None] & same, codes, rounded)
+    blocks, has_block = block_rows(start, n_elements, BLOCK, R)
+    block_commit = (tl.zeros([R], tl.int32) + status) == 0
+    tl.store(units_ptr + blocks, new_units, mask=has_block & block_commit)
+    even, odd = tl.split(tl.reshape(new_codes, [R, BLOCK // 2, 2]))
+    byte = start // 2 + tl.arange(0, R)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
+    commit = has_block[:, None] & commit_mask(status, R, BLOCK // 2)
+    tl.store(codes_ptr + byte, (even | (odd << 4)).to(tl.uint8), mask=commit)
+    return roots(new_codes, new_units)
