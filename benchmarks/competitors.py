@@ -110,6 +110,16 @@ LINEUP: tuple[Entry, ...] = (
         "fusedopt.AdamW:state_format='norm2-log4',master_weight_bits=None,fused=True",
         "fusedopt norm2-log4 state, no correction, fused=True",
     ),
+    Entry(
+        "FONR4R",
+        "fusedopt.AdamW:state_format='norm2-root4',fused=True",
+        "fusedopt norm2-root4 state, 24-bit master, fused=True",
+    ),
+    Entry(
+        "FONR4NR",
+        "fusedopt.AdamW:state_format='norm2-root4',master_weight_bits=None,fused=True",
+        "fusedopt norm2-root4 state, no correction, fused=True",
+    ),
     # fusedopt.Adafactor (torch.optim.Adafactor's arguments and defaults; memory and fit only)
     Entry(
         "AFR", "fusedopt.Adafactor:fused=True", "fusedopt Adafactor, no momentum, 24-bit master, fused=True", None, {}

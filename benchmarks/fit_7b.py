@@ -46,6 +46,7 @@ CONFIGS = {
     "block4": (fusedopt.AdamW, dict(ADAMW, state_bits=4), 1e-4),
     "block4-nomaster": (fusedopt.AdamW, dict(ADAMW, state_bits=4, master_weight_bits=None), 1e-4),
     "norm2-log4-nomaster": (fusedopt.AdamW, dict(ADAMW, state_format="norm2-log4", master_weight_bits=None), 1e-4),
+    "norm2-root4-nomaster": (fusedopt.AdamW, dict(ADAMW, state_format="norm2-root4", master_weight_bits=None), 1e-4),
     # the peak lrs of format_quality's Adafactor sweep; weight decay per step equal to AdamW's
     "adafactor": (fusedopt.Adafactor, dict(weight_decay=1e-4 * 0.1 / 0.3), 0.3),
     "adafactor-nomaster": (fusedopt.Adafactor, dict(weight_decay=1e-4 * 0.1 / 0.3, master_weight_bits=None), 0.3),

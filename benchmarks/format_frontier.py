@@ -38,6 +38,8 @@ MEASURED = {
     "rot4": "FOROT4R",
     "norm2-log4": "FONL4R",
     "norm2-log4-nomaster": "FONL4NR",
+    "norm2-root4": "FONR4R",
+    "norm2-root4-nomaster": "FONR4NR",
     "turboadam": "H",
     "adafactor-m4": "AFM4R",
     "adafactor-m8": "AFM8R",

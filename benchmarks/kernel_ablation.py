@@ -26,7 +26,9 @@ decayed one; slower than the base since each block is rounded once, so it no lon
 refit's cost), lgnofp64 (the stochastic decision and the fresh grid in fp32), nmfast (approximate
 division and square root in the normalised first moment), lgcheap (a stand-in for a format whose
 code comes from the exponent bits, rounded in the log domain: what a cheaper encode could save),
-lgcheapnm (with nmfast too); and launch variants that change only the configuration (results
+lgcheapnm (with nmfast too). With ``--state-format norm2-root4``: nmfast, nmnodiv (no division for
+the normalised m's q = m / r), nmrawdraw / r4rawdraw (m's / v's draw from the shared word's fields,
+without the second hash that spreads them over 24 bits). And launch variants that change only the configuration (results
 right): w1 / w4 (warps per program), b256 / b512 / b2048 (elements per program), b512w4.
 
 Variants named twice (e.g. base,nohash,base) are timed twice: the spread is the run's noise.
@@ -112,6 +114,16 @@ EDITS = {
         ("normalised.py", "tl.div_rn(1.0, tl.maximum(unit, _TINY))", "(1.0 / tl.maximum(unit, _TINY))"),
         ("update.py", "root = tl.where(mask, tl.sqrt_rn(frame), 0.0)", "root = tl.where(mask, tl.sqrt(frame), 0.0)"),
         ("update.py", "tl.where(mask, tl.sqrt_rn(v), 0.0), [NORM_ROWS", "tl.where(mask, tl.sqrt(v), 0.0), [NORM_ROWS"),
+    ],
+    # the normalised first moment and the root grid (--state-format norm2-root4)
+    "nmnodiv": [("normalised.py", "tl.div_rn(x, r)", "(x * r)")],  # no division for q = m / r
+    "nmrawdraw": [  # m's draw: its raw 12-bit field of the shared word, not remixed with the index
+        ("update.py", "m_u = tl.where(mask, spread_uniform((shared >> 20) << 20, offs), 0.0)",
+         "m_u = tl.where(mask, (shared >> 20).to(tl.float32) * (1.0 / 4096), 0.0)"),
+    ],
+    "r4rawdraw": [  # v's draw: the two moments' fields of the shared word (24 bits), not remixed
+        ("update.py", "v_draws = tl.where(mask, spread_bits(((shared << 12) >> 20) << 20, offs), 0)",
+         "v_draws = tl.where(mask, (shared >> 8).to(tl.int32), 0)"),
     ],
 }  # fmt: skip
 # variants of the launch configuration, not of the source: update.py's module constants, set while timed

@@ -88,4 +88,4 @@ def test_readme_planner_command_runs():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # the README's 7B-in-24-GB command: the planner names the configuration that fits
-    assert "Use: fusedopt AdamW, norm2-log4 state, no correction, fused=True" in proc.stdout
+    assert "Use: fusedopt AdamW, norm2-root4 state, no correction, fused=True" in proc.stdout
