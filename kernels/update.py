@@ -451,7 +451,7 @@ def _update_kernel(
             tl.reshape(v_draws, [LOG_ROWS, _LOG_BLOCK]), tl.reshape(offs, [LOG_ROWS, _LOG_BLOCK]), v_ptr, v_scale_ptr,
             start, n_elements, status, LOG_ROWS,
         )  # fmt: skip
-    elif V_FMT > _LOG_GRID and V_FMT < _NORMALISED:  # first: a normalised first moment is stored in units of v as stored
+    elif V_FMT > _LOG_GRID and V_FMT < _NORMALISED:  # first too, for the same reason
         v_u = tl.where(mask, spread_uniform(((shared << 12) >> 20) << 20, offs), 0.0)
         v_codes, v_tops, v_steps = store_log_grid(
             tl.reshape(v, [LOG_ROWS, _LOG_BLOCK]), v_codes, v_tops, v_steps, v_values, _as_f32(v_decay),

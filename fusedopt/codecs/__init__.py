@@ -23,9 +23,9 @@ from .loggrid import FORMATS as LOG_GRID_FORMATS
 from .loggrid import log_grid_codec
 from .normalised import FORMATS as NORMALISED_FORMATS
 from .normalised import normalised_codec
-from .rotated import FORMATS as ROTATED_FORMATS
 from .rootgrid import FORMATS as ROOT_GRID_FORMATS
 from .rootgrid import root_grid_codec
+from .rotated import FORMATS as ROTATED_FORMATS
 from .rotated import rotated_codec
 
 __all__ = [

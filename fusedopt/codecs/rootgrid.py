@@ -14,8 +14,8 @@ Format of one moment tensor of ``n`` elements, taken flattened in row-major orde
 * **Units** (``<slot>.scales``, fp32, shape ``(blocks,)``): the block's unit ``w``.
 * **Value**: ``r = L(c) * w`` is the square root of the moment, ``v = r * r`` (both rounded
   once; ``r`` below ``2**-63``, whose square would be subnormal, decodes as 0). So ``sqrt(v)`` is
-  ``r`` exactly, and a first moment stored in units of ``sqrt(v)`` (``norm2``) needs no square root. ``L`` are shifted minifloat levels with 2 mantissa bits
-  (``blockwise.MinifloatLevels(15, 2)``): 0, 1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 28, 36, 44, 52;
+  ``r`` exactly, and a first moment stored in units of ``sqrt(v)`` (``norm2``) needs no square root.
+  ``L`` are shifted minifloat levels with 2 mantissa bits (``blockwise.MinifloatLevels(15, 2)``): 0, 1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 28, 36, 44, 52;
   ``r`` steps of at most 1.29 (``v`` 1.65) over the top three binades, a ``v`` range of 11 binades.
 
 Bytes per element: ``1/2 + 4/128`` = 0.531 (4.25 bits).
@@ -78,7 +78,10 @@ class RootGridCodec(MomentCodec):
 
     def layout(self, shape):
         blocks = max(1, -(-torch.Size(shape).numel() // BLOCK))
-        return {".codes": (torch.uint8, torch.Size([blocks * BLOCK // 2])), ".scales": (torch.float32, torch.Size([blocks]))}
+        return {
+            ".codes": (torch.uint8, torch.Size([blocks * BLOCK // 2])),
+            ".scales": (torch.float32, torch.Size([blocks])),
+        }
 
     def zeros(self, shape, device):
         return {s: torch.zeros(size, dtype=dtype, device=device) for s, (dtype, size) in self.layout(shape).items()}
