@@ -16,7 +16,8 @@ Format of one moment tensor of ``n`` elements, taken flattened in row-major orde
   once; ``r`` below ``2**-63``, whose square would be subnormal, decodes as 0). So ``sqrt(v)`` is
   ``r`` exactly, and a first moment stored in units of ``sqrt(v)`` (``norm2``) needs no square root.
   ``L`` are shifted minifloat levels with 2 mantissa bits (``blockwise.MinifloatLevels(15, 2)``):
-  0, 1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 28, 36, 44, 52; ``r`` steps of at most 1.29 (``v`` 1.65) over the top three binades, a ``v`` range of 11 binades.
+  0, 1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 28, 36, 44, 52; ``r`` steps of at most 1.29 (``v``
+  1.65) over the top three binades, a ``v`` range of 11 binades.
 
 Bytes per element: ``1/2 + 4/128`` = 0.531 (4.25 bits).
 
