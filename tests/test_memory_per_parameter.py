@@ -10,7 +10,7 @@ import torch
 
 import fusedopt
 
-# (state_bits, master_weight_bits) -> persistent bytes per parameter (bf16 weights included)
+# (state_bits or a state_format name, master_weight_bits) -> persistent bytes per parameter (bf16 weights included)
 README_TABLE = {
     (8, 24): 2 + 1 + 2.125,  # the default: 5.125
     (8, 32): 2 + 2 + 2.125,
@@ -20,14 +20,18 @@ README_TABLE = {
     (16, 24): 2 + 1 + 4,
     (16, None): 2 + 4,
     (32, 32): 2 + 2 + 8,
+    ("norm2-root4", 24): 2 + 1 + 0.8125,
+    ("norm2-root4", None): 2 + 0.8125,
+    ("norm2-log4", 24): 2 + 1 + 0.8203125,
 }
 
 
 @pytest.mark.parametrize("config", list(README_TABLE))
 def test_bytes_per_parameter(config):
-    state_bits, master_weight_bits = config
+    state, master_weight_bits = config
     p = torch.nn.Parameter(torch.randn(256, 1024, dtype=torch.bfloat16))
-    opt = fusedopt.AdamW([p], state_bits=state_bits, master_weight_bits=master_weight_bits)
+    format_option = {"state_format": state} if isinstance(state, str) else {"state_bits": state}
+    opt = fusedopt.AdamW([p], master_weight_bits=master_weight_bits, **format_option)
     p.grad = torch.randn_like(p)
     opt.step()
     state = {k: v for k, v in opt.state[p].items() if k != "step"}
