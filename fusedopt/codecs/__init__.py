@@ -1,7 +1,7 @@
 """State formats (codecs): how each moment of the optimizer state is stored.
 
 One file per format (``fp32.py``, ``bf16.py``, ``blockwise.py``, ``rotated.py``, ``loggrid.py``,
-``normalised.py``), each implementing ``MomentCodec`` (``base.py``). This module is the registry
+``rootgrid.py``, ``normalised.py``), each implementing ``MomentCodec`` (``base.py``). This module is the registry
 above them: formats by checkpoint name, ``state_bits`` -> format, the state formats that pair a
 codec for the first moment with another for the second (``PAIRED_FORMATS``), and ``codec_for``,
 which picks the codec of one moment. A new format is one file plus ``register_codec(name, factory)``.
@@ -101,7 +101,7 @@ for _name in NORMALISED_FORMATS:
     register_codec(_name, functools.partial(normalised_codec, _name), selectable=False)
 
 # Paired formats: name -> (the codec of signed moments, that of nonnegative ones). Bytes per
-# parameter for AdamW's two moments: norm2-log4 0.82, rot4-log4 1.05, norm4-log4 1.07.
+# parameter for AdamW's two moments: norm2-root4 0.8125, norm2-log4 0.82, rot4-log4 1.05, norm4-log4 1.07.
 PAIRED_FORMATS = {
     "norm2-log4": ("norm2", "log4"),
     "norm4-log4": ("norm4", "log4"),

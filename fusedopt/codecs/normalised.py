@@ -1,6 +1,6 @@
 """Normalised first moments: the codecs ``norm2`` and ``norm4`` of a signed moment stored in units
 of the square root of its frame (``MomentCodec.frame``; AdamW: ``m / sqrt(v)``), used by the
-state formats ``norm2-log4`` and ``norm4-log4`` (``codecs/__init__.py``).
+state formats ``norm2-log4``, ``norm4-log4`` and ``norm2-root4`` (``codecs/__init__.py``).
 
 Adam applies ``m`` through ``m / (sqrt(v) + eps)``. A block scale on ``m`` itself gives every
 element of a block the same absolute error, which becomes a large error in the update of an
@@ -37,7 +37,8 @@ of the spacings measured (``benchmarks/norm_spacing.py``, benchmarks/RESULTS.md)
 Bytes per element: ``bits / 8 + 2 / 64``: 0.281 (norm2, 2.25 bits), 0.531 (norm4).
 
 The fused update kernel (``fusedopt/kernels/normalised.py``) repeats these operations in the same
-order, with the log-grid second moment as the frame (the formats ``norm2-log4`` and ``norm4-log4``);
+order, with the log-grid or root-grid second moment as the frame (the root grid's decoded roots are
+the frame's square roots exactly, so the kernel takes them without a square root);
 ``tests/test_lowbit_kernel.py`` holds it to this reference bit for bit in Triton's interpreter,
 ``tests/gpu/test_state_formats_on_cuda.py`` on the GPU.
 """
