@@ -55,6 +55,7 @@ TOP = LEVELS.top  # 52
 HEADROOM = 1.25  # a fresh block's top level over its largest root
 FRESH_UNIT = float(torch.tensor(HEADROOM / TOP, dtype=torch.float32))  # a fresh unit per unit of the largest root
 SMALLEST_ROOT = 2.0**-63  # smaller roots decode as 0
+LARGEST_UNIT = 2.0**50 * FRESH_UNIT  # the unit of a block whose largest root is the saturated one (exact)
 _SLACK = 2.0**-20  # a root within fp32 rounding of the top level is on the grid
 _BIG = 2.0**100  # v is saturated here (inf: here, NaN: 0)
 
@@ -147,13 +148,27 @@ class RootGridCodec(MomentCodec):
         y = self._values(x)
         r = y.double().sqrt().float()
         units = previous[".scales"] * root_decay(decay)
-        same = y == old_values * decay  # no increment: the code stays (the value decays with the unit)
+        # no increment: the code stays (the value decays with the unit); x itself, not its saturation:
+        # a stored v may exceed the saturation (the top level has headroom over the largest root)
+        unsaturated = F.pad(x.reshape(-1).float(), (0, self.blocks * BLOCK - self.numel)).view(self.blocks, BLOCK)
+        same = unsaturated == old_values * decay
         below_top = r <= (units * (TOP * (1 + _SLACK))).unsqueeze(1)
         fits = (same | below_top).all(dim=1) & (units > 0)
         units = torch.where(fits, units, r.amax(dim=1) * FRESH_UNIT)
         codes = self.round_to_grid(r, units, self.uniforms(bits))
         codes = torch.where(fits.unsqueeze(1) & same, old_codes, codes)
         return {".codes": self.pack(codes), ".scales": units}
+
+    def invalid(self, stored):
+        """The base checks, and units above any an encode writes (``2**50 * FRESH_UNIT``, the saturated
+        root's): their roots' squares overflow, and v = inf would turn m, then the weights, into NaN."""
+        problem = super().invalid(stored)
+        if problem is not None:
+            return problem
+        bad = int((stored[".scales"] > LARGEST_UNIT).sum())
+        if bad:
+            return f"{bad} of its {stored['.scales'].numel()} block units are above the largest an encode writes"
+        return None
 
     def __repr__(self):
         return "RootGridCodec(4 bits, unsigned)"
