@@ -229,8 +229,8 @@ def test_increments_round_on_the_decayed_grid_unbiased_in_the_root():
         assert torch.all((codes[changed] == below[changed]) | (codes[changed] == below[changed] + 1))
         total += LEVELS.level(codes).double()
     mean, tv = (total / n)[changed], t.double()[changed]
-    low, high = LEVELS.level(below).double()[changed], LEVELS.level(below + 1).double()[changed]
-    z = (mean - tv) / ((high - tv) * (tv - low) / n).sqrt()  # the two-level rounding's standard error
+    lower, upper = LEVELS.level(below).double()[changed], LEVELS.level(below + 1).double()[changed]
+    z = (mean - tv) / ((upper - tv) * (tv - lower) / n).sqrt()  # the two-level rounding's standard error
     assert z.abs().max() < 5, z.abs().max()
     assert z.mean().abs() < 5 / math.sqrt(z.numel()), z.mean()
 
