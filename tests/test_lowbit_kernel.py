@@ -309,7 +309,7 @@ def _root_grid_case(huge: bool):
     codes = torch.randint(0, 16, (rows, 128), generator=gen, dtype=torch.int32)
     units = (1 + torch.rand(rows, generator=gen)) * torch.exp2(torch.randint(-40, 40, (rows,), generator=gen).float())
     units[0], codes[0] = 0.0, 0  # a block that never had a value
-    units[1] = 2.0**-63 / 16  # roots from 0 to just above 2**-63 / 16 * 52
+    units[1] = 2.0**-63 / 16  # roots L * 2**-67: those of the levels below 16 are under 2**-63, decoded as 0
     if huge:
         units[2:4] = 2.0**50 / 36  # levels 44 and 52: v above 2**100
     previous = {".codes": codec.pack(codes), ".scales": units}
@@ -350,7 +350,9 @@ SATURATION_MISMATCH = pytest.mark.xfail(
 )
 
 
-@pytest.mark.parametrize("huge", [False, pytest.param(True, marks=SATURATION_MISMATCH)], ids=["", "above-2**100"])
+@pytest.mark.parametrize(
+    "huge", [pytest.param(False, id="in-range"), pytest.param(True, marks=SATURATION_MISMATCH, id="above-2**100")]
+)
 def test_the_kernels_root_grid_store_is_the_references(device, huge):
     """``store_root_grid`` on its own against ``RootGridCodec.encode_decayed``: the same units and codes for
     every branch (kept codes, decayed and refitted units, saturation, units of 0, roots around 2**-63)."""

@@ -8,8 +8,8 @@ Their kernel branches (``fusedopt/kernels/rotated.py``, ``loggrid.py``, ``rootgr
 * the kernel on CUDA against the reference on the CPU, over several steps (AdamW in every format;
   Lion and SGD with momentum in the formats whose first moment needs no frame): parameters within
   one unit in the last place (fp32: 1e-6 + 1e-5 |p|) on at least 99.9% of elements; per moment, a
-  block's scale tensors (log grid: top and spacing; root grid: unit) differ in at most 1% of blocks (where a refit or
-  re-rounding decision flipped), and in blocks whose scales agree the codes are equal or
+  block's scale tensors (log grid: top and spacing; root grid: unit) differ in at most 1% of blocks
+  (where a refit or re-rounding decision flipped), and in blocks whose scales agree the codes are equal or
   neighbouring on all but 0.1% of elements (a moment stored in units of its frame, the normalised
   first moment, is compared where the frame's code agrees too). The kernel does the reference's
   IEEE operations in its order, so they are expected to agree bit for bit; the test prints how many
