@@ -6,6 +6,8 @@ import copy
 
 import torch
 
+from fusedopt import rng
+
 
 def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """A model with 2-D weights, 1-D biases, an odd-shaped and a non-contiguous parameter."""
@@ -68,6 +70,13 @@ def step_with(opt, params, grads, fused: bool) -> None:
             w.grad = g
     opt.step()
     opt.zero_grad()
+
+
+def moment_draws(key: int, step: int, shape, field: int = 0):
+    """A codec's bits callback as the optimizer hands it: moment ``field``'s 12 bits of the
+    counter-based hash of ``key`` at ``step`` (a new step, new draws)."""
+    step_t = torch.tensor(float(step))
+    return lambda: rng.moment_word(rng.uniform_bits(key, step_t, torch.Size(shape), torch.device("cpu")), field)
 
 
 def twins(seed: int = 0, dtype=torch.float32):

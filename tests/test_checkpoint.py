@@ -3,6 +3,7 @@
 import copy
 import functools
 import io
+import re
 
 import pytest
 import torch
@@ -377,7 +378,7 @@ def test_format_one_checkpoint_with_square_level_codes_is_converted_not_misread(
     assert fresh.state_dict()["fusedopt"]["format"] == 3
 
 
-@pytest.mark.parametrize("fmt", ["rot4", "norm2-log4", "rot4-log4"])
+@pytest.mark.parametrize("fmt", ["rot4", "norm2-log4", "rot4-log4", "norm2-root4"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
 @pytest.mark.parametrize("into", ["same", "converted"])
 def test_a_checkpoint_with_a_corrupt_block_scale_is_refused_and_leaves_the_optimizer_intact(fmt, bad, into):
@@ -409,6 +410,33 @@ def test_a_checkpoint_with_a_corrupt_block_scale_is_refused_and_leaves_the_optim
         after = target.state_dict()
         for key, value in before["state"][0].items():
             assert torch.equal(after["state"][0][key], value)
+
+
+@pytest.mark.xfail(
+    strict=True, raises=AssertionError, reason="RootGridCodec.invalid accepts a finite unit whose roots square to inf"
+)
+def test_a_root4_unit_no_encode_writes_is_refused():
+    """An encode's unit is at most 2**50 * FRESH_UNIT (v saturates at 2**100). A finite unit far above,
+    whose roots square to inf, decodes v = inf and m = level * inf: the next step would write NaN into
+    the weights, so it is corrupt like a negative or non-finite one."""
+    gen = torch.Generator().manual_seed(7)
+    p = torch.nn.Parameter(torch.randn(300, 7, generator=gen))
+    opt = fusedopt.AdamW([p], lr=1e-3, state_format="norm2-root4", min_compress_numel=0)
+    for _ in range(2):
+        p.grad = torch.randn(300, 7, generator=gen)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    saved["state"][0]["exp_avg_sq.scales"][3] = 1e30
+    q = torch.nn.Parameter(p.detach().clone())
+    target = fusedopt.AdamW([q], lr=1e-3, state_format="norm2-root4", min_compress_numel=0)
+    try:
+        target.load_state_dict(saved)
+    except ValueError as refused:
+        assert re.search(r"state 'exp_avg_sq' of .* is corrupt", str(refused)), refused
+        return
+    q.grad = torch.randn(300, 7, generator=gen)
+    target.step()
+    assert torch.isfinite(q).all(), f"loaded, then {int(q.isnan().sum())} weights NaN after one step"
 
 
 @pytest.mark.parametrize("state_bits", [32, 16])

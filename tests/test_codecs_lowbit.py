@@ -452,7 +452,17 @@ def test_checkpoints_name_the_codecs_resume_bit_for_bit(name):
 
 @pytest.mark.parametrize(
     "source,target",
-    [("norm2-log4", None), (None, "norm2-log4"), ("norm2-log4", "rot4-log4"), ("norm4-log4", "norm2-log4")],
+    [
+        ("norm2-log4", None),
+        (None, "norm2-log4"),
+        ("norm2-log4", "rot4-log4"),
+        ("norm4-log4", "norm2-log4"),
+        ("norm2-root4", None),
+        (None, "norm2-root4"),
+        ("norm2-root4", "norm2-log4"),
+        ("norm2-log4", "norm2-root4"),
+        ("rot4-log4", "norm2-root4"),
+    ],
     ids=str,
 )
 def test_checkpoints_convert_to_and_from_other_formats(source, target):

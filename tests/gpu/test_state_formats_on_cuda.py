@@ -1,15 +1,15 @@
 """The state formats with a fused-kernel branch of their own on CUDA: the rotated ``rot8``, ``rot4``,
-``rot2`` and the paired ``norm2-log4``, ``norm4-log4``, ``rot4-log4`` (run on the H200:
-``pytest -m gpu tests/gpu/test_state_formats_on_cuda.py -s``).
+``rot2`` and the paired ``norm2-log4``, ``norm4-log4``, ``rot4-log4``, ``norm2-root4`` (run on the
+H200: ``pytest -m gpu tests/gpu/test_state_formats_on_cuda.py -s``).
 
-Their kernel branches (``fusedopt/kernels/rotated.py``, ``loggrid.py``, ``normalised.py``) are what
-``auto`` runs on CUDA; these tests hold them to the PyTorch reference:
+Their kernel branches (``fusedopt/kernels/rotated.py``, ``loggrid.py``, ``rootgrid.py``,
+``normalised.py``) are what ``auto`` runs on CUDA; these tests hold them to the PyTorch reference:
 
 * the kernel on CUDA against the reference on the CPU, over several steps (AdamW in every format;
   Lion and SGD with momentum in the formats whose first moment needs no frame): parameters within
   one unit in the last place (fp32: 1e-6 + 1e-5 |p|) on at least 99.9% of elements; per moment, a
-  block's scale tensors (log grid: top and spacing) differ in at most 1% of blocks (where a refit or
-  re-rounding decision flipped), and in blocks whose scales agree the codes are equal or
+  block's scale tensors (log grid: top and spacing; root grid: unit) differ in at most 1% of blocks
+  (where a refit or re-rounding decision flipped), and in blocks whose scales agree the codes are equal or
   neighbouring on all but 0.1% of elements (a moment stored in units of its frame, the normalised
   first moment, is compared where the frame's code agrees too). The kernel does the reference's
   IEEE operations in its order, so they are expected to agree bit for bit; the test prints how many
@@ -30,6 +30,7 @@ import fusedopt
 from fusedopt.codecs import PAIRED_FORMATS
 from fusedopt.codecs.loggrid import LogGridCodec
 from fusedopt.codecs.normalised import NormalisedCodec
+from fusedopt.codecs.rootgrid import RootGridCodec
 from fusedopt.codecs.rotated import RotatedCodec
 
 pytestmark = [
@@ -57,7 +58,7 @@ KERNEL_CASES = [
     for fmt in FORMATS
     for dtype, master in PRECISIONS[fmt]
 ]
-CODEC_FAMILIES = {"rot": RotatedCodec, "norm": NormalisedCodec, "log": LogGridCodec}
+CODEC_FAMILIES = {"rot": RotatedCodec, "norm": NormalisedCodec, "log": LogGridCodec, "root": RootGridCodec}
 
 
 def _ulp(x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +90,8 @@ def _assert_the_formats_codec(fmt: str, codec, nonnegative: bool) -> None:
 
 
 def _blocks(codec, state: dict, slot: str):
-    """(the codes, one row per block; the block scale tensors: the log grid's tops and spacings) of one moment."""
+    """(the codes, one row per block; the block scale tensors: the log grid's tops and spacings, the root
+    grid's units) of one moment."""
     codes = codec.unpack(state[slot + ".codes"]).reshape(codec.blocks, -1)
     return codes, [state[slot + suffix] for suffix in codec.suffixes if suffix != ".codes"]
 
