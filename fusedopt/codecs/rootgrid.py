@@ -23,8 +23,9 @@ Bytes per element: ``1/2 + 4/128`` = 0.531 (4.25 bits).
 
 Encode of a block afresh (``encode``, and a block whose roots leave its grid): ``w = max r *
 (HEADROOM / 52)`` (the top level a quarter above the block's largest root). Each root is rounded
-stochastically to one of the two levels around ``t = r * (1 / w)`` (unbiased in ``r``) from a
-24-bit uniform per element; a nonzero value never becomes 0 (it takes level 1 at least).
+stochastically to one of the two levels around ``t = r * (1 / w)`` (unbiased in ``r``, so ``v`` runs
+a little high: docs/codecs.md) from a 24-bit uniform per element; a nonzero value never becomes 0
+(it takes level 1 at least).
 
 Encode in an update (``encode_decayed``, ``v = d * v_old + increment``): the unit decays by
 ``sqrt(d)`` (rounded to fp32 once), so every level scales with the EMA's decay; an element without
