@@ -3,7 +3,6 @@
 import copy
 import functools
 import io
-import re
 
 import pytest
 import torch
