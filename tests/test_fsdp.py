@@ -86,7 +86,11 @@ class _Runs:
                 pytest.fail(f"{name} failed in rank {rank} of {world}:\n{failed.read_text()}", pytrace=False)
         missing = [rank for rank in range(world) if not (self.out / f"{name}.rank{rank}.passed").exists()]
         if missing:
-            pytest.fail(f"{name} did not run in ranks {missing} (a scenario before it failed)", pytrace=False)
+            spawn_error = self.out / f"{phase}.spawn_error"
+            why = "a scenario before it failed"
+            if spawn_error.exists():
+                why = f"its phase's processes failed before any scenario:\n{spawn_error.read_text()}"
+            pytest.fail(f"{name} did not run in ranks {missing} ({why})", pytrace=False)
 
 
 @pytest.fixture(scope="module")
@@ -101,10 +105,20 @@ def fsdp_runs(request, tmp_path_factory):
         names = [n for f in selected for (w, p), n in getattr(f, "scenarios", []) if p == phase]
         if not names:
             continue
-        try:
-            mp.spawn(_phase_worker, args=(world, _free_port(), names, str(out)), nprocs=world, join=True)
-        except Exception:  # recorded per scenario; tests report them. Later phases need this one's files
-            break
+        # A phase whose processes fail before any scenario starts (the free port taken by another
+        # process before the rendezvous binds it) is started once more, on another port.
+        ran = False
+        for attempt in range(2):
+            try:
+                mp.spawn(_phase_worker, args=(world, _free_port(), names, str(out)), nprocs=world, join=True)
+                ran = True
+                break
+            except Exception as error:
+                if any(any(out.glob(f"{name}.rank*")) for name in names):
+                    break  # a scenario ran: its failure is in its files, and the tests report it
+                (out / f"{phase}.spawn_error").write_text(f"start {attempt + 1} of 2: {error!r}")
+        if not ran:
+            break  # later phases need this one's files
     return _Runs(out)
 
 
