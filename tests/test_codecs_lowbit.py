@@ -8,10 +8,9 @@ import math
 
 import pytest
 import torch
-from helpers import inputs, make_model, train
+from helpers import inputs, make_model, moment_draws, train
 
 import fusedopt
-from fusedopt import rng
 from fusedopt.codecs import (
     FP32,
     PAIRED_FORMATS,
@@ -33,10 +32,7 @@ SHAPES = [torch.Size([67, 61]), torch.Size([3, 5]), torch.Size([4, 128])]
 BYTES = {"norm2-log4": 0.8203125, "norm4-log4": 1.0703125, "rot4-log4": 1.0546875, "norm2-root4": 0.8125}
 
 
-def draw(key: int, step: int, shape):
-    """The optimizer's bits callback: a moment's 12-bit field of the counter-based hash at one step."""
-    step_t = torch.tensor(float(step))
-    return lambda: rng.moment_word(rng.uniform_bits(key, step_t, torch.Size(shape), torch.device("cpu")), 0)
+draw = moment_draws  # the optimizer's bits callback of the first moment's field
 
 
 def log4(shape=SHAPES[0]) -> LogGridCodec:

@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 from cases import formats
+from helpers import moment_draws
 
 import fusedopt
-from fusedopt import rng
 from fusedopt.codecs import FP32, codec_for
 from fusedopt.codecs.blockwise import BLOCK, BlockCodec
 
@@ -43,9 +43,8 @@ def codec(bits: int, signed: bool, shape=SHAPE) -> BlockCodec:
 
 
 def draw(key: int, step: int, shape):
-    """The optimizer's bits callback: a moment's 12-bit field of the counter-based hash at one step."""
-    step_t = torch.tensor(float(step))
-    return lambda: rng.moment_word(rng.uniform_bits(key, step_t, torch.Size(shape), torch.device("cpu")), 1)
+    """The bits callback of the second moment's field."""
+    return moment_draws(key, step, shape, field=1)
 
 
 def nearest(shape):

@@ -12,10 +12,9 @@ import math
 import pytest
 import torch
 from cases import ALGORITHM, PRIMARY_ALGORITHMS, cross, dtype_cases, named_format_cases
-from helpers import inputs, loss_fn, make_model, train
+from helpers import inputs, loss_fn, make_model, moment_draws, train
 
 import fusedopt
-from fusedopt import rng
 from fusedopt.codecs import FP32, codec_for, codec_named
 from fusedopt.codecs.rotated import BLOCK, FORMATS, HEADROOM, RotatedCodec, hadamard, hadamard_matrix
 
@@ -35,10 +34,7 @@ def codec(name: str, signed: bool, shape=SHAPES[0]) -> RotatedCodec:
     return c
 
 
-def draw(key: int, step: int, shape):
-    """The optimizer's bits callback: a moment's 12-bit field of the counter-based hash at one step."""
-    step_t = torch.tensor(float(step))
-    return lambda: rng.moment_word(rng.uniform_bits(key, step_t, torch.Size(shape), torch.device("cpu")), 0)
+draw = moment_draws  # the optimizer's bits callback of the first moment's field
 
 
 def sample(shape, seed: int, signed: bool, outliers: bool = True) -> torch.Tensor:
