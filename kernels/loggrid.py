@@ -17,7 +17,7 @@ the interpreter agrees with it bit for bit:
 import triton
 import triton.language as tl
 
-from fusedopt.kernels.moments import _pow2, block_rows, commit_mask
+from fusedopt.kernels.moments import _pow2, block_rows, load_nibble_codes, store_nibble_codes
 
 BLOCK = tl.constexpr(128)  # elements per block (fusedopt.codecs.loggrid.BLOCK)
 LEVELS = tl.constexpr(15)  # nonzero levels; code 0 is zero
@@ -50,9 +50,7 @@ def load_log_grid(codes_ptr, tops_ptr, steps_ptr, fractions_ptr, start, n_elemen
     blocks, has_block = block_rows(start, n_elements, BLOCK, R)
     tops = tl.load(tops_ptr + blocks, mask=has_block, other=0.0)
     steps = tl.load(steps_ptr + blocks, mask=has_block, other=0).to(tl.int32)
-    byte = start // 2 + tl.arange(0, R)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
-    packed = tl.load(codes_ptr + byte, mask=has_block[:, None], other=0).to(tl.int32)
-    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [R, BLOCK])  # element 2i in the low nibble
+    codes = load_nibble_codes(codes_ptr, start, has_block, R, BLOCK)
     return codes, tops, steps, levels(codes, tops, steps, fractions_ptr)
 
 
@@ -140,8 +138,5 @@ def store_log_grid(
     block_commit = (tl.zeros([R], tl.int32) + status) == 0
     tl.store(tops_ptr + blocks, new_tops, mask=has_block & block_commit)
     tl.store(steps_ptr + blocks, new_steps.to(tl.uint8), mask=has_block & block_commit)
-    even, odd = tl.split(tl.reshape(new_codes, [R, BLOCK // 2, 2]))
-    byte = start // 2 + tl.arange(0, R)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
-    commit = has_block[:, None] & commit_mask(status, R, BLOCK // 2)
-    tl.store(codes_ptr + byte, (even | (odd << 4)).to(tl.uint8), mask=commit)
+    store_nibble_codes(codes_ptr, new_codes, start, has_block, status, R, BLOCK)
     return new_codes, new_tops, new_steps

@@ -86,6 +86,25 @@ def commit_mask(status, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
+def load_nibble_codes(codes_ptr, start, has_block, R: tl.constexpr, BLOCK: tl.constexpr):
+    """The int32 codes ``[R, BLOCK]`` of the program's blocks of 4-bit codes, two a byte, element ``2i``
+    in the low nibble (the log and root grids' storage, ``fusedopt.codecs.nibbles``); 0 where a row
+    has no block."""
+    byte = start // 2 + tl.arange(0, R)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
+    packed = tl.load(codes_ptr + byte, mask=has_block[:, None], other=0).to(tl.int32)
+    return tl.reshape(tl.join(packed & 0xF, packed >> 4), [R, BLOCK])
+
+
+@triton.jit
+def store_nibble_codes(codes_ptr, codes, start, has_block, status, R: tl.constexpr, BLOCK: tl.constexpr):
+    """Store int32 ``codes`` ``[R, BLOCK]`` as ``load_nibble_codes`` reads them (nothing if ``status``)."""
+    even, odd = tl.split(tl.reshape(codes, [R, BLOCK // 2, 2]))
+    byte = start // 2 + tl.arange(0, R)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
+    commit = has_block[:, None] & commit_mask(status, R, BLOCK // 2)
+    tl.store(codes_ptr + byte, (even | (odd << 4)).to(tl.uint8), mask=commit)
+
+
+@triton.jit
 def _pair_offsets(start, NB: tl.constexpr, QBLOCK: tl.constexpr):
     """Byte offsets of a program's packed 4-bit codes, shaped [blocks, block size / 2]."""
     return start // 2 + tl.arange(0, NB)[:, None] * (QBLOCK // 2) + tl.arange(0, QBLOCK // 2)[None, :]

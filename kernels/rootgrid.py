@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from fusedopt.codecs.rootgrid import FRESH_UNIT
-from fusedopt.kernels.moments import block_rows, commit_mask
+from fusedopt.kernels.moments import block_rows, load_nibble_codes, store_nibble_codes
 
 BLOCK = tl.constexpr(128)  # elements per block (fusedopt.codecs.rootgrid.BLOCK)
 _TOP = tl.constexpr(52.0)  # the top level, L(15)
@@ -40,9 +40,7 @@ def load_root_grid(codes_ptr, units_ptr, start, n_elements, R: tl.constexpr):
     too (their codes are 0)."""
     blocks, has_block = block_rows(start, n_elements, BLOCK, R)
     units = tl.load(units_ptr + blocks, mask=has_block, other=0.0)
-    byte = start // 2 + tl.arange(0, R)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
-    packed = tl.load(codes_ptr + byte, mask=has_block[:, None], other=0).to(tl.int32)
-    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [R, BLOCK])  # element 2i in the low nibble
+    codes = load_nibble_codes(codes_ptr, start, has_block, R, BLOCK)
     return codes, units, roots(codes, units)
 
 
@@ -85,8 +83,5 @@ def store_root_grid(
     blocks, has_block = block_rows(start, n_elements, BLOCK, R)
     block_commit = (tl.zeros([R], tl.int32) + status) == 0
     tl.store(units_ptr + blocks, new_units, mask=has_block & block_commit)
-    even, odd = tl.split(tl.reshape(new_codes, [R, BLOCK // 2, 2]))
-    byte = start // 2 + tl.arange(0, R)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
-    commit = has_block[:, None] & commit_mask(status, R, BLOCK // 2)
-    tl.store(codes_ptr + byte, (even | (odd << 4)).to(tl.uint8), mask=commit)
+    store_nibble_codes(codes_ptr, new_codes, start, has_block, status, R, BLOCK)
     return roots(new_codes, new_units)

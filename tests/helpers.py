@@ -79,6 +79,16 @@ def moment_draws(key: int, step: int, shape, field: int = 0):
     return lambda: rng.moment_word(rng.uniform_bits(key, step_t, torch.Size(shape), torch.device("cpu")), field)
 
 
+def second_moment(shape, seed: int) -> torch.Tensor:
+    """Squared Gaussians, rows scaled over ~8 decades, a few exact zeros and one tiny value."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) ** 2 * torch.exp(3 * torch.randn(shape[0], 1, generator=gen))
+    flat = x.view(-1)
+    flat[torch.randperm(flat.numel(), generator=gen)[: max(1, flat.numel() // 50)]] = 0.0
+    flat[-1] = 1e-30
+    return x
+
+
 def twins(seed: int = 0, dtype=torch.float32):
     a = make_model(seed, dtype)
     return a, copy.deepcopy(a)

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers import inputs, make_model, moment_draws, train
+from helpers import inputs, make_model, moment_draws, second_moment, train
 
 import fusedopt
 from fusedopt.codecs import (
@@ -45,16 +45,6 @@ def norm(name: str, shape=SHAPES[0]) -> NormalisedCodec:
     c = codec_named(name, True, torch.Size(shape))
     assert isinstance(c, NormalisedCodec) and c.frame
     return c
-
-
-def second_moment(shape, seed: int) -> torch.Tensor:
-    """Squared Gaussians, rows scaled over ~8 decades, a few exact zeros and one tiny value."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=gen) ** 2 * torch.exp(3 * torch.randn(shape[0], 1, generator=gen))
-    flat = x.view(-1)
-    flat[torch.randperm(flat.numel(), generator=gen)[: max(1, flat.numel() // 50)]] = 0.0
-    flat[-1] = 1e-30
-    return x
 
 
 # --- registry, layout, bytes ---------------------------------------------------------------------

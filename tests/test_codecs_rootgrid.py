@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from helpers import moment_draws as draw
+from helpers import second_moment
 
 import fusedopt
 from fusedopt.codecs import codec_for, codec_named
@@ -24,16 +25,6 @@ def root4(shape) -> RootGridCodec:
     c = codec_named("root4", False, torch.Size(shape))
     assert isinstance(c, RootGridCodec)
     return c
-
-
-def second_moment(shape, seed: int) -> torch.Tensor:
-    """Squared Gaussians, rows scaled over ~8 decades, a few exact zeros and one tiny value."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=gen) ** 2 * torch.exp(3 * torch.randn(shape[0], 1, generator=gen))
-    flat = x.view(-1)
-    flat[torch.randperm(flat.numel(), generator=gen)[: max(1, flat.numel() // 50)]] = 0.0
-    flat[-1] = 1e-30
-    return x
 
 
 def blocks(c: RootGridCodec, x: torch.Tensor) -> torch.Tensor:

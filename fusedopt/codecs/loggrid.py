@@ -56,19 +56,15 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
-from fusedopt import rng
+from .base import LOG_GRID, KernelFormat
+from .nibbles import BLOCK, NibbleBlockCodec
 
-from .base import LOG_GRID, BitsFn, KernelFormat, MomentCodec
-
-BLOCK = 128
 LEVELS = 15  # nonzero levels of a 4-bit index; 0 is zero
 STEP_UNITS = 32  # the spacing is s / 32 binades
 MAX_STEP = 18  # the encoder's widest spacing (the format allows 255)
 HEADROOM = 2.0  # a fresh block's top over its largest value (exact in fp32)
 _SLACK = 2.0**-20  # a value within fp32 rounding of the top or the bottom level is on the grid
-_BIG = 2.0**100  # values are saturated here (inf: here, NaN: 0)
 # 2**(-j / 32), j = 0..31, rounded once to fp32
 FRACTIONS = torch.tensor([2.0 ** (-j / STEP_UNITS) for j in range(STEP_UNITS)], dtype=torch.float32)
 
@@ -78,31 +74,12 @@ def _pow2(exponent: torch.Tensor) -> torch.Tensor:
     return ((exponent + 127) << 23).view(torch.float32)
 
 
-class LogGridCodec(MomentCodec):
+class LogGridCodec(NibbleBlockCodec):
     """A log-grid nonnegative moment (see the module docstring); one per shape."""
 
     suffixes = (".codes", ".scales", ".steps")
+    block_tensors = {".scales": torch.float32, ".steps": torch.uint8}
     kernel_format = KernelFormat(LOG_GRID + 4, signed=False, block=BLOCK)
-    state_bits = 4
-
-    def __init__(self, shape: torch.Size, name: str):
-        self.name = name
-        self.shape = torch.Size(shape)
-        self.numel = self.shape.numel()
-        self.blocks = max(1, -(-self.numel // BLOCK))
-
-    # --- layout ------------------------------------------------------------------------------
-
-    def layout(self, shape):
-        blocks = max(1, -(-torch.Size(shape).numel() // BLOCK))
-        return {
-            ".codes": (torch.uint8, torch.Size([blocks * BLOCK // 2])),
-            ".scales": (torch.float32, torch.Size([blocks])),
-            ".steps": (torch.uint8, torch.Size([blocks])),
-        }
-
-    def zeros(self, shape, device):
-        return {s: torch.zeros(size, dtype=dtype, device=device) for s, (dtype, size) in self.layout(shape).items()}
 
     # --- levels ------------------------------------------------------------------------------
 
@@ -115,37 +92,13 @@ class LogGridCodec(MomentCodec):
         value = tops.unsqueeze(1) * FRACTIONS.to(tops.device)[frac]
         return torch.where(codes > 0, value * _pow2(-whole), 0.0)  # -8 <= whole <= 15 * 255 / 32: no clamp needed
 
-    # --- codes ---------------------------------------------------------------------------------
-
-    def pack(self, codes: torch.Tensor) -> torch.Tensor:
-        pairs = codes.reshape(-1, 2).to(torch.int32)
-        return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8)
-
-    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        c = packed.to(torch.int32)
-        return torch.stack((c & 0xF, c >> 4), dim=1).reshape(self.blocks, BLOCK)
-
     # --- decode ------------------------------------------------------------------------------
 
-    def _decode_blocks(self, stored) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_blocks(self, stored) -> tuple[torch.Tensor, torch.Tensor]:
         codes = self.unpack(stored[".codes"])
         return codes, self.levels(codes, stored[".scales"], stored[".steps"])
 
-    def decode(self, stored):
-        return self._decode_blocks(stored)[1].reshape(-1)[: self.numel].reshape(self.shape)
-
     # --- encode ------------------------------------------------------------------------------
-
-    def _values(self, x: torch.Tensor) -> torch.Tensor:
-        """The moment, flat, saturated (NaN: 0), at least 0, padded to whole blocks."""
-        x = x.reshape(-1).float().nan_to_num(0.0, _BIG, 0.0).clamp(0.0, _BIG)
-        return F.pad(x, (0, self.blocks * BLOCK - self.numel)).view(self.blocks, BLOCK)
-
-    def uniforms(self, bits: BitsFn) -> torch.Tensor:
-        """One uniform in [0, 1) per element, ``(blocks, 128)`` (padding: 0, never used)."""
-        words = bits().reshape(-1)
-        u = rng.spread_uniform(words, torch.arange(self.numel, dtype=torch.int64, device=words.device))
-        return F.pad(u, (0, self.blocks * BLOCK - self.numel)).view(self.blocks, BLOCK)
 
     @staticmethod
     def fresh_grid(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,13 +139,13 @@ class LogGridCodec(MomentCodec):
         return {".codes": self.pack(codes), ".scales": tops, ".steps": steps}
 
     def encode(self, x, bits):
-        y = self._values(x)
+        y = self.values(x)
         tops, steps = self.fresh_grid(y)
         return self._store(self.round_to_grid(y, tops, steps, self.uniforms(bits)), tops, steps)
 
     def encode_decayed(self, x, bits, previous, decay):
-        old_codes, old_values = self._decode_blocks(previous)
-        y = self._values(x)
+        old_codes, old_values = self.decode_blocks(previous)
+        y = self.values(x)
         tops, steps = previous[".scales"] * decay, previous[".steps"]
         same = y == old_values * decay  # no increment: the code stays (the value decays with the top, exactly)
         fits = (same | self.on_grid(y, tops, steps)).all(dim=1)

@@ -43,14 +43,11 @@ import functools
 import math
 
 import torch
-import torch.nn.functional as F
 
-from fusedopt import rng
-
-from .base import ROOT_GRID, BitsFn, KernelFormat, MomentCodec
+from .base import ROOT_GRID, KernelFormat
 from .blockwise import MinifloatLevels
+from .nibbles import BLOCK, NibbleBlockCodec
 
-BLOCK = 128
 LEVELS = MinifloatLevels(15, 2)
 TOP = LEVELS.top  # 52
 HEADROOM = 1.25  # a fresh block's top level over its largest root
@@ -58,7 +55,6 @@ FRESH_UNIT = float(torch.tensor(HEADROOM / TOP, dtype=torch.float32))  # a fresh
 SMALLEST_ROOT = 2.0**-63  # smaller roots decode as 0
 LARGEST_UNIT = 2.0**50 * FRESH_UNIT  # the unit of a block whose largest root is the saturated one (exact)
 _SLACK = 2.0**-20  # a root within fp32 rounding of the top level is on the grid
-_BIG = 2.0**100  # v is saturated here (inf: here, NaN: 0)
 
 
 def root_decay(decay: float) -> float:
@@ -66,38 +62,12 @@ def root_decay(decay: float) -> float:
     return float(torch.tensor(math.sqrt(decay), dtype=torch.float32))
 
 
-class RootGridCodec(MomentCodec):
+class RootGridCodec(NibbleBlockCodec):
     """A nonnegative moment stored as its square root on minifloat levels (see the module docstring)."""
 
     suffixes = (".codes", ".scales")
+    block_tensors = {".scales": torch.float32}
     kernel_format = KernelFormat(ROOT_GRID + 4, signed=False, block=BLOCK)
-    state_bits = 4
-
-    def __init__(self, shape: torch.Size, name: str):
-        self.name = name
-        self.shape = torch.Size(shape)
-        self.numel = self.shape.numel()
-        self.blocks = max(1, -(-self.numel // BLOCK))
-
-    def layout(self, shape):
-        blocks = max(1, -(-torch.Size(shape).numel() // BLOCK))
-        return {
-            ".codes": (torch.uint8, torch.Size([blocks * BLOCK // 2])),
-            ".scales": (torch.float32, torch.Size([blocks])),
-        }
-
-    def zeros(self, shape, device):
-        return {s: torch.zeros(size, dtype=dtype, device=device) for s, (dtype, size) in self.layout(shape).items()}
-
-    # --- codes ---------------------------------------------------------------------------------
-
-    def pack(self, codes: torch.Tensor) -> torch.Tensor:
-        pairs = codes.reshape(-1, 2).to(torch.int32)
-        return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8)
-
-    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        c = packed.to(torch.int32)
-        return torch.stack((c & 0xF, c >> 4), dim=1).reshape(self.blocks, BLOCK)
 
     # --- decode ------------------------------------------------------------------------------
 
@@ -108,26 +78,12 @@ class RootGridCodec(MomentCodec):
         r = LEVELS.level(codes) * units.unsqueeze(1)
         return torch.where(r >= SMALLEST_ROOT, r, 0.0)
 
-    def _decode_blocks(self, stored) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_blocks(self, stored) -> tuple[torch.Tensor, torch.Tensor]:
         codes = self.unpack(stored[".codes"])
         r = self.roots(codes, stored[".scales"])
         return codes, r * r
 
-    def decode(self, stored):
-        return self._decode_blocks(stored)[1].reshape(-1)[: self.numel].reshape(self.shape)
-
     # --- encode ------------------------------------------------------------------------------
-
-    def _values(self, x: torch.Tensor) -> torch.Tensor:
-        """The moment, flat, saturated (NaN: 0), at least 0, padded to whole blocks."""
-        x = x.reshape(-1).float().nan_to_num(0.0, _BIG, 0.0).clamp(0.0, _BIG)
-        return F.pad(x, (0, self.blocks * BLOCK - self.numel)).view(self.blocks, BLOCK)
-
-    def uniforms(self, bits: BitsFn) -> torch.Tensor:
-        """One uniform in [0, 1) per element, ``(blocks, 128)`` (padding: 0, never used)."""
-        words = bits().reshape(-1)
-        u = rng.spread_uniform(words, torch.arange(self.numel, dtype=torch.int64, device=words.device))
-        return F.pad(u, (0, self.blocks * BLOCK - self.numel)).view(self.blocks, BLOCK)
 
     @staticmethod
     def round_to_grid(r: torch.Tensor, units: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -140,19 +96,18 @@ class RootGridCodec(MomentCodec):
         return torch.where(r > 0, codes.clamp_min(1), 0)
 
     def encode(self, x, bits):
-        r = self._values(x).double().sqrt().float()  # correctly rounded, as a kernel's sqrt_rn
+        r = self.values(x).double().sqrt().float()  # correctly rounded, as a kernel's sqrt_rn
         units = r.amax(dim=1) * FRESH_UNIT
         return {".codes": self.pack(self.round_to_grid(r, units, self.uniforms(bits))), ".scales": units}
 
     def encode_decayed(self, x, bits, previous, decay):
-        old_codes, old_values = self._decode_blocks(previous)
-        y = self._values(x)
+        old_codes, old_values = self.decode_blocks(previous)
+        y = self.values(x)
         r = y.double().sqrt().float()
         units = previous[".scales"] * root_decay(decay)
         # no increment: the code stays (the value decays with the unit); x itself, not its saturation:
         # a stored v may exceed the saturation (the top level has headroom over the largest root)
-        unsaturated = F.pad(x.reshape(-1).float(), (0, self.blocks * BLOCK - self.numel)).view(self.blocks, BLOCK)
-        same = unsaturated == old_values * decay
+        same = self.padded(x.float()) == old_values * decay
         below_top = r <= (units * (TOP * (1 + _SLACK))).unsqueeze(1)
         fits = (same | below_top).all(dim=1) & (units > 0)
         units = torch.where(fits, units, r.amax(dim=1) * FRESH_UNIT)
