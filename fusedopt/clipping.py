@@ -3,33 +3,42 @@
 With ``fused=False`` the optimizer clips in ``step()`` exactly as ``torch.nn.utils.clip_grad_norm_``
 (coefficient ``min(1, max_norm / (norm + 1e-6))``). With ``fused=True`` each parameter is updated
 inside backward, before the gradients of the parameters still to come exist, so the global norm is
-not known yet: ``ReleaseClipping`` clips each gradient in one pass with an estimate of it, and keeps
-the exact norm of everything it saw for ``opt.grad_norm``. Every number is a device tensor: no
-host synchronisation.
+not known yet: ``ReleaseClipping`` clips the released gradients in one pass with an estimate of it,
+and keeps the exact norm of everything it saw for ``opt.grad_norm``. Every number is a device
+tensor: no host synchronisation.
 
-The estimate (``method``), at the moment parameter ``i`` is released, from the squared norms
-``s_j`` of the gradients already seen in this backward (``seen``) and each parameter's squared
-norm at its previous update ``l_j``:
+Release hands gradients over in batches: the updates held for one bucket, or one parameter updated
+at once. A batch costs a few small kernels however many parameters it holds (the per-parameter
+host time of this bookkeeping, issued from the hooks, was what made clipping slow). The estimate
+(``method``), when a batch arrives, from the squared norms ``s_j`` of the gradients seen in this
+backward so far, that batch's included (``seen``), and each parameter's squared norm at its
+previous update ``l_j``:
 
 * ``"scaled"`` (the default): the last global norm, scaled by how much the gradients seen so far
   grew against their own previous norms: ``sum_seen s + sum_unseen l * (sum_seen s / sum_seen l)``.
   A spike that scales every gradient (a bad batch, a loss spike) is recognised in full at the first
-  parameter; in a steady state it equals the exact norm up to the noise of the seen part.
-* ``"previous"``: the seen gradients plus the unseen ones at their previous norms:
-  ``sum_seen s + sum_unseen l``.
-* ``"prefix"``: the seen gradients only (never more than the exact norm: it clips less).
+  batch; in a steady state it equals the exact norm up to the noise of the seen part.
 * ``"adagc"``: ``"scaled"``, and besides each gradient at most ``1.05`` times an exponential average
-  (0.98) of its own clipped norms (per-tensor adaptive clipping), once that average has 10 updates.
+  (0.98) of its own clipped norms (per-tensor adaptive clipping), once that average has 10 updates:
+  it also catches a spike confined to a few tensors, which moves the global norm little.
 
-The first backward has no history: every method clips it with the seen part (``"prefix"``).
+The first backward has no history: it is clipped with the norm of the part seen so far.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
-CLIP_METHODS = ("scaled", "previous", "prefix", "adagc")
+CLIP_METHODS = ("scaled", "adagc")
 DEFAULT_CLIP_METHOD = "scaled"
+# Methods measured and removed: each under-clipped the first parameters released in a spike step,
+# and trained worse than "scaled" on every seed with loss spikes (benchmarks/RESULTS.md).
+REMOVED_CLIP_METHODS = {
+    "previous": "it counted the parameters not yet released at their calm norms",
+    "prefix": "it counted only the part released so far",
+}
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 
 ADAGC_RATIO = 1.05  # a tensor's gradient norm may exceed its own average by this factor
@@ -38,6 +47,11 @@ ADAGC_WARMUP = 10  # updates before a tensor's own average is trusted
 
 
 def check_clip_method(method) -> None:
+    if method in REMOVED_CLIP_METHODS:
+        raise ValueError(
+            f"release_clipping={method!r} was removed: {REMOVED_CLIP_METHODS[method]}, so it under-clipped in a "
+            f"loss spike; use {DEFAULT_CLIP_METHOD!r} (the default) or one of {', '.join(map(repr, CLIP_METHODS))}"
+        )
     if method not in CLIP_METHODS:
         raise ValueError(f"Invalid release_clipping: {method!r} (expected one of {', '.join(CLIP_METHODS)})")
 
@@ -61,6 +75,15 @@ def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(total, dtype=torch.float32).square()
 
 
+def squared_norms(entries: list[list[torch.Tensor]]) -> torch.Tensor:
+    """``squared_norm`` of every entry (a gradient, or a gradient and its accumulated buffer), as one
+    float64 vector; the single gradients' norms in one multi-tensor kernel."""
+    if all(len(grads) == 1 for grads in entries):
+        norms = torch._foreach_norm([grads[0] for grads in entries], 2, dtype=torch.float32)
+        return torch.stack(norms).square().double()
+    return torch.stack([squared_norm(grads) for grads in entries]).double()
+
+
 class ReleaseClipping:
     """One-pass clipping of released gradients for one optimizer (see the module docstring)."""
 
@@ -70,6 +93,7 @@ class ReleaseClipping:
         self.method = method
         self._last: dict[int, torch.Tensor] = {}  # param index -> squared norm at its previous update
         self._average: dict[int, tuple[torch.Tensor, int]] = {}  # adagc: index -> (average norm, updates)
+        self._flags: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # device -> (False, True)
         self._known = None  # sum of self._last over every parameter (device scalar)
         self._window_known = None  # self._known when this backward started
         self._seen = None  # sum of this backward's finite squared norms
@@ -90,17 +114,18 @@ class ReleaseClipping:
         total = self._seen_total if self._seen_total is not None else self._last_total
         return None if total is None else total.sqrt().float()
 
-    def clip(self, index: int, grads: list[torch.Tensor], sq: torch.Tensor | None = None) -> None:
-        """Scale ``grads`` (parameter ``index``'s gradient and its accumulated buffer) in place by
-        the coefficient of this method's estimate of the global norm.
+    def clip(self, indices: list[int], grads: list[list[torch.Tensor]], sq: torch.Tensor | None = None) -> None:
+        """Scale a batch of released gradients in place by this method's coefficients. ``indices``:
+        the parameters' indices; ``grads``: each one's gradient (and its accumulated buffer), all on
+        one device.
 
-        ``sq``: the whole gradient's squared norm (float64) where ``grads`` are one rank's shard of it
-        (summed over the ranks: every rank then computes the same coefficient). A non-finite one
-        makes the coefficient NaN, so every rank skips the parameter, not only the rank whose shard
-        held the non-finite values."""
+        ``sq``: the whole gradients' squared norms (float64 vector) where ``grads`` are one rank's
+        shards of them (summed over the ranks: every rank then computes the same coefficients). A
+        non-finite one makes that parameter's coefficient NaN, so every rank skips it, not only the
+        rank whose shard held the non-finite values."""
         skip_nonfinite = sq is not None
         if sq is None:
-            sq = squared_norm(grads).double()  # float64 sums: a spike's squares come and go without cancellation
+            sq = squared_norms(grads)  # float64 sums: a spike's squares come and go without cancellation
         finite = torch.isfinite(sq)
         sq_finite = torch.where(finite, sq, 0.0)
         if self._seen is None:  # the first gradient of a window
@@ -109,24 +134,40 @@ class ReleaseClipping:
                 self._known = zero
             self._window_known = self._known
             self._seen = self._seen_with_history = self._seen_last = self._seen_total = zero
-        last = self._last.get(index)
-        self._seen = self._seen + sq_finite
-        self._seen_total = self._seen_total + sq
-        if last is not None:
-            self._seen_with_history = self._seen_with_history + sq_finite
-            self._seen_last = self._seen_last + last
-        estimate = self._estimate()
-        coefficient = (self.max_norm / (estimate.sqrt() + EPS)).clamp(max=1.0)
+        history = [self._last.get(i) for i in indices]
+        self._seen = self._seen + sq_finite.sum()
+        self._seen_total = self._seen_total + sq.sum()
+        if all(h is None for h in history):
+            new_last = sq_finite
+            self._known = self._known + new_last.sum()
+        else:
+            zero = torch.zeros_like(sq[0])
+            last = torch.stack([zero if h is None else h for h in history])
+            if all(h is not None for h in history):
+                seen = sq_finite
+                new_last = torch.where(finite, sq, last)
+            else:
+                known = self._mask([h is not None for h in history], sq.device)
+                seen = torch.where(known, sq_finite, 0.0)
+                new_last = torch.where(known, torch.where(finite, sq, last), sq_finite)
+            self._seen_with_history = self._seen_with_history + seen.sum()
+            self._seen_last = self._seen_last + last.sum()
+            self._known = self._known + (new_last - last).sum()
+        coefficient = (self.max_norm / (self._estimate().sqrt() + EPS)).clamp(max=1.0)
         if self.method == "adagc":
-            coefficient = self._adagc(index, sq_finite, finite, coefficient)
+            coefficient = self._adagc(indices, sq_finite, finite, coefficient)
         coefficient = coefficient.float()  # fp32, as clip_grad_norm_'s
         if skip_nonfinite:
             coefficient = torch.where(finite, coefficient, torch.nan)
-        for g in grads:
-            g.mul_(coefficient)  # as clip_grad_norm_ multiplies
-        new_last = torch.where(finite, sq, last) if last is not None else sq_finite
-        self._known = self._known + new_last - (last if last is not None else 0.0)
-        self._last[index] = new_last
+        for i, value in zip(indices, new_last.unbind()):
+            self._last[i] = value
+        if coefficient.dim() == 0:
+            torch._foreach_mul_([g for entry in grads for g in entry], coefficient)  # as clip_grad_norm_
+        else:
+            coefficients = coefficient.unbind()
+            torch._foreach_mul_(
+                [g for entry in grads for g in entry], [c for entry, c in zip(grads, coefficients) for _ in entry]
+            )
 
     def state_dict(self, pids: dict[int, int]) -> dict:
         """The history the estimates use, for a checkpoint (``pids``: parameter index -> saved id)."""
@@ -134,9 +175,10 @@ class ReleaseClipping:
         for index, pid in pids.items():
             entry = {}
             if index in self._last:
-                entry["norm_sq"] = self._last[index]
+                entry["norm_sq"] = self._last[index].clone()  # a view of its batch's vector
             if index in self._average:
-                entry["average"], entry["updates"] = self._average[index]
+                average, updates = self._average[index]
+                entry["average"], entry["updates"] = average.clone(), updates
             if entry:
                 params[pid] = entry
         return {"method": self.method, "known": self._known, "last_total": self._last_total, "params": params}
@@ -144,12 +186,21 @@ class ReleaseClipping:
     def load_state_dict(self, saved: dict, indices: dict[int, tuple[int, torch.device]]) -> None:
         """Restore ``state_dict()``'s history (``indices``: saved id -> parameter index and device).
         A history saved by another method is kept where it means the same (the squared norms)."""
+        method = saved["method"]
+        if method in REMOVED_CLIP_METHODS:
+            warnings.warn(
+                f"this checkpoint was saved with release_clipping={method!r}, which was removed "
+                f"({REMOVED_CLIP_METHODS[method]}); its clipping history (each parameter's last squared "
+                f"gradient norm) is kept and clipping continues with release_clipping={self.method!r}",
+                UserWarning,
+                stacklevel=4,
+            )
         self._last, self._average = {}, {}
         for pid, entry in saved["params"].items():
             index, device = indices[pid]
             if "norm_sq" in entry:
                 self._last[index] = entry["norm_sq"].to(device, torch.float64)
-            if "average" in entry and self.method == saved["method"]:
+            if "average" in entry and self.method == method:
                 self._average[index] = (entry["average"].to(device, torch.float64), int(entry["updates"]))
         known, total = saved["known"], saved["last_total"]
         device = next(iter(indices.values()))[1] if indices else None
@@ -157,25 +208,37 @@ class ReleaseClipping:
         self._last_total = None if total is None else total.to(device, torch.float64)
         self._seen = self._seen_total = None
 
+    def _mask(self, flags: list[bool], device: torch.device) -> torch.Tensor:
+        """``flags`` as a bool device vector, stacked from two cached device scalars (a tensor built
+        from a host list would be a host-to-device copy)."""
+        cached = self._flags.get(device)
+        if cached is None:
+            cached = self._flags[device] = (
+                torch.zeros((), dtype=torch.bool, device=device),
+                torch.ones((), dtype=torch.bool, device=device),
+            )
+        return torch.stack([cached[f] for f in flags])
+
     def _estimate(self) -> torch.Tensor:
-        if self.method == "prefix":
-            return self._seen
         unseen = (self._window_known - self._seen_last).clamp(min=0.0)
-        if self.method == "previous":
-            return self._seen + unseen
         growth = torch.where(self._seen_last > 0, self._seen_with_history / self._seen_last, 1.0)
         return self._seen + unseen * growth
 
-    def _adagc(self, index: int, sq: torch.Tensor, finite: torch.Tensor, coefficient: torch.Tensor):
+    def _adagc(self, indices: list[int], sq: torch.Tensor, finite: torch.Tensor, coefficient: torch.Tensor):
+        """Each parameter's coefficient: ``coefficient``, and at most its own average's bound."""
         norm = sq.sqrt()
-        average, count = self._average.get(index, (None, 0))
-        if count >= ADAGC_WARMUP:
-            own = (ADAGC_RATIO * average / (norm + EPS)).clamp(max=1.0)
-            coefficient = torch.minimum(coefficient, own)
-        clipped = norm * coefficient
-        if average is None:
-            average = clipped
-        else:
-            average = torch.where(finite, ADAGC_DECAY * average + (1 - ADAGC_DECAY) * clipped, average)
-        self._average[index] = (average, count + 1)
-        return coefficient
+        saved = [self._average.get(i, (None, 0)) for i in indices]
+        device = sq.device
+        averages = torch.stack([torch.zeros_like(sq[0]) if a is None else a for a, _ in saved])
+        coefficients = coefficient.expand_as(norm)
+        warm = [count >= ADAGC_WARMUP for _, count in saved]
+        if any(warm):
+            own = (ADAGC_RATIO * averages / (norm + EPS)).clamp(max=1.0)
+            coefficients = torch.where(self._mask(warm, device), torch.minimum(coefficients, own), coefficients)
+        clipped = norm * coefficients
+        updated = torch.where(finite, ADAGC_DECAY * averages + (1 - ADAGC_DECAY) * clipped, averages)
+        if not all(a is not None for a, _ in saved):
+            updated = torch.where(self._mask([a is not None for a, _ in saved], device), updated, clipped)
+        for i, average, (_, count) in zip(indices, updated.unbind(), saved):
+            self._average[i] = (average, count + 1)
+        return coefficients

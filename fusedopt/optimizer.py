@@ -400,36 +400,54 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _releasing(self) -> bool:
         return self._release is not None and self._release.attached
 
-    def prepare_released_gradient(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None) -> None:
-        """Unscale (``grad_scaler``) and clip (``max_grad_norm``) a gradient gradient release is about
-        to update ``p`` from, in place, with its accumulated buffer (local tensors: a sharded
-        parameter's shard)."""
-        scaler, clipping = self.grad_scaler, self._released_clipping
+    def prepare_released_gradients(self, batch: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> None:
+        """Unscale (``grad_scaler``) and clip (``max_grad_norm``) in place gradients that gradient
+        release is about to update from: ``batch`` holds each parameter with its gradient (and
+        accumulated buffer; local tensors: a sharded parameter's shard), in the order released."""
+        scaler = self.grad_scaler
         if scaler is not None and not scaler.is_enabled():
             scaler = None
-        if scaler is None and clipping is None:
+        if scaler is None and self._released_clipping is None:
             return
-        grads = [grad] if accum is None else [grad, accum]
-        groups = self.shard_groups(p)
-        if not groups:  # this rank holds the whole gradient
-            if scaler is not None:
+        if scaler is not None:
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for _, grads in batch:
+                by_device.setdefault(grads[0].device, []).extend(grads)
+            for grads in by_device.values():
                 self._released_unscaling.unscale_(scaler, grads)
-            if clipping is not None:
-                clipping.clip(self.param_index(p), grads)
-            return
-        # The gradient is split over ranks: one all-reduce of its squared norm serves the clipping
-        # estimate and the verdict every rank must share on skipping it (sharding.py).
-        if clipping is None:
-            # the scaled gradient's norm: not finite exactly where the unscaled one is not
+        self._clip_released(batch, note_nonfinite=scaler is not None)
+
+    def _clip_released(self, batch: list[tuple[torch.Tensor, list[torch.Tensor]]], *, note_nonfinite: bool) -> None:
+        """Clip released (unscaled) gradients as ``ReleaseClipping`` estimates, in batches of one
+        device. A sharded parameter's gradient is clipped against its whole gradient's norm (one
+        all-reduce of its squared norm, parameter by parameter: every rank issues the same sequence)
+        and, where that is not finite, skipped on every rank (and reported to the scaler when
+        ``note_nonfinite``)."""
+        clipping = self._released_clipping
+        pending: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+
+        def clip_pending():
+            if pending and clipping is not None:
+                clipping.clip([self.param_index(p) for p, _ in pending], [grads for _, grads in pending])
+            pending.clear()
+
+        for p, grads in batch:
+            groups = self.shard_groups(p)
+            if not groups:  # this rank holds the whole gradient
+                if pending and pending[0][1][0].device != grads[0].device:
+                    clip_pending()
+                pending.append((p, grads))
+                continue
+            clip_pending()  # in release order
             sq = sum_over_shards(squared_norm(grads).double(), groups)
-            self._released_unscaling.unscale_(scaler, grads, skip=~torch.isfinite(sq))
-            return
-        if scaler is not None:
-            self._released_unscaling.unscale_(scaler, grads)
-        sq = sum_over_shards(squared_norm(grads).double(), groups)
-        if scaler is not None:
-            self._released_unscaling.note_nonfinite(~torch.isfinite(sq))
-        clipping.clip(self.param_index(p), grads, sq)
+            skip = ~torch.isfinite(sq)
+            if note_nonfinite:
+                self._released_unscaling.note_nonfinite(skip)
+            if clipping is not None:
+                clipping.clip([self.param_index(p)], [grads], sq.reshape(1))
+            else:
+                torch._foreach_mul_(grads, torch.where(skip, torch.nan, 1.0))
+        clip_pending()
 
     def _unscale_and_clip(self, updates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> None:
         """step()'s gradients (parameter, gradient, accumulated buffer), in place: unscaled by a
@@ -459,38 +477,16 @@ class FusedOptimizer(torch.optim.Optimizer):
             for _, grad, accum in updates:
                 grads = [local(g) for g in (grad, accum) if g is not None]
                 unscale_(grads, inv_scale.to(grads[0].device), found_inf)
-        if releasing:  # the rest of the window, as release treated the rest
-            self._prepare_rest_of_window(updates, scaled=grad_scale is not None)
+        if releasing and (self._released_clipping is not None or grad_scale is not None):
+            # the rest of the window, as release treated the rest
+            rest = [(p, [local(g) for g in (grad, accum) if g is not None]) for p, grad, accum in updates]
+            self._clip_released(rest, note_nonfinite=grad_scale is not None)
         if releasing and self.grad_scaler is not None:
             self._released_unscaling.report(self.grad_scaler, self)
         if self.max_grad_norm is not None and updates and not releasing:
             # exactly torch.nn.utils.clip_grad_norm_ over every gradient of this step (no host sync)
             tensors = [g for _, grad, accum in updates for g in (grad, accum) if g is not None]
             self._grad_norm = clip_exactly_(tensors, self.max_grad_norm)
-
-    def _prepare_rest_of_window(self, updates, *, scaled: bool) -> None:
-        """Clip the (unscaled) gradients ``step()`` updates for a releasing optimizer, as release
-        clips; a sharded parameter's, against its whole gradient's norm, and, where it is not finite
-        (a clipping or loss-scaling run), skipped on every rank and reported to the scaler."""
-        clipping = self._released_clipping
-        if clipping is None and not scaled:
-            return
-        for p, grad, accum in updates:
-            grads = [local(g) for g in (grad, accum) if g is not None]
-            groups = self.shard_groups(p)
-            if not groups:
-                if clipping is not None:
-                    clipping.clip(self.param_index(p), grads)
-                continue
-            sq = sum_over_shards(squared_norm(grads).double(), groups)
-            skip = ~torch.isfinite(sq)
-            if scaled:
-                self._released_unscaling.note_nonfinite(skip)
-            if clipping is not None:
-                clipping.clip(self.param_index(p), grads, sq)
-            else:
-                for g in grads:
-                    g.mul_(torch.where(skip, torch.nan, 1.0))
 
     # --- the update ------------------------------------------------------------------------
 

@@ -212,7 +212,6 @@ class GradientRelease:
                     p.grad = None
                 return
             accum = self.take_buffer(p) if self._buffers else None
-            optimizer.prepare_released_gradient(p, grad, accum)  # unscaled and clipped, in place
             if (
                 accum is not None
                 or not optimizer.bucket_budget
@@ -221,11 +220,14 @@ class GradientRelease:
             ):
                 # the reference, a first step, no bucketing, a parameter launched alone, or a side
                 # stream's gradient (updated now, on that stream)
+                grads = [grad] if accum is None else [grad, accum]
+                optimizer.prepare_released_gradients([(p, grads)])  # unscaled and clipped, in place
                 optimizer.update_param(p, grad, accum, checked)
                 p.grad = None
                 return
         # A kernel update: hold the gradient and update later, in buckets (fewer launches; the
-        # hook itself stays a few microseconds). At most the bucket budget is held.
+        # hook itself stays a few microseconds, its unscaling and clipping run with the bucket's).
+        # At most the bucket budget is held.
         self._held.append((p, grad, checked))
         self._held_bytes += grad.numel() * grad.element_size()
         p.grad = None
@@ -243,6 +245,7 @@ class GradientRelease:
             torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext(),
             on_default_stream(held[0][1]),
         ):
+            optimizer.prepare_released_gradients([(p, [grad]) for p, grad, _ in held])  # in place
             for p, grad, checked in held:
                 optimizer.queue_update(p, grad, None, checked)
             optimizer.flush_updates()

@@ -13,7 +13,7 @@ from cases import dtype_cases, format_cases
 from helpers import inputs, loss_fn, make_model
 
 import fusedopt
-from fusedopt.clipping import CLIP_METHODS, ReleaseClipping
+from fusedopt.clipping import CLIP_METHODS, REMOVED_CLIP_METHODS, ReleaseClipping
 
 N_STEPS = 30
 
@@ -89,9 +89,10 @@ def test_a_non_finite_gradient_under_clipping_behaves_as_torch_and_never_enters_
     assert all(torch.isfinite(t).all() for st in opt.state.values() for t in st.values() if t.is_floating_point())
 
 
-def _oracle(method: str, windows: list[list[tuple[int, float]]], max_norm: float) -> list[list[float]]:
+def _oracle(method: str, windows: list[list[list[tuple[int, float]]]], max_norm: float) -> list[list[float]]:
     """Each method's coefficient per (parameter index, squared norm), in float64, from the documented
-    formulas (the module docstring of fusedopt/clipping.py)."""
+    formulas (the module docstring of fusedopt/clipping.py): a window is a list of batches, and a
+    batch's estimate counts the whole batch as seen."""
     last: dict[int, float] = {}
     average: dict[int, tuple[float, int]] = {}
     out = []
@@ -99,31 +100,34 @@ def _oracle(method: str, windows: list[list[tuple[int, float]]], max_norm: float
         known = sum(last.values())
         seen = seen_hist = seen_last = 0.0
         coefficients = []
-        for index, sq in window:
-            seen += sq
-            if index in last:
-                seen_hist += sq
-                seen_last += last[index]
+        for batch in window:
+            for index, sq in batch:
+                seen += sq
+                if index in last:
+                    seen_hist += sq
+                    seen_last += last[index]
             unseen = max(known - seen_last, 0.0)
             growth = seen_hist / seen_last if seen_last > 0 else 1.0
-            estimate = {"prefix": seen, "previous": seen + unseen}.get(method, seen + unseen * growth)
-            c = min(1.0, max_norm / (math.sqrt(estimate) + 1e-6))
-            if method == "adagc":
-                avg, count = average.get(index, (None, 0))
-                if count >= 10:
-                    c = min(c, 1.05 * avg / (math.sqrt(sq) + 1e-6))
-                clipped = math.sqrt(sq) * c
-                average[index] = (clipped if avg is None else 0.98 * avg + 0.02 * clipped, count + 1)
-            coefficients.append(c)
-            last[index] = sq
+            c_batch = min(1.0, max_norm / (math.sqrt(seen + unseen * growth) + 1e-6))
+            for index, sq in batch:
+                c = c_batch
+                if method == "adagc":
+                    avg, count = average.get(index, (None, 0))
+                    if count >= 10:
+                        c = min(c, 1.05 * avg / (math.sqrt(sq) + 1e-6))
+                    clipped = math.sqrt(sq) * c
+                    average[index] = (clipped if avg is None else 0.98 * avg + 0.02 * clipped, count + 1)
+                coefficients.append(c)
+                last[index] = sq
         out.append(coefficients)
     return out
 
 
 @pytest.mark.parametrize("method", CLIP_METHODS)
 def test_release_clipping_coefficients_follow_the_documented_estimates(method):
-    """Four parameters over 14 windows: steady noise, a window where every gradient is 300 times
-    larger (a spike), a parameter that is missing from one window, and one that joins late."""
+    """Four parameters over 14 windows, released in batches of one to three: steady noise, a window
+    where every gradient is 300 times larger (a spike), a parameter that is missing from one window,
+    one that joins late (in a batch with parameters that have a history), and a bf16 gradient."""
     gen = torch.Generator().manual_seed(3)
     windows = []
     for w in range(14):
@@ -132,30 +136,80 @@ def test_release_clipping_coefficients_follow_the_documented_estimates(method):
         window = [(i, float((1 + i) * spike * (0.5 + torch.rand((), generator=gen))) ** 2) for i in order]
         if w == 5:
             window = window[:2]  # two parameters had no gradient in this window
-        windows.append(window + ([(7, 4.0)] if w >= 12 else []))
+        if w >= 12:
+            window.insert(1, (7, 4.0))
+        cuts = [1, 3] if w % 3 == 0 else [2, 3] if w % 3 == 1 else [1, 2]
+        windows.append([window[a:b] for a, b in zip([0, *cuts], [*cuts, len(window)]) if window[a:b]])
     clipper = ReleaseClipping(2.0, method)
     got = []
     for window in windows:
         coefficients = []
-        for index, sq in window:
-            g = torch.full((4,), math.sqrt(sq / 4), dtype=torch.float32)
-            clipper.clip(index, [g])
-            coefficients.append(float(g[0]) / float(torch.tensor(math.sqrt(sq / 4), dtype=torch.float32)))
-        torch.testing.assert_close(clipper.norm().double(), torch.tensor(math.sqrt(sum(s for _, s in window))).double())
+        for batch in window:
+            grads = [torch.full((5,), math.sqrt(sq / 5), dtype=torch.float32) for _, sq in batch]
+            before = [g.clone() for g in grads]
+            clipper.clip([index for index, _ in batch], [[g] for g in grads])
+            coefficients += [float(g[0]) / float(b[0]) for g, b in zip(grads, before)]
+        flat = [s for batch in window for _, s in batch]
+        torch.testing.assert_close(clipper.norm().double(), torch.tensor(math.sqrt(sum(flat))).double())
         clipper.new_window()
         got.append(coefficients)
     expected = _oracle(method, windows, 2.0)
     for g, e in zip(got, expected):
         torch.testing.assert_close(torch.tensor(g), torch.tensor(e), rtol=1e-5, atol=0)
     spike = expected[11]
-    exact = min(1.0, 2.0 / math.sqrt(sum(s for _, s in windows[11])))
-    if method in ("scaled", "adagc"):  # the spike is recognised at the first parameter
-        assert spike[0] < 1.5 * exact
-    if method == "prefix":
-        assert spike[0] > 1.25 * exact  # the first parameter is clipped less than the exact norm says
+    exact = min(1.0, 2.0 / math.sqrt(sum(s for batch in windows[11] for _, s in batch)))
+    assert spike[0] < 1.5 * exact  # the spike is recognised at the first batch
     if method == "adagc":  # never above "scaled"; below it where a tensor's own history binds
         pairs = [(a, b) for w, v in zip(expected, _oracle("scaled", windows, 2.0)) for a, b in zip(w, v)]
         assert all(a <= b for a, b in pairs) and any(a < 0.99 * b for a, b in pairs)
+
+
+def test_release_clipping_scales_a_batch_of_mixed_dtypes_and_accumulated_buffers_like_clip_grad_norm():
+    """One batch: a bf16 gradient, an fp32 one, and a gradient with its accumulated buffer. With no
+    history the estimate is the batch's own norm, so the coefficient is clip_grad_norm_'s, applied to
+    every tensor in its own dtype as torch's in-place multiply does."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(33, generator=gen).to(torch.bfloat16)
+    b = torch.randn(7, 3, generator=gen)
+    c, c_accum = torch.randn(10, generator=gen), torch.randn(10, generator=gen)
+    expected = [t.clone() for t in (a, b, c, c_accum)]
+    norm = torch.linalg.vector_norm(torch.cat([a.float(), b.flatten(), c + c_accum]))
+    coefficient = (0.5 / (norm + 1e-6)).clamp(max=1.0)
+    assert coefficient < 0.2
+    for t in expected:
+        t.mul_(coefficient)
+    clipper = ReleaseClipping(0.5, "scaled")
+    clipper.clip([0, 1, 2], [[a], [b], [c, c_accum]])
+    for got, want in zip((a, b, c, c_accum), expected):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=0)
+    torch.testing.assert_close(clipper.norm(), norm, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("method", sorted(REMOVED_CLIP_METHODS))
+def test_a_removed_release_clipping_method_is_refused_by_name(method):
+    with pytest.raises(ValueError, match=f"release_clipping='{method}' was removed.*'scaled'"):
+        fusedopt.AdamW(make_model().parameters(), fused=True, max_grad_norm=1.0, release_clipping=method)
+
+
+@pytest.mark.parametrize("method", sorted(REMOVED_CLIP_METHODS))
+def test_a_checkpoint_of_a_removed_method_loads_with_its_history_and_says_so(method):
+    model = make_model(seed=0)
+    opt = fusedopt.AdamW(model.parameters(), lr=1e-2, fused=True, max_grad_norm=0.3)
+    for x in inputs(2):
+        loss_fn(model, x).backward()
+        opt.step()
+        opt.zero_grad()
+    saved = opt.state_dict()
+    assert saved["fusedopt"]["release_clipping"]["method"] == "scaled"
+    saved["fusedopt"]["release_clipping"]["method"] = method
+    opt.remove_hooks()
+    resumed = fusedopt.AdamW(model.parameters(), lr=1e-2, fused=True, max_grad_norm=0.3)
+    with pytest.warns(UserWarning, match=f"release_clipping='{method}', which was removed.*continues with .*'scaled'"):
+        resumed.load_state_dict(saved)
+    history, loaded = opt._released_clipping._last, resumed._released_clipping._last
+    assert sorted(loaded) == sorted(history) and len(history) == len(list(model.parameters()))
+    assert all(torch.equal(history[i], loaded[i]) for i in history)
 
 
 def _release_run(fused, *, max_grad_norm, dtype=torch.float32, micro_batches=1, steps=6, scales=None, **options):
@@ -294,8 +348,6 @@ def test_release_clipping_resumes_bit_for_bit(method, tmp_path):
     resumed, opt2 = run(24, resume_from=path)
     for p, q in zip(full.parameters(), resumed.parameters()):
         assert torch.equal(p, q)
-    if method == "prefix":
-        return  # it keeps no history
     # without the history the resumed run differs: the check above could fail
     model = make_model(seed=0)
     opt3 = fusedopt.AdamW(model.parameters(), lr=1e-2, fused=True, max_grad_norm=0.3, release_clipping=method)
