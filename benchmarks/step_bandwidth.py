@@ -107,7 +107,7 @@ def check_only_ms(reps: int) -> float:
 
     def run():
         for g in grads:
-            args = (g, g, scratch, step, skipped, g, n, *update.NO_GRAD_DELTAS, *check_args)  # table g: no bucket
+            args = (g, g, scratch, step, skipped, g, g, n, *update.NO_GRAD_DELTAS, *check_args)  # g: no table, no scale
             update._launch_check(programs, args, config)
 
     run()

@@ -56,17 +56,25 @@ def check_clip_method(method) -> None:
         raise ValueError(f"Invalid release_clipping: {method!r} (expected one of {', '.join(CLIP_METHODS)})")
 
 
-def clip_exactly_(tensors: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` on gradient tensors (not parameters): scale them in place by
-    ``min(1, max_norm / (norm + 1e-6))`` and return their total norm."""
+def exact_coefficient(tensors: list[torch.Tensor], max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.nn.utils.clip_grad_norm_``'s total norm of gradient tensors and its coefficient
+    ``min(1, max_norm / (norm + 1e-6))`` (fp32 0-d device tensors). The update kernel multiplies the
+    gradients by it as it reads them (``scale_`` where it does not): one read of the gradients for
+    the norm is all clipping adds to a step."""
     norm = torch.nn.utils.get_total_norm(tensors)
-    coefficient = (max_norm / (norm + EPS)).clamp(max=1.0)
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    return norm, (max_norm / (norm + EPS)).clamp(max=1.0)
+
+
+def scale_(tensors: list[torch.Tensor], coefficient: torch.Tensor) -> None:
+    """Multiply gradients in place by an fp32 coefficient, each product in fp32 and rounded once to
+    the tensor's dtype, on every device alike (what the update kernel does with its ``grad_scale``;
+    torch's multiply of a bf16 CUDA tensor would round the coefficient to bf16 first)."""
     for t in tensors:
-        by_device.setdefault(t.device, []).append(t)
-    for device, group in by_device.items():
-        torch._foreach_mul_(group, coefficient.to(device))
-    return norm
+        c = coefficient.to(t.device)
+        if t.dtype == torch.float32:
+            t.mul_(c)
+        else:
+            t.copy_(t.float().mul_(c))
 
 
 def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -114,10 +122,14 @@ class ReleaseClipping:
         total = self._seen_total if self._seen_total is not None else self._last_total
         return None if total is None else total.sqrt().float()
 
-    def clip(self, indices: list[int], grads: list[list[torch.Tensor]], sq: torch.Tensor | None = None) -> None:
-        """Scale a batch of released gradients in place by this method's coefficients. ``indices``:
-        the parameters' indices; ``grads``: each one's gradient (and its accumulated buffer), all on
-        one device.
+    def clip(
+        self, indices: list[int], grads: list[list[torch.Tensor]], sq: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Clip a batch of released gradients. ``indices``: the parameters' indices; ``grads``: each
+        one's gradient (and its accumulated buffer), all on one device. Returns the coefficient (fp32
+        0-d) the caller multiplies every gradient of the batch by (the update kernel's
+        ``grad_scale``); or None where the coefficients differ per parameter (``adagc``, sharded
+        gradients), which are then applied here, in place (``scale_``).
 
         ``sq``: the whole gradients' squared norms (float64 vector) where ``grads`` are one rank's
         shards of them (summed over the ranks: every rank then computes the same coefficients). A
@@ -161,13 +173,11 @@ class ReleaseClipping:
             coefficient = torch.where(finite, coefficient, torch.nan)
         for i, value in zip(indices, new_last.unbind()):
             self._last[i] = value
-        if coefficient.dim() == 0:
-            torch._foreach_mul_([g for entry in grads for g in entry], coefficient)  # as clip_grad_norm_
-        else:
-            coefficients = coefficient.unbind()
-            torch._foreach_mul_(
-                [g for entry in grads for g in entry], [c for entry, c in zip(grads, coefficients) for _ in entry]
-            )
+        if not skip_nonfinite and coefficient.dim() == 0:
+            return coefficient
+        for entry, c in zip(grads, coefficient.expand(len(grads)).unbind()):
+            scale_(entry, c)
+        return None
 
     def state_dict(self, pids: dict[int, int]) -> dict:
         """The history the estimates use, for a checkpoint (``pids``: parameter index -> saved id)."""

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from .clipping import scale_
 from .master import MASTER_CORRECTION
 from .reference import ParamUpdate, reference_update
 from .sharding import local
@@ -167,10 +168,16 @@ class PreparedEntry:
 
 
 class _Pending:
-    __slots__ = ("members", "grads", "scalars")
+    __slots__ = ("members", "grads", "scalars", "grad_scale")
 
-    def __init__(self, scalars: tuple):
-        self.members, self.grads, self.scalars = [], [], scalars
+    def __init__(self, scalars: tuple, grad_scale: torch.Tensor | None):
+        self.members, self.grads, self.scalars, self.grad_scale = [], [], scalars, grad_scale
+
+
+def _takes_grad_scale(launch) -> bool:
+    """Whether a prepared launch multiplies the gradients by a coefficient itself (the update kernel
+    does; a kernel that does not gets its gradients scaled first)."""
+    return getattr(launch, "takes_grad_scale", False)
 
 
 class UpdateDispatcher:
@@ -276,25 +283,32 @@ class UpdateDispatcher:
 
     # --- running updates -------------------------------------------------------------------
 
-    def queue(self, p: torch.Tensor, grad: torch.Tensor, accum, checked: CheckedUpdate) -> None:
+    def queue(self, p: torch.Tensor, grad: torch.Tensor, accum, checked: CheckedUpdate, grad_scale=None) -> None:
         """Run a checked update, or queue it in a bucket (it has run once ``flush()`` returns;
-        ``grad`` must stay unchanged until then)."""
+        ``grad`` must stay unchanged until then). ``grad_scale``: a clipping coefficient (fp32 0-d
+        device tensor) the gradients are multiplied by, or None."""
         grad = local(grad)
         launch = checked.launch
-        if launch is None or not self._buckets_on or accum is not None:
-            self.update(p, grad, accum, checked)
+        if (
+            launch is None
+            or not self._buckets_on
+            or accum is not None
+            or (grad_scale is not None and not _takes_grad_scale(launch))
+        ):
+            self.update(p, grad, accum, checked, grad_scale)
             return
         group_index = self._opt._position[p][0]
         settings = self._window.get(group_index) or self.settings(group_index)
-        if not self._add(launch, grad, settings.scalars, group_index):
+        if not self._add(launch, grad, settings.scalars, group_index, grad_scale):
             # prepared but not bucketable (size, alignment): alone
             if id(launch) in self._waiting:  # a queued update of p runs first
                 self._opt.flush_updates()
             with self.observed():
-                launch.launch(grad, accum, settings.scalars)
+                launch.launch(grad, accum, settings.scalars, grad_scale)
 
-    def update(self, p: torch.Tensor, grad: torch.Tensor, accum, checked: CheckedUpdate) -> None:
-        """Apply one checked update of ``p`` now, through its prepared launch or ``run_update``."""
+    def update(self, p: torch.Tensor, grad: torch.Tensor, accum, checked: CheckedUpdate, grad_scale=None) -> None:
+        """Apply one checked update of ``p`` now, through its prepared launch or ``run_update``
+        (``grad_scale``: as ``queue``)."""
         grad = local(grad)
         entry = self._prepared.get(p)
         if entry is not None and id(entry.launch) in self._waiting:
@@ -304,6 +318,11 @@ class UpdateDispatcher:
         settings = self._window.get(group_index) or self.settings(group_index)
         launch = checked.launch
         with self.observed():
+            if launch is not None and _takes_grad_scale(launch):
+                launch.launch(grad, accum, settings.scalars, grad_scale)
+                return
+            if grad_scale is not None:  # a path that takes the gradients as they are
+                scale_([g for g in (grad, accum) if g is not None], grad_scale)
             if launch is not None:
                 launch.launch(grad, accum, settings.scalars)
                 return
@@ -379,17 +398,18 @@ class UpdateDispatcher:
             prepared.bucketable = _kernels()[1].bucketable(prepared)
         return prepared.bucketable
 
-    def _add(self, prepared, grad: torch.Tensor, scalars: tuple, group_index: int) -> bool:
-        """Queue ``prepared``'s update from ``grad``; False when it cannot join a bucket (the caller
-        launches it alone). May launch a full bucket."""
+    def _add(self, prepared, grad: torch.Tensor, scalars: tuple, group_index: int, grad_scale) -> bool:
+        """Queue ``prepared``'s update from ``grad`` (times ``grad_scale``); False when it cannot join a
+        bucket (the caller launches it alone). May launch a full bucket."""
         bucket = _kernels()[1]
         joins = prepared.bucketable if prepared.bucketable is not None else self._can_join(prepared)
         if not (joins and bucket.gradient_bucketable(grad, prepared.head[0].dtype)):
             return False
-        key = (prepared.configs[0].key, group_index)
+        # a bucket shares its coefficient: gradients clipped together (one release batch, one step)
+        key = (prepared.configs[0].key, group_index, None if grad_scale is None else id(grad_scale))
         pending = self._pending.get(key)
         if pending is None:
-            pending = self._pending[key] = _Pending(scalars)
+            pending = self._pending[key] = _Pending(scalars, grad_scale)
         pending.members.append(prepared)
         self._waiting.add(id(prepared))
         pending.grads.append(grad)
@@ -412,7 +432,7 @@ class UpdateDispatcher:
         self._waiting.difference_update(map(id, members))
         with self.observed():
             if len(members) == 1:
-                members[0].launch(pending.grads[0], None, pending.scalars)
+                members[0].launch(pending.grads[0], None, pending.scalars, pending.grad_scale)
                 return
             key = tuple(map(id, members))
             built = self._built.get(key)
@@ -420,4 +440,4 @@ class UpdateDispatcher:
                 if len(self._built) >= _MAX_BUILT:
                     self._built.clear()
                 built = self._built[key] = _kernels()[1].PreparedBucket(members)  # holds the members
-            built.launch(pending.grads, pending.scalars)
+            built.launch(pending.grads, pending.scalars, pending.grad_scale)

@@ -16,7 +16,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint
-from .clipping import DEFAULT_CLIP_METHOD, ReleaseClipping, check_clip_method, clip_exactly_, squared_norm
+from .clipping import DEFAULT_CLIP_METHOD, ReleaseClipping, check_clip_method, exact_coefficient, squared_norm
 from .codecs import SUPPORTED_STATE_BITS, MomentCodec, codec_for, codec_named, registered_formats
 from .dispatch import CheckedUpdate, UpdateDispatcher, check_gradient
 from .loss_scaling import ReleasedUnscaling, check_grad_scaler, inverse, unscale_
@@ -400,35 +400,40 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _releasing(self) -> bool:
         return self._release is not None and self._release.attached
 
-    def prepare_released_gradients(self, batch: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> None:
-        """Unscale (``grad_scaler``) and clip (``max_grad_norm``) in place gradients that gradient
+    def prepare_released_gradients(self, batch: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> list:
+        """Unscale (``grad_scaler``, in place) and clip (``max_grad_norm``) gradients that gradient
         release is about to update from: ``batch`` holds each parameter with its gradient (and
-        accumulated buffer; local tensors: a sharded parameter's shard), in the order released."""
+        accumulated buffer; local tensors: a sharded parameter's shard), in the order released.
+        Returns each one's clipping coefficient for its update (``grad_scale``; None: none)."""
         scaler = self.grad_scaler
         if scaler is not None and not scaler.is_enabled():
             scaler = None
         if scaler is None and self._released_clipping is None:
-            return
+            return [None] * len(batch)
         if scaler is not None:
             by_device: dict[torch.device, list[torch.Tensor]] = {}
             for _, grads in batch:
                 by_device.setdefault(grads[0].device, []).extend(grads)
             for grads in by_device.values():
                 self._released_unscaling.unscale_(scaler, grads)
-        self._clip_released(batch, note_nonfinite=scaler is not None)
+        return self._clip_released(batch, note_nonfinite=scaler is not None)
 
-    def _clip_released(self, batch: list[tuple[torch.Tensor, list[torch.Tensor]]], *, note_nonfinite: bool) -> None:
+    def _clip_released(self, batch: list[tuple[torch.Tensor, list[torch.Tensor]]], *, note_nonfinite: bool) -> list:
         """Clip released (unscaled) gradients as ``ReleaseClipping`` estimates, in batches of one
-        device. A sharded parameter's gradient is clipped against its whole gradient's norm (one
-        all-reduce of its squared norm, parameter by parameter: every rank issues the same sequence)
-        and, where that is not finite, skipped on every rank (and reported to the scaler when
-        ``note_nonfinite``)."""
+        device; returns each one's coefficient (``prepare_released_gradients``). A sharded
+        parameter's gradient is clipped against its whole gradient's norm (one all-reduce of its
+        squared norm, parameter by parameter: every rank issues the same sequence) and, where that is
+        not finite, skipped on every rank (and reported to the scaler when ``note_nonfinite``)."""
         clipping = self._released_clipping
         pending: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        scales: list = []
 
         def clip_pending():
-            if pending and clipping is not None:
-                clipping.clip([self.param_index(p) for p, _ in pending], [grads for _, grads in pending])
+            if pending:
+                coefficient = None
+                if clipping is not None:
+                    coefficient = clipping.clip([self.param_index(p) for p, _ in pending], [g for _, g in pending])
+                scales.extend([coefficient] * len(pending))
             pending.clear()
 
         for p, grads in batch:
@@ -447,11 +452,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                 clipping.clip([self.param_index(p)], [grads], sq.reshape(1))
             else:
                 torch._foreach_mul_(grads, torch.where(skip, torch.nan, 1.0))
+            scales.append(None)
         clip_pending()
+        return scales
 
-    def _unscale_and_clip(self, updates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> None:
+    def _unscale_and_clip(self, updates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> list:
         """step()'s gradients (parameter, gradient, accumulated buffer), in place: unscaled by a
-        GradScaler's ``grad_scale`` when ``scaler.step(opt)`` called, then clipped."""
+        GradScaler's ``grad_scale`` when ``scaler.step(opt)`` called, then clipped. Returns each
+        update's clipping coefficient (``grad_scale``; None: none), which the update applies."""
         releasing = self._releasing()
         grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step for this call only
         if releasing and grad_scale is not None and self.grad_scaler is None and self._release.hooks_ran():
@@ -477,16 +485,24 @@ class FusedOptimizer(torch.optim.Optimizer):
             for _, grad, accum in updates:
                 grads = [local(g) for g in (grad, accum) if g is not None]
                 unscale_(grads, inv_scale.to(grads[0].device), found_inf)
+        scales = [None] * len(updates)
         if releasing and (self._released_clipping is not None or grad_scale is not None):
             # the rest of the window, as release treated the rest
             rest = [(p, [local(g) for g in (grad, accum) if g is not None]) for p, grad, accum in updates]
-            self._clip_released(rest, note_nonfinite=grad_scale is not None)
+            scales = self._clip_released(rest, note_nonfinite=grad_scale is not None)
         if releasing and self.grad_scaler is not None:
             self._released_unscaling.report(self.grad_scaler, self)
         if self.max_grad_norm is not None and updates and not releasing:
             # exactly torch.nn.utils.clip_grad_norm_ over every gradient of this step (no host sync)
             tensors = [g for _, grad, accum in updates for g in (grad, accum) if g is not None]
-            self._grad_norm = clip_exactly_(tensors, self.max_grad_norm)
+            self._grad_norm, coefficient = exact_coefficient(tensors, self.max_grad_norm)
+            on_device = {coefficient.device: coefficient}
+            for i, (_, grad, _) in enumerate(updates):
+                device = local(grad).device
+                if device not in on_device:
+                    on_device[device] = coefficient.to(device)
+                scales[i] = on_device[device]
+        return scales
 
     # --- the update ------------------------------------------------------------------------
 
@@ -517,19 +533,28 @@ class FusedOptimizer(torch.optim.Optimizer):
         grad: torch.Tensor,
         accum: torch.Tensor | None = None,
         checked: CheckedUpdate | None = None,
+        grad_scale: torch.Tensor | None = None,
     ) -> None:
         """Apply one optimizer update to ``p`` from ``grad`` (+ an accumulated buffer) now; ``checked``:
         what ``check_update`` returned for it (None: it is checked here, outside any step, against the
-        group and ``FUSEDOPT_BACKEND`` as they are now)."""
+        group and ``FUSEDOPT_BACKEND`` as they are now); ``grad_scale``: a clipping coefficient (fp32
+        0-d) the gradients are multiplied by."""
         if checked is None:
             self._dispatch.new_window()
             checked = self.check_update(p, grad, accum)
-        self._dispatch.update(p, grad, accum, checked)
+        self._dispatch.update(p, grad, accum, checked, grad_scale)
 
-    def queue_update(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None, checked: CheckedUpdate):
+    def queue_update(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        accum: torch.Tensor | None,
+        checked: CheckedUpdate,
+        grad_scale: torch.Tensor | None = None,
+    ):
         """``update_param``, or a place in a bucket of updates launched together: the update has run
         once ``flush_updates()`` returns. ``grad`` must stay unchanged until then."""
-        self._dispatch.queue(p, grad, accum, checked)
+        self._dispatch.queue(p, grad, accum, checked, grad_scale)
 
     def flush_updates(self) -> None:
         """Run every queued update and every update gradient release holds."""
@@ -600,9 +625,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             if grad is None:
                 grad, accum = accum, None
             updates.append((p, grad, accum))
-        self._unscale_and_clip(updates)
-        for (p, grad, accum), (_, launch) in zip(updates, checked):
-            self._dispatch.queue(p, grad, accum, launch)
+        scales = self._unscale_and_clip(updates)
+        for (p, grad, accum), (_, launch), scale in zip(updates, checked, scales):
+            self._dispatch.queue(p, grad, accum, launch, scale)
             if releasing:
                 p.grad = None
         self.flush_updates()

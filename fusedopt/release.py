@@ -221,8 +221,8 @@ class GradientRelease:
                 # the reference, a first step, no bucketing, a parameter launched alone, or a side
                 # stream's gradient (updated now, on that stream)
                 grads = [grad] if accum is None else [grad, accum]
-                optimizer.prepare_released_gradients([(p, grads)])  # unscaled and clipped, in place
-                optimizer.update_param(p, grad, accum, checked)
+                (scale,) = optimizer.prepare_released_gradients([(p, grads)])  # unscaled; clipped by `scale`
+                optimizer.update_param(p, grad, accum, checked, scale)
                 p.grad = None
                 return
         # A kernel update: hold the gradient and update later, in buckets (fewer launches; the
@@ -245,9 +245,9 @@ class GradientRelease:
             torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext(),
             on_default_stream(held[0][1]),
         ):
-            optimizer.prepare_released_gradients([(p, [grad]) for p, grad, _ in held])  # in place
-            for p, grad, checked in held:
-                optimizer.queue_update(p, grad, None, checked)
+            scales = optimizer.prepare_released_gradients([(p, [grad]) for p, grad, _ in held])
+            for (p, grad, checked), scale in zip(held, scales):
+                optimizer.queue_update(p, grad, None, checked, scale)
             optimizer.flush_updates()
 
     def hooks_ran(self) -> bool:

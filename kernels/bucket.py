@@ -32,6 +32,7 @@ from fusedopt.kernels.update import (
     PreparedUpdate,
     _check_config,
     bucket_config,
+    scaled_config,
 )
 from fusedopt.streams import on_default_stream
 
@@ -98,13 +99,16 @@ class PreparedBucket:
         self.head, self.state_tensors, self.fractions = first.head, first.state_tensors, first.fractions
         self.step, self.scratch, self.skipped = first.step, first.scratch, first.skipped
         self.ints = first.ints  # the first member's sizes and keys (unused: the table has them)
-        self.update_config = bucket_config(first.configs[False])
-        self.check_config = _check_config(False, first.bias_corrections, True)
+        config = bucket_config(first.configs[False])
+        self.update_configs = {False: config, True: scaled_config(config)}
+        self.check_configs = {s: _check_config(False, first.bias_corrections, True, s) for s in (False, True)}
         self.launches: dict = {}  # resolved direct launches (launch_remembered)
 
-    def launch(self, grads: list[torch.Tensor], scalars: tuple[tuple, tuple]) -> None:
+    def launch(
+        self, grads: list[torch.Tensor], scalars: tuple[tuple, tuple], grad_scale: torch.Tensor | None = None
+    ) -> None:
         """Update every member from its gradient (``grads[i]`` for member i; same dtype, contiguous,
-        16-byte aligned: ``gradient_bucketable``)."""
+        16-byte aligned: ``gradient_bucketable``), multiplied by ``grad_scale`` (fp32 0-d) if given."""
         if len(grads) != len(self.members):
             raise ValueError(f"a bucket of {len(self.members)} parameters got {len(grads)} gradients")
         base = grads[0]
@@ -115,19 +119,24 @@ class PreparedBucket:
         args, check_args = scalars
         # nothing in the launch keys varies (the gradients' dtype and alignment are the members'):
         # one resolved direct launch each
+        scaled = grad_scale is not None
+        scale = grad_scale if scaled else self.head[0]
         launch_remembered(
             update._launch_check,
             self.launches,
-            "check",
+            ("check", scaled),
             self.check_programs,
-            (base, base, self.scratch, self.step, self.skipped, self.table, 0, *deltas, *check_args),
-            self.check_config,
+            (base, base, self.scratch, self.step, self.skipped, self.table, scale, 0, *deltas, *check_args),
+            self.check_configs[scaled],
         )
         runtime_args = (
-            *self.head, base, self.head[0], *self.state_tensors, self.table, self.fractions, *self.ints, *deltas, *args
+            *self.head, base, self.head[0], *self.state_tensors, self.table, self.fractions, scale, *self.ints, *deltas,
+            *args,
         )  # fmt: skip
         update_launcher = update._launch_update
-        launch_remembered(update_launcher, self.launches, "update", self.programs, runtime_args, self.update_config)
+        launch_remembered(
+            update_launcher, self.launches, ("update", scaled), self.programs, runtime_args, self.update_configs[scaled]
+        )
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -103,6 +103,21 @@ def _as_f32(x):
 
 
 @triton.jit
+def _scaled(x, scale):
+    """``x * scale`` in fp32, rounded to nearest-even to ``x``'s dtype (returned in fp32): the
+    gradient as clipping in place (``fusedopt.clipping.scale_``) leaves it. The bf16 rounding is
+    integer arithmetic: Triton's CPU interpreter truncates a cast to bf16."""
+    y = x.to(tl.float32) * scale
+    if x.dtype == tl.bfloat16:
+        bits = y.to(tl.int32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        y = tl.where(y != y, y, rounded)
+    elif x.dtype == tl.float16:
+        y = y.to(tl.float16).to(tl.float32)
+    return y
+
+
+@triton.jit
 def _rebase(ptr, row, col: tl.constexpr):
     """A bucket member's pointer: the first member's plus the delta in column ``col`` of its row.
 
@@ -171,6 +186,7 @@ def _check_kernel(
     step_ptr,  # fp32 0-d step count
     skipped_ptr,  # int64 0-d skipped-update counter
     table_ptr,  # BUCKET: int64 rows of the members' deltas, sizes and first programs
+    grad_scale_ptr,  # SCALE_GRAD: fp32 0-d coefficient of the gradients (clipping)
     n_elements,
     # BUCKET: the members' gradient deltas (+ GRAD_DELTA_BIAS)
     gd0,
@@ -199,6 +215,7 @@ def _check_kernel(
     TILE: tl.constexpr,
     TILES: tl.constexpr,
     BUCKET: tl.constexpr,  # one launch over several parameters (kernels/bucket.py)
+    SCALE_GRAD: tl.constexpr,  # the gradients are multiplied by *grad_scale_ptr
 ):
     if BUCKET:
         member, program, row = _bucket_member(table_ptr, COL_CHECK_START)
@@ -227,6 +244,9 @@ def _check_kernel(
             g += tl.load(accum_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         poison += g * 0.0
     bad = tl.max((poison != poison).to(tl.int32), axis=0)
+    if SCALE_GRAD:  # a NaN coefficient (a gradient not finite on another rank) skips the update
+        grad_scale = tl.load(grad_scale_ptr)
+        bad = tl.maximum(bad, (grad_scale != grad_scale).to(tl.int32))
     tl.atomic_max(scratch_ptr, bad, mask=bad > 0)
     ticket = tl.atomic_add(scratch_ptr + 1, 1)
     if ticket == programs - 1:  # the parameter's last program: every flag is in
@@ -259,6 +279,7 @@ def _update_kernel(
     scratch_ptr,  # the check kernel's words: [2] non-zero: the gradient was not finite
     table_ptr,  # BUCKET: int64 rows of the members' deltas, sizes, keys and first programs
     fractions_ptr,  # the log grid's 32 fp32 fractions 2**(-j/32) (fusedopt.codecs.loggrid.FRACTIONS)
+    grad_scale_ptr,  # SCALE_GRAD: fp32 0-d coefficient of the gradients (clipping)
     n_elements,
     n_pairs,  # (n_elements + 1) // 2: bytes of 4-bit codes
     key_shared,  # host parts of the hash keys (uint32): the word shared by the roundings,
@@ -325,6 +346,7 @@ def _update_kernel(
     QBLOCK: tl.constexpr,  # elements per quantisation block (the tile's row)
     INDEX_64: tl.constexpr,  # element offsets need 64 bits
     BUCKET: tl.constexpr,  # one launch over several parameters (kernels/bucket.py)
+    SCALE_GRAD: tl.constexpr,  # the gradients are multiplied by *grad_scale_ptr
 ):
     if BUCKET:  # this program's member: its pointers, size and keys
         member, program, row = _bucket_member(table_ptr, COL_UPDATE_START)
@@ -368,9 +390,16 @@ def _update_kernel(
         hash_start = start + (first - _INDEX_BIAS).to(tl.int32)
     offs = tile_offsets(start, NB, QBLOCK)
     mask = offs < n_elements
-    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(grad_ptr + offs, mask=mask, other=0.0)
+    if SCALE_GRAD:
+        grad_scale = tl.load(grad_scale_ptr)
+        g = _scaled(g, grad_scale)
+    g = g.to(tl.float32)
     if HAS_ACCUM:
-        g += tl.load(accum_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        accum = tl.load(accum_ptr + offs, mask=mask, other=0.0)
+        if SCALE_GRAD:
+            accum = _scaled(accum, grad_scale)
+        g += accum.to(tl.float32)
     if MAXIMIZE:
         g = -g
     step = tl.load(step_ptr)
@@ -550,8 +579,8 @@ def _update_kernel(
 
 # runtime arguments: tensors, then ints (the gradient deltas last: always int64, not in the
 # launch key), then floats (see PreparedUpdate)
-CHECK_ARGS = dict(tensors=6, ints=1 + BUCKET_TENSORS, unkeyed_ints=BUCKET_TENSORS)
-UPDATE_ARGS = dict(tensors=13, ints=5 + BUCKET_TENSORS, unkeyed_ints=BUCKET_TENSORS)
+CHECK_ARGS = dict(tensors=7, ints=1 + BUCKET_TENSORS, unkeyed_ints=BUCKET_TENSORS)
+UPDATE_ARGS = dict(tensors=14, ints=5 + BUCKET_TENSORS, unkeyed_ints=BUCKET_TENSORS)
 _launch_check = DirectLauncher(_check_kernel, **CHECK_ARGS)
 _launch_update = DirectLauncher(_update_kernel, **UPDATE_ARGS)
 
@@ -677,8 +706,11 @@ class PreparedUpdate:
     Valid while the parameter's tensors (parameter, correction, moments, step, scratch) are the
     same objects and the hyperparameters' flags (``maximize``, ``nesterov``) are unchanged: the
     optimizer checks that before reusing it (``FusedOptimizer.update_param``). Per step only the
-    gradient, the accumulated gradient and the runtime scalars (lr, betas, ...) are new.
+    gradient, the accumulated gradient and the runtime scalars (lr, betas, ...) are new
+    (and a clipping coefficient, which the kernel multiplies the gradients by).
     """
+
+    takes_grad_scale = True
 
     def __init__(
         self,
@@ -745,33 +777,46 @@ class PreparedUpdate:
             self.fractions = _fractions(param.device)
         self.keys, self.first = keys, first
         self.ints = (n, (n + 1) // 2, *keys, first + INDEX_BIAS)  # sizes and hash keys, before the gradient deltas
-        self.tail = (*self.state_tensors, dummy, self.fractions, *self.ints)  # dummy: no bucket table
+        self.tail = (*self.state_tensors, dummy, self.fractions)  # dummy: no bucket table; then the scale
         self.check_tensors = (scratch, step, skipped, dummy)
         self.bucketable: bool | None = None  # whether it can join a bucket (kernels/bucket.py decides once)
         self.check_launches: dict = {}  # resolved direct launches by gradient variant (launch_remembered)
         self.update_launches: dict = {}
 
-    def launch(self, grad: torch.Tensor, accum: torch.Tensor | None, scalars: tuple[tuple, tuple]) -> None:
+    def launch(
+        self,
+        grad: torch.Tensor,
+        accum: torch.Tensor | None,
+        scalars: tuple[tuple, tuple],
+        grad_scale: torch.Tensor | None = None,
+    ) -> None:
+        """Update from ``grad`` (+ ``accum``); ``grad_scale``: an fp32 0-d device tensor the gradients
+        are multiplied by first (clipping), or None."""
         args, check_args = scalars
-        has_accum = accum is not None
+        has_accum, scaled = accum is not None, grad_scale is not None
         # all the launch key can vary in from step to step: the gradients' dtypes and alignment
-        variant = (grad.dtype, not grad.data_ptr() & 15)
+        variant = (grad.dtype, not grad.data_ptr() & 15, scaled)
         if has_accum:
             variant += (accum.dtype, not accum.data_ptr() & 15)
+        scale = grad_scale if scaled else self.dummy
         launch_remembered(
             _launch_check,
             self.check_launches,
             variant,
             self.check_programs,
-            (grad, accum if has_accum else grad, *self.check_tensors, self.n, *NO_GRAD_DELTAS, *check_args),
-            _check_config(has_accum, self.bias_corrections, False),
+            (grad, accum if has_accum else grad, *self.check_tensors, scale, self.n, *NO_GRAD_DELTAS, *check_args),
+            _check_config(has_accum, self.bias_corrections, False, scaled),
         )
         if self.n == 0:
             return
-        runtime_args = (*self.head, grad, accum if has_accum else self.dummy, *self.tail, *NO_GRAD_DELTAS, *args)
+        runtime_args = (
+            *self.head, grad, accum if has_accum else self.dummy, *self.tail, scale, *self.ints, *NO_GRAD_DELTAS, *args
+        )  # fmt: skip
+        config = self.configs[has_accum]
         launch_remembered(
-            _launch_update, self.update_launches, variant, self.programs, runtime_args, self.configs[has_accum]
-        )
+            _launch_update, self.update_launches, variant, self.programs, runtime_args,
+            scaled_config(config) if scaled else config,
+        )  # fmt: skip
 
 
 UPDATE_SCALARS = (
@@ -800,12 +845,23 @@ def pack_scalars(named: dict) -> tuple[tuple, tuple]:
     return tuple(float(values[name]) for name in UPDATE_SCALARS), tuple(float(x) for x in check)
 
 
-@functools.lru_cache(maxsize=8)
-def _check_config(has_accum: bool, bias_corrections: bool, bucket: bool) -> LaunchConfig:
+@functools.lru_cache(maxsize=16)
+def _check_config(has_accum: bool, bias_corrections: bool, bucket: bool, scale_grad: bool = False) -> LaunchConfig:
     constexprs = dict(
-        HAS_ACCUM=has_accum, BIAS_CORRECTIONS=bias_corrections, TILE=CHECK_TILE, TILES=CHECK_TILES, BUCKET=bucket
+        HAS_ACCUM=has_accum,
+        BIAS_CORRECTIONS=bias_corrections,
+        TILE=CHECK_TILE,
+        TILES=CHECK_TILES,
+        BUCKET=bucket,
+        SCALE_GRAD=scale_grad,
     )
     return LaunchConfig(constexprs, {})
+
+
+@functools.lru_cache(maxsize=256)
+def scaled_config(config: LaunchConfig) -> LaunchConfig:
+    """The variant of an update configuration that multiplies the gradients by a coefficient."""
+    return LaunchConfig({**config.constexprs, "SCALE_GRAD": True}, config.options)
 
 
 @functools.lru_cache(maxsize=256)
@@ -863,6 +919,7 @@ def _update_config(
         QBLOCK=qblock,
         INDEX_64=index_64,
         BUCKET=False,
+        SCALE_GRAD=False,
     )
     options = dict(
         num_warps=num_warps,

@@ -340,3 +340,26 @@ def test_release_with_accumulation_and_two_groups(monkeypatch, device, dtype):
         states = [{k: v.cpu() for k, v in opt.state[p].items()} for p in params]
         results.append(([p.detach().cpu() for p in params], states))
     _assert_identical(*results)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("case", [CONFIGS[0], CONFIGS[2], CONFIGS[3]])
+def test_clipping_in_the_kernel_equals_clipping_before_it_bit_for_bit(monkeypatch, device, case, fused):
+    """max_grad_norm: the kernel multiplies each gradient by the coefficient as it reads it (bucketed
+    and alone); the same gradients scaled first by ``fusedopt.clipping.scale_`` and updated by the
+    kernel without a coefficient give the same parameters and state, and so does the reference path
+    with fused=False (under release it batches the clipping differently: its updates are not held).
+    A run without clipping differs, so the clipping was applied."""
+    kwargs = {**case.kwargs, "max_grad_norm": 0.5}
+    in_kernel = _train(monkeypatch, device, 64, case.cls, kwargs, case.dtype, fused)
+    with monkeypatch.context() as m:
+        m.setattr("fusedopt.dispatch._takes_grad_scale", lambda launch: False)
+        before_kernel = _train(monkeypatch, device, 64, case.cls, kwargs, case.dtype, fused)
+    _assert_identical(in_kernel, before_kernel)
+    if not fused:
+        with monkeypatch.context() as m:
+            m.setattr("fusedopt.dispatch.backend_choice", lambda: "reference")
+            _assert_identical(in_kernel, _train(m, device, 64, case.cls, kwargs, case.dtype, fused))
+    assert float(in_kernel[2].grad_norm) > 0.5  # every step clipped
+    unclipped = _train(monkeypatch, device, 64, case.cls, case.kwargs, case.dtype, fused)
+    assert not torch.equal(unclipped[0][0], in_kernel[0][0])

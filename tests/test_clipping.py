@@ -13,7 +13,7 @@ from cases import dtype_cases, format_cases
 from helpers import inputs, loss_fn, make_model
 
 import fusedopt
-from fusedopt.clipping import CLIP_METHODS, REMOVED_CLIP_METHODS, ReleaseClipping
+from fusedopt.clipping import CLIP_METHODS, REMOVED_CLIP_METHODS, ReleaseClipping, scale_
 
 N_STEPS = 30
 
@@ -147,7 +147,9 @@ def test_release_clipping_coefficients_follow_the_documented_estimates(method):
         for batch in window:
             grads = [torch.full((5,), math.sqrt(sq / 5), dtype=torch.float32) for _, sq in batch]
             before = [g.clone() for g in grads]
-            clipper.clip([index for index, _ in batch], [[g] for g in grads])
+            coefficient = clipper.clip([index for index, _ in batch], [[g] for g in grads])
+            if coefficient is not None:  # else applied in place
+                scale_(grads, coefficient)
             coefficients += [float(g[0]) / float(b[0]) for g, b in zip(grads, before)]
         flat = [s for batch in window for _, s in batch]
         torch.testing.assert_close(clipper.norm().double(), torch.tensor(math.sqrt(sum(flat))).double())
@@ -166,8 +168,8 @@ def test_release_clipping_coefficients_follow_the_documented_estimates(method):
 
 def test_release_clipping_scales_a_batch_of_mixed_dtypes_and_accumulated_buffers_like_clip_grad_norm():
     """One batch: a bf16 gradient, an fp32 one, and a gradient with its accumulated buffer. With no
-    history the estimate is the batch's own norm, so the coefficient is clip_grad_norm_'s, applied to
-    every tensor in its own dtype as torch's in-place multiply does."""
+    history the estimate is the batch's own norm, so the coefficient is clip_grad_norm_'s; ``scale_``
+    applies it to every tensor in its own dtype as torch's in-place multiply does on the CPU."""
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(33, generator=gen).to(torch.bfloat16)
     b = torch.randn(7, 3, generator=gen)
@@ -179,7 +181,10 @@ def test_release_clipping_scales_a_batch_of_mixed_dtypes_and_accumulated_buffers
     for t in expected:
         t.mul_(coefficient)
     clipper = ReleaseClipping(0.5, "scaled")
-    clipper.clip([0, 1, 2], [[a], [b], [c, c_accum]])
+    got_coefficient = clipper.clip([0, 1, 2], [[a], [b], [c, c_accum]])
+    assert got_coefficient.dtype == torch.float32 and got_coefficient.dim() == 0
+    torch.testing.assert_close(got_coefficient, coefficient.float(), rtol=1e-6, atol=0)
+    scale_([a, b, c, c_accum], got_coefficient)
     for got, want in zip((a, b, c, c_accum), expected):
         assert got.dtype == want.dtype
         torch.testing.assert_close(got, want, rtol=2e-6, atol=0)
