@@ -1,7 +1,7 @@
 """Issue 6, the targets: the memory/quality frontier (peak of part 1a against held-out loss of
 part 4) and a check of each target against the measured results. Runs anywhere (no GPU):
 
-    python benchmarks/compare_report.py --dir benchmarks/results/issue6     # memory_a.json, quality.json, step.json
+    python benchmarks/compare_report.py --dir out     # memory_a.json, quality.json, step.json (run_compare.sh's $OUT)
 
 Gradient release does not change an optimizer's arithmetic (fusedopt's fused=True is bit-identical
 to fused=False, FlashOptim and optimi run the same kernel in hooks, torch's in-backward pattern
@@ -104,7 +104,7 @@ def plot(plt, data: dict):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", default="benchmarks/results/issue6", help="folder with the parts' JSON files")
+    parser.add_argument("--dir", default="out", help="folder with the parts' JSON files")
     parser.add_argument("--plot", help="frontier PNG (default DIR/frontier.png)")
     args = parser.parse_args(argv)
     load = lambda name: compare_io.load(os.path.join(args.dir, name)) or None  # noqa: E731

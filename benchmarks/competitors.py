@@ -20,7 +20,7 @@ import torch
 
 from fusedopt.profile import OptimizerConfig, parse_config
 
-# Identical for every optimizer (anchors_measured.md): decoupled weight decay scaled by lr, on
+# Identical for every optimizer: decoupled weight decay scaled by lr, on
 # every parameter. The libraries' defaults differ (optimi eps 1e-6, betas (0.9, 0.99); TurboAdam
 # weight decay 0): all are overridden.
 HPARAMS = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}

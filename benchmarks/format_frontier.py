@@ -3,11 +3,13 @@
 against the held-out loss difference to fusedopt's 8-bit default on the paired-seed quality
 benchmark (``format_quality.py``). Runs anywhere (no GPU): it reads results.
 
-    python benchmarks/format_frontier.py \\
-        --quality benchmarks/results/format-quality/h200-lr1.5e-3.json \\
-        --memory benchmarks/results/issue6/memory_a.json benchmarks/results/session-h200/memory_adafactor.json \\
-                 benchmarks/results/h200-2026-12-02b/call1/memory_a.json \\
-        --png benchmarks/results/format-quality/frontier.png
+    python benchmarks/format_frontier.py --quality out/quality.json --memory out/memory_a.json [...] \\
+        --png out/frontier.png
+
+(The inputs of the published frontier, in git history at commit ``d7917bc``:
+``benchmarks/results/format-quality/h200-lr1.5e-3.json`` for quality, and ``issue6/memory_a.json``,
+``session-h200/memory_adafactor.json``, ``h200-2026-12-02b/call1/memory_a.json`` and
+``h200-2026-12-02d/call2/memory_a.json`` under ``benchmarks/results/`` for the peaks.)
 
 A configuration's peak is the measured one (``compare_memory.py --regime a``) where it was
 measured (``MEASURED``), else the planner's prediction (``fusedopt-profile plan --model 1b``; drawn

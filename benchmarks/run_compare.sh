@@ -14,15 +14,15 @@
 #   5a  largest trainable depth in 24 GiB: 13 optimizers x ~6 trials of ~4 s           ~8 min, maybe 2 calls
 #   5b  the same in 80 GiB (~10 s a trial at ~15-25B parameters)                        2 calls
 #   Altogether about 55-60 min of device time; by value: 1a, 2, 4, then 1b, 5a, 5b.
-# Resuming: a part whose results file exists in benchmarks/results/issue6/ (committed from an
-# earlier call's $OUT) continues from it: copy NAME.json there after each call (run standalone,
+# Resuming: a part whose results file exists in $PREV (default out/prev/, ignored by git: put an
+# earlier call's NAME.json there) continues from it (run standalone,
 # the script leaves $OUT as one archive, results.tgz: the device tool returns at most 8 files).
 # ONLY=A,FO,...  narrows a part to some line-up keys; EXTRA='...' adds arguments to its script.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-PREV=benchmarks/results/issue6
+PREV=${PREV:-out/prev}
 BUDGET_S=${BUDGET_S:-450}
 if [ -z "${SKIP_INSTALL:-}" ]; then  # SKIP_INSTALL=1: installed already (benchmarks/run_pair.sh)
   python3 -m pip install -q --no-deps --no-index benchmarks/wheels/*.whl > "$OUT/install.log" 2>&1 \

@@ -80,8 +80,8 @@ class ModelShape:
         )
 
 
-# Presets. "tiny" is for tests, "small" the CPU default, "1b" the TinyLlama shape that the
-# H200 anchors were measured on (research/anchors_measured.md, part 1L), "7b" the Llama-2-7B shape.
+# Presets. "tiny" is for tests, "small" the CPU default, "1b" the TinyLlama shape of the H200
+# measurements in benchmarks/RESULTS.md, "7b" the Llama-2-7B shape.
 PRESETS: dict[str, ModelShape] = {
     "tiny": ModelShape(vocab=256, d_model=128, layers=8, heads=4, kv_heads=4, ffn=384),
     "small": ModelShape(vocab=1024, d_model=256, layers=8, heads=8, kv_heads=8, ffn=768),

@@ -217,7 +217,7 @@ def activation_estimate(
 
 # Quality of fusedopt AdamW's formats on bf16 parameters, (state format, master_weight_bits) -> held-out
 # loss against fp32 AdamW, mean over paired seeds (benchmarks/format_quality.py, lr 1.5e-3 on the H200:
-# benchmarks/results/format-quality/h200-lr1.5e-3.txt). The state format is a state_bits value or a
+# benchmarks/RESULTS.md, "Training quality"). The state format is a state_bits value or a
 # state_format name (see format_of); a format missing here was not measured on that benchmark.
 QUALITY = {
     (32, 32): "+0.00% (fp32 AdamW's update: the reference)",
