@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 from cases import config
-from helpers import code_levels
+from helpers import beyond_parity, code_levels
 
 import fusedopt
 
@@ -25,17 +25,9 @@ pytestmark = [
 ]
 
 
-def _ulp(x: torch.Tensor) -> torch.Tensor:
-    return (torch.nextafter(x, torch.full_like(x, float("inf"))).float() - x.float()).abs()
-
-
 def check_param(ref: torch.Tensor, got: torch.Tensor) -> float:
-    """Fraction of elements beyond the bound (asserted by callers)."""
-    if ref.dtype == torch.float32:
-        bad = (got - ref).abs() > 1e-6 + 1e-5 * ref.abs()
-    else:
-        bad = (got.float() - ref.float()).abs() > _ulp(ref)
-    return bad.double().mean().item()
+    """Fraction of elements beyond the parity bound (asserted by callers)."""
+    return beyond_parity(ref, got).double().mean().item()
 
 
 def check_state(ref: dict, got: dict, codecs: dict, numel: int) -> None:
