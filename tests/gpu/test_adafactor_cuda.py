@@ -11,7 +11,8 @@
   on the CPU the reference equals torch.optim.Adafactor to rtol 1e-5, atol 1e-7 (tests/test_adafactor.py).
 * fused=True equals fused=False bit for bit on the GPU, bf16 and fp32, state_bits 8 and 4, beta1 None/0.9,
   and with CAME and the Fira limiter.
-* A step never synchronises with the host: it runs under CUDA graph capture (which refuses a sync).
+* A step never synchronises with the host: it runs under CUDA graph capture (which refuses a sync),
+  and the captured step, replayed with new gradients, equals eager steps bit for bit.
 * A non-finite gradient leaves the parameter and its state untouched, and is counted.
 """
 
@@ -155,22 +156,45 @@ def test_cuda_fused_equals_unfused(dtype, bits, beta1, extra):
             assert torch.equal(oa.state[x][key], ob.state[y][key]), key
 
 
-def test_step_has_no_host_sync():
-    """Captured in a CUDA graph: any synchronisation (.item(), a host branch on a value) raises."""
-    params, grads = _tensors([(1000, 999), (2049,)], torch.bfloat16, "cpu", 3, 1)
-    ps = [p.cuda().requires_grad_() for p in params]
-    opt = fusedopt.Adafactor(ps, beta1=0.9, beta3=0.999, growth_limit=1.01)
-    for p, g in zip(ps, grads[0]):
-        p.grad = g.cuda()
+def test_step_has_no_host_sync_and_replays_as_eager_steps():
+    """Captured in a CUDA graph: any synchronisation (.item(), a host branch on a value) raises. The
+    graph, replayed with each step's gradients copied into the tensors it reads, steps as eager steps
+    do, bit for bit (the step count, the step size and the rounding draws live on the device)."""
+    kw = dict(beta1=0.9, beta3=0.999, growth_limit=1.01)
+    params, grads = _tensors([(1000, 999), (2049,)], torch.bfloat16, "cpu", 3, 4)
+    eager, eager_opt = _train(params, grads, "cuda", **kw)
+    ps = [p.detach().clone().cuda().requires_grad_() for p in params]
+    opt = fusedopt.Adafactor(ps, **kw)
+    static = [g.cuda() for g in grads[0]]  # the gradients the graph reads: refilled before each replay
+    for p, g in zip(ps, static):
+        p.grad = g
     opt.step()  # the first step prepares the launches and the workspace
     torch.cuda.synchronize()
+    after_first = [p.detach().clone() for p in ps]
+    assert not torch.equal(eager[0], after_first[0])  # the replays have steps to make
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             opt.step()
+    torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+    assert all(torch.equal(p, q) for p, q in zip(ps, after_first))  # captured, not run
+    assert all(p.grad.data_ptr() == g.data_ptr() for p, g in zip(ps, static))  # what the graph reads
+    for gs in grads[1:]:
+        for g, new in zip(static, gs):
+            g.copy_(new)
+        graph.replay()
+    torch.cuda.synchronize()
+    for p, q in zip(ps, eager):
+        assert torch.equal(p, q)
+        state, eager_state = opt.state[p], eager_opt.state[q]
+        assert state.keys() == eager_state.keys()
+        for key, value in eager_state.items():
+            assert torch.equal(state[key], value), key
+        assert float(state["step"]) == len(grads)
+    assert int(opt.num_skipped_updates) == 0
 
 
 def test_non_finite_gradient_is_skipped_on_cuda():
