@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 
 import torch
 
@@ -102,6 +103,33 @@ def assert_params_close(a, b, rtol=1e-5, atol=1e-7):
 def assert_params_equal(a, b):
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(pa, pb), f"{name} differs: max {(pa.float() - pb.float()).abs().max()}"
+
+
+def save_load(obj):
+    """``obj`` through ``torch.save`` and ``torch.load(weights_only=True)`` in memory, as a checkpoint."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+# The parity bound of a kernel against the reference (tests/test_kernels.py, tests/gpu/): an fp32
+# value within PARITY_ATOL + PARITY_RTOL * |ref|, a 16-bit one within one unit in the last place.
+PARITY_RTOL, PARITY_ATOL = 1e-5, 1e-6
+
+
+def ulp(x: torch.Tensor) -> torch.Tensor:
+    """Per element of ``x``, one unit in the last place of its dtype (the distance to the next value
+    towards +inf), as fp32."""
+    return (torch.nextafter(x, torch.full_like(x, float("inf"))).float() - x.float()).abs()
+
+
+def beyond_parity(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    """Per element, whether ``got`` lies beyond the parity bound around ``ref``: fp32,
+    ``PARITY_ATOL + PARITY_RTOL * |ref|``; 16-bit, one ulp of ``ref``."""
+    if ref.dtype == torch.float32:
+        return (got - ref).abs() > PARITY_ATOL + PARITY_RTOL * ref.abs()
+    return (got.float() - ref.float()).abs() > ulp(ref)
 
 
 def code_levels(codes: torch.Tensor, bits: int, signed: bool, numel: int) -> torch.Tensor:

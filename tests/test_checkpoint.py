@@ -2,22 +2,13 @@
 
 import copy
 import functools
-import io
 
 import pytest
 import torch
 from cases import config, config_cases, formats
-from helpers import assert_params_close, assert_params_equal, groups, inputs, train, twins
+from helpers import assert_params_close, assert_params_equal, groups, inputs, save_load, train, twins
 
 import fusedopt
-
-
-def _save_load(obj):
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
-
 
 # Chosen combinations, not the product: each algorithm, each dtype, exact and bf16 state, with and
 # without master weights, and every state format once (8- and 4-bit resumes: test_codecs_quantized)
@@ -41,7 +32,7 @@ def test_resume_continues_the_same_trajectory_bit_for_bit(case, fused):
 
     first = opt_cls(groups(resumed, lr=2e-3), lr=1e-2, seed=5, fused=fused, **kwargs)
     train(resumed, first, xs[:4])
-    saved = _save_load({"model": resumed.state_dict(), "opt": first.state_dict()})
+    saved = save_load({"model": resumed.state_dict(), "opt": first.state_dict()})
     del first
     model = copy.deepcopy(resumed)
     model.load_state_dict(saved["model"])
@@ -62,7 +53,7 @@ def test_state_keeps_fp32_dtype_for_bf16_parameters():
     model, _ = twins(dtype=torch.bfloat16)
     opt = fusedopt.AdamW(model.parameters(), state_bits=32, master_weight_bits=None)
     train(model, opt, inputs(2, dtype=torch.bfloat16))
-    saved = _save_load(opt.state_dict())
+    saved = save_load(opt.state_dict())
     other = fusedopt.AdamW(model.parameters(), state_bits=32, master_weight_bits=None)
     other.load_state_dict(saved)
     for p in model.parameters():
@@ -92,7 +83,7 @@ def test_torch_adamw_checkpoint_loads_and_continues_like_torch():
     train(a, ref, inputs(5))
     b.load_state_dict(a.state_dict())
     opt = fusedopt.AdamW(groups(b, lr=3e-3), lr=1e-2, weight_decay=0.1, state_bits=32)
-    opt.load_state_dict(_save_load(ref.state_dict()))
+    opt.load_state_dict(save_load(ref.state_dict()))
     assert opt.param_groups[0]["state_bits"] == 32  # torch's groups have none: the optimizer's own
     xs = inputs(10, seed=4)
     train(a, ref, xs)
@@ -123,7 +114,7 @@ def test_fusedopt_exact_state_loads_into_torch_adamw():
     train(a, opt, inputs(3))
     b.load_state_dict(a.state_dict())
     ref = torch.optim.AdamW(b.parameters(), lr=1e-2)
-    ref.load_state_dict(_save_load(opt.state_dict()))
+    ref.load_state_dict(save_load(opt.state_dict()))
     xs = inputs(5, seed=8)
     train(a, opt, xs)
     train(b, ref, xs)
@@ -148,7 +139,7 @@ def test_counters_and_seed_are_saved():
     opt = fusedopt.AdamW([w], state_bits=32, seed=11)
     w.grad = torch.full_like(w, float("nan"))
     opt.step()
-    saved = _save_load(opt.state_dict())
+    saved = save_load(opt.state_dict())
     assert saved["fusedopt"]["seed"] == 11 and int(saved["fusedopt"]["num_skipped_updates"]) == 1
     other = fusedopt.AdamW([w], state_bits=32)
     other.load_state_dict(saved)
@@ -272,7 +263,7 @@ def test_own_group_keys_and_a_schedulers_initial_lr_round_trip():
     for _ in range(3):
         train(model, opt, inputs(1))
         scheduler.step()
-    saved = _save_load(opt.state_dict())
+    saved = save_load(opt.state_dict())
     other = fusedopt.AdamW(resumed.parameters(), lr=0.1)
     other.load_state_dict(saved)
     assert other.param_groups[0]["name"] == "all" and other.param_groups[0]["initial_lr"] == 0.1
@@ -291,7 +282,7 @@ def test_four_bit_state_of_another_parameter_with_the_same_size_is_refused():
     opt = fusedopt.AdamW([a, b], state_bits=4, min_compress_numel=0)
     a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
     opt.step()
-    saved = _save_load(opt.state_dict())
+    saved = save_load(opt.state_dict())
     swapped = fusedopt.AdamW([b, a], state_bits=4, min_compress_numel=0)
     with pytest.raises(ValueError, match=r"shape \(48, 32\) for parameter 0 \(shape \(32, 48\)\)"):
         swapped.load_state_dict(saved)
@@ -307,7 +298,7 @@ def test_export_to_torch_adamw_decodes_the_moments(state_bits):
     train(a, opt, inputs(3))
     b.load_state_dict(a.state_dict())
     ref = torch.optim.AdamW(b.parameters(), lr=1e-2)
-    exported = _save_load(opt.torch_state_dict())
+    exported = save_load(opt.torch_state_dict())
     ref.load_state_dict(exported)
     for pa, pb in zip(a.parameters(), b.parameters()):
         for key in ("exp_avg", "exp_avg_sq"):

@@ -145,9 +145,31 @@ def test_sparse_gradients_are_refused(fused):
     assert torch.equal(emb.weight, before)
 
 
-def test_master_weight_bits_is_ignored_for_fp32_parameters():
+@pytest.mark.parametrize("state_bits", [32, 8])
+def test_master_weight_bits_is_ignored_for_fp32_parameters(state_bits):
+    """Every setting is accepted for fp32 parameters and changes nothing: no correction in the state,
+    the parameter is its own master, and the updates are the same bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    w0 = torch.randn(64, 96, generator=gen)
+    grads = [torch.randn(64, 96, generator=gen) for _ in range(3)]
+    runs = []
     for bits in (24, 32, None):
-        fusedopt.AdamW([_w(3, 3)], state_bits=32, master_weight_bits=bits)
+        w = torch.nn.Parameter(w0.clone())
+        opt = fusedopt.AdamW([w], state_bits=state_bits, master_weight_bits=bits, min_compress_numel=0)
+        assert opt.param_groups[0]["master_weight_bits"] == bits
+        for g in grads:
+            w.grad = g.clone()
+            opt.step()
+        assert "master_correction" not in opt.state[w]
+        assert torch.equal(opt.master_weight(w), w.detach())
+        runs.append((w.detach(), opt.state[w]))
+    (w24, state24), *others = runs
+    assert not torch.equal(w24, w0)  # it trained
+    for w, state in others:
+        assert torch.equal(w, w24)
+        assert state.keys() == state24.keys()
+        for key, value in state.items():
+            assert torch.equal(value, state24[key]), key
 
 
 def test_changing_state_bits_of_a_live_group_is_refused():

@@ -31,7 +31,7 @@ from cases import (
     master_cases,
     named_format_cases,
 )
-from helpers import code_levels, step_with
+from helpers import PARITY_ATOL, PARITY_RTOL, code_levels, step_with, ulp
 
 import fusedopt
 from fusedopt.codecs.rotated import RotatedCodec, rotated_codec
@@ -64,18 +64,13 @@ def _codecs(opt):
     return opt.codecs(p, opt.param_groups[0])
 
 
-def _ulp(x: torch.Tensor) -> torch.Tensor:
-    inf = torch.full_like(x, float("inf"))
-    return (torch.nextafter(x, inf).float() - x.float()).abs()
-
-
 def assert_param_parity(ref: torch.Tensor, got: torch.Tensor) -> None:
     if not torch.cuda.is_available():  # the interpreter: bit for bit
         assert torch.equal(ref, got)
     if ref.dtype == torch.float32:
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got, ref, rtol=PARITY_RTOL, atol=PARITY_ATOL)
     else:
-        assert ((got.float() - ref.float()).abs() <= _ulp(ref)).all()
+        assert ((got.float() - ref.float()).abs() <= ulp(ref)).all()
 
 
 def assert_moments_nonzero(state: dict) -> None:

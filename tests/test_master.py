@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
-import io
 import math
 
 import pytest
 import torch
 from cases import LOW_DTYPES, algorithm_cases, cross, dtype_cases, master_cases
+from helpers import save_load
+from helpers import ulp as _ulp
 
 import fusedopt
 from fusedopt.master import join_master, split_master
@@ -48,8 +49,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Distance from |x| (in ``dtype``) to the next larger magnitude, as fp32."""
-    h = x.to(dtype).abs()
-    return (torch.nextafter(h, torch.full_like(h, float("inf"))).float() - h.float()).float()
+    return _ulp(x.to(dtype).abs())
 
 
 def random_values(shape, seed: int, low: float = 0.05, high: float = 4.0) -> torch.Tensor:
@@ -485,13 +485,6 @@ def test_a_refused_load_master_state_dict_leaves_every_master_as_it_was(problem)
 
 
 # --- checkpoints -----------------------------------------------------------------------------
-
-
-def save_load(obj):
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
 
 
 @pytest.mark.parametrize("dtype", LOW)

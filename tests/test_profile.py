@@ -299,20 +299,45 @@ def test_known_peak_cuda():
 
 @pytest.fixture(scope="module")
 def embedded_run(tmp_path_factory):
-    """torch.optim.AdamW vs fusedopt (fused=False, fused=True) on the tiny embedded LM, CPU."""
+    """torch.optim.AdamW vs fusedopt (fused=False, fused=True) on the tiny embedded LM, CPU. Records the
+    jobs handed to a worker process (``workers``) and those measured in this process (``in_process``)."""
+    from fusedopt.profile import run as profile_run
+
     out = tmp_path_factory.mktemp("profile")
     configs = ["torch.AdamW", fusedopt_default_config(), fusedopt_release_config()]
     argv = ["--model", "tiny", "--seq-len", "64", "--steps", "3", "--device", "cpu", "--threads", "1", "--quiet"]
     argv += ["--output-dir", str(out)]
     for c in configs:
         argv += ["--config", c]
+    workers, in_process = [], []
+    to_worker, measure = profile_run._run_in_subprocess, profile_run.measure_config
+
+    def run_in_worker(job):
+        workers.append(job["tag"])
+        return to_worker(job)
+
+    def measure_here(job):
+        in_process.append(job["tag"])
+        return measure(job)
+
     stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout):
+        patch.setattr(profile_run, "_run_in_subprocess", run_in_worker)
+        patch.setattr(profile_run, "measure_config", measure_here)
         rc = main(argv)
     with open(out / "results.json") as f:
         data = json.load(f)
     labels = [parse_config(c).label for c in configs]
-    return {"rc": rc, "stdout": stdout.getvalue(), "data": data, "configs": configs, "labels": labels, "out": out}
+    return {
+        "rc": rc,
+        "stdout": stdout.getvalue(),
+        "data": data,
+        "configs": configs,
+        "labels": labels,
+        "out": out,
+        "workers": workers,
+        "in_process": in_process,
+    }
 
 
 def test_command_runs_and_prints_table(embedded_run):
@@ -335,7 +360,11 @@ def test_command_runs_and_prints_table(embedded_run):
         assert "matplotlib is not installed" in text
     results = embedded_run["data"]["results"]
     assert all(r["ok"] for r in results)
-    assert len({r["rss_before_model"] for r in results}) >= 1  # each ran in its own process
+    # each ran in its own process: every configuration's job went to a worker process, none ran here
+    assert embedded_run["in_process"] == []
+    assert len(embedded_run["workers"]) == len(embedded_run["labels"])
+    assert all(label in tag for tag, label in zip(embedded_run["workers"], embedded_run["labels"]))
+    assert embedded_run["data"]["settings"]["isolation"] == "fresh process per configuration"
 
 
 def test_plot_is_optional(embedded_run, monkeypatch, tmp_path):

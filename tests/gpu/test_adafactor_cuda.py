@@ -11,12 +11,20 @@
   on the CPU the reference equals torch.optim.Adafactor to rtol 1e-5, atol 1e-7 (tests/test_adafactor.py).
 * fused=True equals fused=False bit for bit on the GPU, bf16 and fp32, state_bits 8 and 4, beta1 None/0.9,
   and with CAME and the Fira limiter.
-* A step never synchronises with the host: it runs under CUDA graph capture (which refuses a sync).
+* A step never synchronises with the host: it runs under CUDA graph capture (which refuses a sync),
+  and the captured step, replayed with new gradients, equals eager steps bit for bit.
 * A non-finite gradient leaves the parameter and its state untouched, and is counted.
+
+Fast tier (tests/gpu/README.md): the reference parity of six of the nine cases (between them every
+kernel switch: no first moment, its 32-, 16-, 8- and 4-bit formats, fp32, bf16 with and without a
+correction, fp16 with a 16-bit one, maximize and weight decay, the limiter, CAME), three fused/unfused
+cases (both dtypes, both bit widths, no moment, a moment, CAME with the limiter), the CUDA graph and
+the non-finite gradient; the rest, and the 30 steps against torch, are ``gpu_long``.
 """
 
 import pytest
 import torch
+from helpers import PARITY_ATOL, PARITY_RTOL
 
 import fusedopt
 
@@ -63,15 +71,16 @@ def _master_step(ref, dtype, master_weight_bits):
     return torch.pow(2.0, exponent - (bits - 1))
 
 
+LONG = pytest.mark.gpu_long
 CASES = [
     (torch.float32, dict(state_bits=32)),
     (torch.float32, dict(state_bits=32, beta1=0.9, weight_decay=0.1, maximize=True)),
-    (torch.bfloat16, dict()),
-    (torch.bfloat16, dict(beta1=0.9)),
+    pytest.param(torch.bfloat16, dict(), marks=LONG),
+    pytest.param(torch.bfloat16, dict(beta1=0.9), marks=LONG),
     (torch.bfloat16, dict(beta1=0.9, state_bits=4, growth_limit=1.01)),
     (torch.bfloat16, dict(beta1=0.9, state_bits=16, master_weight_bits=None)),
     (torch.float16, dict(beta1=0.9, master_weight_bits=32)),
-    (torch.float32, dict(state_bits=32, beta1=0.9, beta3=0.9999)),  # CAME
+    pytest.param(torch.float32, dict(state_bits=32, beta1=0.9, beta3=0.9999), marks=LONG),  # CAME
     (torch.bfloat16, dict(beta1=0.9, beta3=0.999, growth_limit=1.01)),
 ]
 
@@ -92,7 +101,7 @@ def test_cuda_matches_reference(dtype, kw, monkeypatch):
         # about 1e-6 relative; where that moves a value across a rounding threshold of the stored
         # master (stochastic rounding, same draw) the two land one step of its precision apart.
         step = _master_step(ref, dtype, kw.get("master_weight_bits", 24))
-        bad = ((got - ref).abs() > 1e-6 + 1e-5 * ref.abs() + step).double().mean().item()
+        bad = ((got - ref).abs() > PARITY_ATOL + PARITY_RTOL * ref.abs() + step).double().mean().item()
         assert bad <= 1e-3, (tuple(p_ref.shape), bad)
         s_ref, s_gpu = ref_opt.state[p_ref], gpu_opt.state[p_gpu]
         assert s_ref.keys() == s_gpu.keys()
@@ -112,6 +121,7 @@ def test_cuda_matches_reference(dtype, kw, monkeypatch):
                 assert (other != value).double().mean().item() <= 5e-3, key
 
 
+@pytest.mark.gpu_long
 @pytest.mark.parametrize("fused", [False, True])
 def test_cuda_equals_torch_adafactor(fused):
     shapes = [(1000, 999), (3, 129, 65), (2049,), ()]
@@ -138,12 +148,26 @@ def test_cuda_equals_torch_adafactor(fused):
         floor = 1e-7 * e.abs().clamp(min=1e-3)
         assert ours_err.max() <= 2 * torch_err.max() + floor.max(), (tuple(a.shape), ours_err.max(), torch_err.max())
         assert ours_err.mean() <= 1.5 * torch_err.mean() + floor.mean(), (tuple(a.shape), ours_err.mean())
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=PARITY_RTOL, atol=PARITY_ATOL)
 
 
-@pytest.mark.parametrize("beta1,extra", [(None, {}), (0.9, {}), (0.9, dict(beta3=0.999, growth_limit=1.01))])
-@pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+MOMENTS = {"no-moment": (None, {}), "moment": (0.9, {}), "came-fira": (0.9, dict(beta3=0.999, growth_limit=1.01))}
+FAST_FUSED_CASES = {(torch.float32, 8, "no-moment"), (torch.bfloat16, 8, "moment"), (torch.bfloat16, 4, "came-fira")}
+FUSED_CASES = [
+    pytest.param(
+        dtype,
+        bits,
+        *MOMENTS[moment],
+        id=f"{str(dtype).removeprefix('torch.')}-state{bits}-{moment}",
+        marks=() if (dtype, bits, moment) in FAST_FUSED_CASES else LONG,
+    )
+    for dtype in (torch.float32, torch.bfloat16)
+    for bits in (8, 4)
+    for moment in MOMENTS
+]
+
+
+@pytest.mark.parametrize("dtype,bits,beta1,extra", FUSED_CASES)
 def test_cuda_fused_equals_unfused(dtype, bits, beta1, extra):
     params, grads = _tensors(SHAPES[2:], dtype, "cpu", 2, 4)
     a, oa = _train(params, grads, "cuda", state_bits=bits, beta1=beta1, **extra)
@@ -154,22 +178,45 @@ def test_cuda_fused_equals_unfused(dtype, bits, beta1, extra):
             assert torch.equal(oa.state[x][key], ob.state[y][key]), key
 
 
-def test_step_has_no_host_sync():
-    """Captured in a CUDA graph: any synchronisation (.item(), a host branch on a value) raises."""
-    params, grads = _tensors([(1000, 999), (2049,)], torch.bfloat16, "cpu", 3, 1)
-    ps = [p.cuda().requires_grad_() for p in params]
-    opt = fusedopt.Adafactor(ps, beta1=0.9, beta3=0.999, growth_limit=1.01)
-    for p, g in zip(ps, grads[0]):
-        p.grad = g.cuda()
+def test_step_has_no_host_sync_and_replays_as_eager_steps():
+    """Captured in a CUDA graph: any synchronisation (.item(), a host branch on a value) raises. The
+    graph, replayed with each step's gradients copied into the tensors it reads, steps as eager steps
+    do, bit for bit (the step count, the step size and the rounding draws live on the device)."""
+    kw = dict(beta1=0.9, beta3=0.999, growth_limit=1.01)
+    params, grads = _tensors([(1000, 999), (2049,)], torch.bfloat16, "cpu", 3, 4)
+    eager, eager_opt = _train(params, grads, "cuda", **kw)
+    ps = [p.detach().clone().cuda().requires_grad_() for p in params]
+    opt = fusedopt.Adafactor(ps, **kw)
+    static = [g.cuda() for g in grads[0]]  # the gradients the graph reads: refilled before each replay
+    for p, g in zip(ps, static):
+        p.grad = g
     opt.step()  # the first step prepares the launches and the workspace
     torch.cuda.synchronize()
+    after_first = [p.detach().clone() for p in ps]
+    assert not torch.equal(eager[0], after_first[0])  # the replays have steps to make
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             opt.step()
+    torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+    assert all(torch.equal(p, q) for p, q in zip(ps, after_first))  # captured, not run
+    assert all(p.grad.data_ptr() == g.data_ptr() for p, g in zip(ps, static))  # what the graph reads
+    for gs in grads[1:]:
+        for g, new in zip(static, gs):
+            g.copy_(new)
+        graph.replay()
+    torch.cuda.synchronize()
+    for p, q in zip(ps, eager):
+        assert torch.equal(p, q)
+        state, eager_state = opt.state[p], eager_opt.state[q]
+        assert state.keys() == eager_state.keys()
+        for key, value in eager_state.items():
+            assert torch.equal(state[key], value), key
+        assert float(state["step"]) == len(grads)
+    assert int(opt.num_skipped_updates) == 0
 
 
 def test_non_finite_gradient_is_skipped_on_cuda():

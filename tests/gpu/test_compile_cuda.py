@@ -8,6 +8,7 @@ from test_compile import assert_same_training, train_compiled
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.gpu_long,  # the long tier (tests/gpu/README.md): inductor compiles a model four times
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 

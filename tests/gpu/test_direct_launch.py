@@ -5,6 +5,10 @@ same gradients twice, once with every launch through ``kernel[grid](...)`` and o
 direct launcher, and asserts bit-identical parameters and state. The cases cover every
 kernel family, odd sizes, a gradient whose pointer is not 16-byte aligned (its own
 specialisation), and accumulated gradients (another constexpr configuration).
+
+Fast tier (tests/gpu/README.md): the AdamW cases (every state format, dtype and master-weight
+setting) and accumulated gradients; SGD's and Lion's cases (the same launch arguments, another
+algorithm switch) are ``gpu_long``.
 """
 
 import pytest
@@ -28,6 +32,7 @@ CONFIGS = [
     config("sgd-momentum", 8, torch.bfloat16, 24),
     config("lion", 8, torch.bfloat16, 24),
 ]
+TIERED_CONFIGS = [pytest.param(c, marks=() if c.algorithm.id == "adamw" else pytest.mark.gpu_long) for c in CONFIGS]
 SHAPES = [(1,), (31,), (4097,), (257, 1031)]
 
 
@@ -75,7 +80,7 @@ def test_direct_launch_is_usable_here():
     assert update._launch_check.usable and update._launch_update.usable
 
 
-@pytest.mark.parametrize("case", CONFIGS, ids=repr)
+@pytest.mark.parametrize("case", TIERED_CONFIGS, ids=repr)
 def test_direct_launch_updates_as_triton_does(case):
     opt_cls, dtype, kwargs = case.cls, case.dtype, case.kwargs
     _assert_identical(_train(opt_cls, dtype, kwargs, direct=False), _train(opt_cls, dtype, kwargs, direct=True))

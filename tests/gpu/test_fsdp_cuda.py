@@ -22,6 +22,7 @@ import fusedopt
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.gpu_long,  # the long tier (tests/gpu/README.md): a process per rank, NCCL, 26 short trainings
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 

@@ -11,6 +11,7 @@ from fusedopt.integrations.huggingface import FusedOptTrainer, fused_optimizer
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.gpu_long,  # the long tier (tests/gpu/README.md): two Trainer runs
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 

@@ -9,6 +9,7 @@ import fusedopt
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.gpu_long,  # the long tier (tests/gpu/README.md): recipes, 6-step trainings
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
