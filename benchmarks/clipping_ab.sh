@@ -7,7 +7,7 @@
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-CONFIGS=("default, fused=True" "clipping, fused" "torch AdamW (fused")
+CONFIGS=("default, fused" "clipping, fused" "torch AdamW (fused")
 run_tree() {  # $1: tree, $2: label
   (cd "$1" && python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1) || return 1
   for b in ${BATCHES:-4 1}; do

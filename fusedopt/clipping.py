@@ -56,13 +56,12 @@ def check_clip_method(method) -> None:
         raise ValueError(f"Invalid release_clipping: {method!r} (expected one of {', '.join(CLIP_METHODS)})")
 
 
-def exact_coefficient(tensors: list[torch.Tensor], max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.nn.utils.clip_grad_norm_``'s total norm of gradient tensors and its coefficient
-    ``min(1, max_norm / (norm + 1e-6))`` (fp32 0-d device tensors). The update kernel multiplies the
-    gradients by it as it reads them (``scale_`` where it does not): one read of the gradients for
-    the norm is all clipping adds to a step."""
-    norm = torch.nn.utils.get_total_norm(tensors)
-    return norm, (max_norm / (norm + EPS)).clamp(max=1.0)
+def exact_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``'s coefficient ``min(1, max_norm / (norm + 1e-6))`` for the
+    total norm of a step's gradients (computed in the norm's dtype, as torch does), as an fp32 0-d
+    device tensor. The update kernel multiplies the gradients by it as it reads them (``scale_``
+    where it does not): one read of the gradients for the norm is all clipping adds to a step."""
+    return (max_norm / (norm + EPS)).clamp(max=1.0).float()
 
 
 def scale_(tensors: list[torch.Tensor], coefficient: torch.Tensor) -> None:

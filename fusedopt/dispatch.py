@@ -93,6 +93,24 @@ def kernel_module(name: str):
     return importlib.import_module(f"fusedopt.kernels.{name}")
 
 
+def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.nn.utils.get_total_norm`` of a step's gradients: through the norm kernel
+    (``kernels/norms.py``, one read of each gradient) where the update runs kernels, contiguous
+    tensors on one device; torch's otherwise."""
+    choice = backend_choice()
+    device = tensors[0].device
+    kernel = choice == "triton" or (choice == "auto" and device.type == "cuda")
+    if (
+        kernel
+        and (device.type == "cuda" or _interpreting())
+        and all(t.device == device and t.is_contiguous() for t in tensors)
+    ):
+        from .kernels import norms
+
+        return norms.total_norm(tensors)
+    return torch.nn.utils.get_total_norm(tensors)
+
+
 def check_gradient(p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None, optimizer_name: str) -> None:
     """Refuse a gradient (or accumulated buffer) the update cannot take, naming the problem. The
     kernel reads as many gradient elements as the parameter has: one of another shape (``p.grad.data

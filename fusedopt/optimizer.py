@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 from . import checkpoint
 from .clipping import DEFAULT_CLIP_METHOD, ReleaseClipping, check_clip_method, exact_coefficient, squared_norm
 from .codecs import SUPPORTED_STATE_BITS, MomentCodec, codec_for, codec_named, registered_formats
-from .dispatch import CheckedUpdate, UpdateDispatcher, check_gradient
+from .dispatch import CheckedUpdate, UpdateDispatcher, check_gradient, total_norm
 from .loss_scaling import ReleasedUnscaling, check_grad_scaler, inverse, unscale_
 from .master import MASTER_CORRECTION, check_master_weight_bits, correction_layout, master_value
 from .reference import UpdateMath
@@ -495,7 +495,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         if self.max_grad_norm is not None and updates and not releasing:
             # exactly torch.nn.utils.clip_grad_norm_ over every gradient of this step (no host sync)
             tensors = [g for _, grad, accum in updates for g in (grad, accum) if g is not None]
-            self._grad_norm, coefficient = exact_coefficient(tensors, self.max_grad_norm)
+            self._grad_norm = total_norm(tensors)
+            coefficient = exact_coefficient(self._grad_norm, self.max_grad_norm)
             on_device = {coefficient.device: coefficient}
             for i, (_, grad, _) in enumerate(updates):
                 device = local(grad).device

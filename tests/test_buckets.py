@@ -348,15 +348,18 @@ def test_clipping_in_the_kernel_equals_clipping_before_it_bit_for_bit(monkeypatc
     """max_grad_norm: the kernel multiplies each gradient by the coefficient as it reads it (bucketed
     and alone); the same gradients scaled first by ``fusedopt.clipping.scale_`` and updated by the
     kernel without a coefficient give the same parameters and state, and so does the reference path
-    with fused=False (under release it batches the clipping differently: its updates are not held).
+    with fused=False in the interpreter (under release it batches the clipping differently: its
+    updates are not held).
     A run without clipping differs, so the clipping was applied."""
     kwargs = {**case.kwargs, "max_grad_norm": 0.5}
+    # one norm for every path (the norm kernel is held to torch's in test_kernels.py)
+    monkeypatch.setattr("fusedopt.optimizer.total_norm", torch.nn.utils.get_total_norm)
     in_kernel = _train(monkeypatch, device, 64, case.cls, kwargs, case.dtype, fused)
     with monkeypatch.context() as m:
         m.setattr("fusedopt.dispatch._takes_grad_scale", lambda launch: False)
         before_kernel = _train(monkeypatch, device, 64, case.cls, kwargs, case.dtype, fused)
     _assert_identical(in_kernel, before_kernel)
-    if not fused:
+    if not fused and device == "cpu":  # on the GPU the fp32 reference is held to the kernel within bounds only
         with monkeypatch.context() as m:
             m.setattr("fusedopt.dispatch.backend_choice", lambda: "reference")
             _assert_identical(in_kernel, _train(m, device, 64, case.cls, kwargs, case.dtype, fused))

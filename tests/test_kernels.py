@@ -431,3 +431,45 @@ def test_rotated_kernel_in_buckets_and_shards(monkeypatch, device, fmt):
         for r, g, w in zip(ref_state, got_state, w0):
             codecs = {slot: rotated_codec(fmt.name, slot == "exp_avg", w.shape) for slot in ("exp_avg", "exp_avg_sq")}
             assert_state_parity(r, g, codecs, w.numel())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_norm_kernel_is_get_total_norm(dtype, device):
+    """kernels/norms.py: odd sizes, an empty tensor, one over several programs; torch's per-tensor
+    norm rounded to the tensor's dtype, then the norm of those (bit for bit in bf16 and fp16 in the
+    interpreter; otherwise up to the order of the fp32 sums); the same bits on every call."""
+    from fusedopt.kernels.norms import TILE, TILES, total_norm
+
+    gen = torch.Generator().manual_seed(int(str(dtype)[-2:]))
+    sizes = [(1, 3.0), (33, 1.0), (TILE * TILES + 5, 0.01), (0, 1.0), (4097, 100.0)]
+    tensors = [(torch.randn(n, generator=gen) * s).to(device, dtype) for n, s in sizes]
+    got, expected = total_norm(tensors), torch.nn.utils.get_total_norm(tensors)
+    assert got.dtype == expected.dtype == dtype
+    # the order of the fp32 sums may move a rounding to bf16/fp16 by one unit on the GPU
+    # (fp32: sums of 16384 squares in another order)
+    rtol = 1e-6 if dtype == torch.float32 else 0.0 if device == "cpu" else torch.finfo(dtype).eps
+    torch.testing.assert_close(got, expected, rtol=rtol, atol=0)
+    assert torch.equal(total_norm(tensors), got)
+    tensors[2][-1] = float("inf")  # the last element of the second program
+    assert torch.isinf(total_norm(tensors))
+
+
+def test_step_clips_with_the_norm_kernels_total_norm(monkeypatch, device):
+    """fused=False with max_grad_norm on the kernel path: the step's norm comes from the norm kernel,
+    once over every gradient, and equals torch's (bf16 here: bit for bit in the interpreter)."""
+    monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
+    gen = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device, torch.bfloat16)) for s in (37, 4099)]
+    grads = [torch.randn(p.shape, generator=gen).to(device, torch.bfloat16) * 3 for p in params]
+    opt = fusedopt.AdamW(params, lr=1e-2, max_grad_norm=1.0)
+    calls = []
+    from fusedopt.kernels import norms
+
+    original = norms.total_norm
+    monkeypatch.setattr(norms, "total_norm", lambda ts: calls.append(len(ts)) or original(ts))
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    opt.step()
+    assert calls == [2]
+    rtol = 0.0 if device == "cpu" else torch.finfo(torch.bfloat16).eps  # one rounding on the GPU (above)
+    torch.testing.assert_close(opt.grad_norm, torch.nn.utils.get_total_norm(grads), rtol=rtol, atol=0)
