@@ -100,14 +100,11 @@ def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     choice = backend_choice()
     device = tensors[0].device
     kernel = choice == "triton" or (choice == "auto" and device.type == "cuda")
-    if (
-        kernel
-        and (device.type == "cuda" or _interpreting())
-        and all(t.device == device and t.is_contiguous() for t in tensors)
-    ):
+    if kernel and (device.type == "cuda" or _interpreting()):
         from .kernels import norms
 
-        return norms.total_norm(tensors)
+        if norms.fits(tensors):
+            return norms.total_norm(tensors)
     return torch.nn.utils.get_total_norm(tensors)
 
 
@@ -307,12 +304,7 @@ class UpdateDispatcher:
         device tensor) the gradients are multiplied by, or None."""
         grad = local(grad)
         launch = checked.launch
-        if (
-            launch is None
-            or not self._buckets_on
-            or accum is not None
-            or (grad_scale is not None and not _takes_grad_scale(launch))
-        ):
+        if launch is None or not self._buckets_on or accum is not None or not _takes_grad_scale(launch):
             self.update(p, grad, accum, checked, grad_scale)
             return
         group_index = self._opt._position[p][0]

@@ -2,10 +2,12 @@
 
 ``total_norm`` is ``torch.nn.utils.get_total_norm`` for the 2-norm: each tensor's norm in fp32,
 rounded to the tensor's dtype, then the norm of those. Only the order of the fp32 sums differs.
-Each tensor's squares are summed by programs of ``TILE * TILES`` elements into one fp32 partial
-per program, and the partials by one deterministic ``sum``: no atomics, so the same gradients
-always give the same bits. (``torch._foreach_norm`` read bf16 gradients at under half the copy
-bandwidth on the H200; benchmarks/RESULTS.md.)
+One launch covers up to ``GROUP`` tensors of one dtype: a table of rows (the tensor's address as
+an element offset from the first one's, its size, its first program) is copied to the device
+without waiting, and each program finds its tensor among the rows, as a bucket of updates does
+(``kernels/bucket.py``); a launch per tensor cost more host time than the GPU spent reading. Each
+program writes one fp32 partial sum; one deterministic ``sum`` adds them: no atomics, so the same
+gradients always give the same bits.
 """
 
 from __future__ import annotations
@@ -17,31 +19,82 @@ import triton.language as tl
 TILE = 2048
 TILES = 8
 NUM_WARPS = 8
+GROUP = 64  # tensors per launch (the table's rows)
+ALIGN = 16  # bytes: every tensor's address, and its size in bytes, a multiple of it (vector loads)
+_COLS = tl.constexpr(3)  # a row: element offset from the first tensor, size, first program
+_UNUSED = 1 << 62  # the first program of a row of no tensor: after every program
 
 
 @triton.jit
-def _sum_squares_kernel(x_ptr, partial_ptr, n_elements, TILE: tl.constexpr, TILES: tl.constexpr):
-    start = tl.program_id(0).to(tl.int64) * (TILE * TILES)
+def _sum_squares_kernel(
+    base_ptr, table_ptr, partial_ptr, programs_per_row, TILE: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr
+):
+    pid = tl.program_id(0)
+    starts = tl.load(table_ptr + tl.arange(0, ROWS) * _COLS + 2)
+    member = tl.sum((starts <= pid).to(tl.int32), axis=0) - 1
+    row = table_ptr + member * _COLS
+    # a hint where the value is computed (kernels/update.py _rebase): the offsets keep 16-byte alignment
+    x_ptr = base_ptr + tl.multiple_of(tl.load(row), 128 // base_ptr.dtype.element_ty.primitive_bitwidth)
+    n_elements = tl.multiple_of(tl.load(row + 1), 16)
+    program = pid - tl.load(row + 2)
+    start = program.to(tl.int64) * (TILE * TILES)
     acc = tl.zeros([TILE], tl.float32)
     for i in tl.static_range(TILES):  # unrolled: every tile's loads issued before the first is used
         offs = start + i * TILE + tl.arange(0, TILE).to(tl.int64)
         x = tl.load(x_ptr + offs, mask=offs < n_elements, other=0.0).to(tl.float32)
         acc += x * x
-    tl.store(partial_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+    tl.store(partial_ptr + member.to(tl.int64) * programs_per_row + program, tl.sum(acc, axis=0))
 
 
 def _programs(n: int) -> int:
     return -(-n // (TILE * TILES))
 
 
+def fits(tensors: list[torch.Tensor]) -> bool:
+    """Whether ``total_norm`` takes these: contiguous, on one device, each 16-byte aligned with a size
+    of whole 16-byte vectors (every gradient autograd allocates, in practice)."""
+    device = tensors[0].device
+    return all(
+        t.device == device
+        and t.is_contiguous()
+        and t.data_ptr() % ALIGN == 0
+        and (t.numel() * t.element_size()) % ALIGN == 0
+        for t in tensors
+    )
+
+
 def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of contiguous tensors on one device, as ``get_total_norm`` gives it (its dtype: the
-    tensors' promoted dtype)."""
-    rows = max(_programs(t.numel()) for t in tensors)
-    partials = torch.zeros(len(tensors), max(rows, 1), dtype=torch.float32, device=tensors[0].device)
-    for t, row in zip(tensors, partials):
-        programs = _programs(t.numel())
-        if programs:
-            _sum_squares_kernel[(programs,)](t, row, t.numel(), TILE=TILE, TILES=TILES, num_warps=NUM_WARPS)
-    norms = partials.sum(dim=1).sqrt()
-    return torch.linalg.vector_norm(torch.stack([n.to(t.dtype) for n, t in zip(norms.unbind(), tensors)]))
+    """The 2-norm of tensors ``fits`` accepts, as ``get_total_norm`` gives it (its dtype: the tensors'
+    promoted dtype)."""
+    device = tensors[0].device
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    norms: list = [None] * len(tensors)
+    for indices in by_dtype.values():
+        for g in range(0, len(indices), GROUP):
+            group = indices[g : g + GROUP]
+            base = tensors[group[0]]
+            rows, total = [], 0
+            for i in group:
+                t = tensors[i]
+                rows.append([(t.data_ptr() - base.data_ptr()) // t.element_size(), t.numel(), total])
+                total += _programs(t.numel())
+            width = max(1, max(_programs(tensors[i].numel()) for i in group))
+            partials = torch.zeros(len(group), width, dtype=torch.float32, device=device)
+            if total:
+                rows += [[0, 0, _UNUSED]] * (GROUP - len(rows))
+                table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
+                _sum_squares_kernel[(total,)](
+                    base, table, partials, width, TILE=TILE, TILES=TILES, ROWS=GROUP, num_warps=NUM_WARPS
+                )
+            for i, norm in zip(group, partials.sum(dim=1).sqrt().unbind()):
+                norms[i] = norm.to(tensors[i].dtype)  # as torch._foreach_norm returns it
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` without waiting for the GPU (pinned: the copy is queued, not awaited)."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)

@@ -438,11 +438,14 @@ def test_the_norm_kernel_is_get_total_norm(dtype, device):
     """kernels/norms.py: odd sizes, an empty tensor, one over several programs; torch's per-tensor
     norm rounded to the tensor's dtype, then the norm of those (bit for bit in bf16 and fp16 in the
     interpreter; otherwise up to the order of the fp32 sums); the same bits on every call."""
+    from fusedopt.kernels import norms
     from fusedopt.kernels.norms import TILE, TILES, total_norm
 
     gen = torch.Generator().manual_seed(int(str(dtype)[-2:]))
-    sizes = [(1, 3.0), (33, 1.0), (TILE * TILES + 5, 0.01), (0, 1.0), (4097, 100.0)]
+    # sizes of whole 16-byte vectors (norms.fits): odd numbers of them, one over two programs, none
+    sizes = [(8, 3.0), (40, 1.0), (TILE * TILES + 24, 0.01), (0, 1.0), (4104, 100.0)]
     tensors = [(torch.randn(n, generator=gen) * s).to(device, dtype) for n, s in sizes]
+    assert norms.fits(tensors) and not norms.fits([torch.zeros(9, dtype=dtype, device=device)])
     got, expected = total_norm(tensors), torch.nn.utils.get_total_norm(tensors)
     assert got.dtype == expected.dtype == dtype
     # the order of the fp32 sums may move a rounding to bf16/fp16 by one unit on the GPU
@@ -459,7 +462,7 @@ def test_step_clips_with_the_norm_kernels_total_norm(monkeypatch, device):
     once over every gradient, and equals torch's (bf16 here: bit for bit in the interpreter)."""
     monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
     gen = torch.Generator().manual_seed(5)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device, torch.bfloat16)) for s in (37, 4099)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device, torch.bfloat16)) for s in (40, 4104, 16)]
     grads = [torch.randn(p.shape, generator=gen).to(device, torch.bfloat16) * 3 for p in params]
     opt = fusedopt.AdamW(params, lr=1e-2, max_grad_norm=1.0)
     calls = []
@@ -470,6 +473,23 @@ def test_step_clips_with_the_norm_kernels_total_norm(monkeypatch, device):
     for p, g in zip(params, grads):
         p.grad = g.clone()
     opt.step()
-    assert calls == [2]
+    assert calls == [3]
     rtol = 0.0 if device == "cpu" else torch.finfo(torch.bfloat16).eps  # one rounding on the GPU (above)
     torch.testing.assert_close(opt.grad_norm, torch.nn.utils.get_total_norm(grads), rtol=rtol, atol=0)
+
+
+def test_the_norm_kernel_over_more_tensors_than_one_launch_takes_and_mixed_dtypes(device):
+    """More than GROUP tensors, bf16 and fp32 interleaved (each dtype its own launches), sizes from
+    one vector up: the norm equals torch's up to the order of fp32 sums."""
+    from fusedopt.kernels import norms
+
+    gen = torch.Generator().manual_seed(11)
+    tensors = [
+        torch.randn(16 * (1 + i % 7) * (1 + 300 * (i % 5 == 0)), generator=gen).to(
+            device, torch.bfloat16 if i % 2 else torch.float32
+        )
+        for i in range(norms.GROUP + 9)
+    ]
+    got, expected = norms.total_norm(tensors), torch.nn.utils.get_total_norm(tensors)
+    assert got.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
