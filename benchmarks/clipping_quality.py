@@ -62,7 +62,7 @@ def train_one(config: str, seed: int, spiky: bool, args) -> dict:
     if config == "exact":
         opt = fusedopt.AdamW(model.parameters(), **options, max_grad_norm=1.0)
     elif config == "none":
-        opt = fusedopt.AdamW(model.parameters(), **options, fused=True)
+        opt = fusedopt.AdamW(model.parameters(), **options, fused=True, max_grad_norm=None)
     else:
         opt = fusedopt.AdamW(model.parameters(), **options, fused=True, max_grad_norm=1.0, release_clipping=config)
     warm, total = args.warmup, args.steps

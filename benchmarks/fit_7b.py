@@ -94,7 +94,7 @@ def main(argv=None) -> int:
 
     shape = PRESETS[args.shape] if args.shape in PRESETS else parse_shape(args.shape, PRESETS["7b"])
     opt_class, kwargs, lr = CONFIGS[args.config]
-    kwargs = {**kwargs, **parse_opt(args.opt)}
+    kwargs = {"max_grad_norm": None, **kwargs, **parse_opt(args.opt)}  # no clipping unless --opt asks
     lr = args.lr if args.lr is not None else lr
     device = torch.device(args.device)
     cuda = device.type == "cuda"

@@ -89,21 +89,22 @@ def _with_empty_hooks(make):
     return build
 
 
+RELEASE = dict(fused=True, max_grad_norm=None)  # gradient release, no clipping
 CONFIGS = {
     "torch AdamW (fused=True kernel)": lambda ps: torch.optim.AdamW(ps, lr=1e-5, fused=True),
     "torch AdamW per parameter in backward hooks": TorchInBackward,
     "fusedopt default, fused=False": lambda ps: fusedopt.AdamW(ps, lr=1e-5),
-    "fusedopt default, fused=True": lambda ps: fusedopt.AdamW(ps, lr=1e-5, fused=True),
+    "fusedopt default, fused=True": lambda ps: fusedopt.AdamW(ps, lr=1e-5, **RELEASE),
     "fusedopt clipping, fused=False": lambda ps: fusedopt.AdamW(ps, lr=1e-5, max_grad_norm=1.0),
     "fusedopt clipping, fused=True": lambda ps: fusedopt.AdamW(ps, lr=1e-5, fused=True, max_grad_norm=1.0),
     "fusedopt unbucketed, fused=False": _bucket_mb("0", lambda ps: fusedopt.AdamW(ps, lr=1e-5)),
-    "fusedopt unbucketed, fused=True": _bucket_mb("0", lambda ps: fusedopt.AdamW(ps, lr=1e-5, fused=True)),
-    "fusedopt 64 MiB buckets, fused=True": _bucket_mb("64", lambda ps: fusedopt.AdamW(ps, lr=1e-5, fused=True)),
-    "fusedopt 128 MiB buckets, fused=True": _bucket_mb("128", lambda ps: fusedopt.AdamW(ps, lr=1e-5, fused=True)),
+    "fusedopt unbucketed, fused=True": _bucket_mb("0", lambda ps: fusedopt.AdamW(ps, lr=1e-5, **RELEASE)),
+    "fusedopt 64 MiB buckets, fused=True": _bucket_mb("64", lambda ps: fusedopt.AdamW(ps, lr=1e-5, **RELEASE)),
+    "fusedopt 128 MiB buckets, fused=True": _bucket_mb("128", lambda ps: fusedopt.AdamW(ps, lr=1e-5, **RELEASE)),
     # diagnoses: the engine's hook calls alone; release holding every gradient until the end of
     # backward (all updates in the end-of-backward callback, in buckets of 16 as step() makes them)
     "diagnosis: fused=False + empty hooks": _with_empty_hooks(lambda ps: fusedopt.AdamW(ps, lr=1e-5)),
-    "diagnosis: fused=True holding all": _bucket_mb("1000000", lambda ps: fusedopt.AdamW(ps, lr=1e-5, fused=True)),
+    "diagnosis: fused=True holding all": _bucket_mb("1000000", lambda ps: fusedopt.AdamW(ps, lr=1e-5, **RELEASE)),
 }
 
 

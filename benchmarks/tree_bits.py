@@ -25,7 +25,8 @@ def fingerprint(name, state_bits, master_bits, dtype, fused, device) -> str:
     cls, kwargs = ALGORITHMS[name]
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device, dtype)) for s in SHAPES]
-    opt = cls(params, lr=1e-3, state_bits=state_bits, master_weight_bits=master_bits, fused=fused, **kwargs)
+    options = dict(state_bits=state_bits, master_weight_bits=master_bits, fused=fused, max_grad_norm=None)
+    opt = cls(params, lr=1e-3, **options, **kwargs)
     for _ in range(4):
         grads = [torch.randn(s, generator=gen).to(device, dtype) for s in SHAPES]
         loss = sum((p * g).sum() for p, g in zip(params, grads))

@@ -30,6 +30,7 @@ import torch
 from .clipping import DEFAULT_CLIP_METHOD
 from .codecs import MomentCodec, codec_for, register_codec
 from .optimizer import FusedOptimizer, check_number, check_refused_options
+from .release_notices import NOT_GIVEN
 
 # --- storage of the statistics ------------------------------------------------------------------
 
@@ -234,7 +235,7 @@ class Adafactor(FusedOptimizer):
         seed: int = 0,
         fused: bool = False,
         accumulation_steps: int = 1,
-        max_grad_norm: float | None = None,
+        max_grad_norm: float | None = NOT_GIVEN,
         release_clipping: str = DEFAULT_CLIP_METHOD,
         grad_scaler: torch.amp.GradScaler | None = None,
     ):

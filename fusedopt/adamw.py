@@ -10,6 +10,7 @@ import torch
 
 from .clipping import DEFAULT_CLIP_METHOD
 from .optimizer import FusedOptimizer, check_betas, check_number, check_refused_options
+from .release_notices import NOT_GIVEN
 
 
 def _fp32(x: float) -> float:
@@ -70,7 +71,7 @@ class AdamW(FusedOptimizer):
         seed: int = 0,
         fused: bool = False,
         accumulation_steps: int = 1,
-        max_grad_norm: float | None = None,
+        max_grad_norm: float | None = NOT_GIVEN,
         release_clipping: str = DEFAULT_CLIP_METHOD,
         grad_scaler: torch.amp.GradScaler | None = None,
     ):

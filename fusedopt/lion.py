@@ -10,6 +10,7 @@ import torch
 
 from .clipping import DEFAULT_CLIP_METHOD
 from .optimizer import FusedOptimizer, check_betas, check_number
+from .release_notices import NOT_GIVEN
 
 
 def lion_math(p, g, moments, step, *, lr, beta1, beta2, weight_decay):
@@ -48,7 +49,7 @@ class Lion(FusedOptimizer):
         seed: int = 0,
         fused: bool = False,
         accumulation_steps: int = 1,
-        max_grad_norm: float | None = None,
+        max_grad_norm: float | None = NOT_GIVEN,
         release_clipping: str = DEFAULT_CLIP_METHOD,
         grad_scaler: torch.amp.GradScaler | None = None,
     ):

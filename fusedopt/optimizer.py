@@ -15,7 +15,7 @@ import warnings
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from . import checkpoint
+from . import checkpoint, release_notices
 from .clipping import DEFAULT_CLIP_METHOD, ReleaseClipping, check_clip_method, exact_coefficient, squared_norm
 from .codecs import SUPPORTED_STATE_BITS, MomentCodec, codec_for, codec_named, registered_formats
 from .dispatch import CheckedUpdate, UpdateDispatcher, check_gradient, total_norm
@@ -99,7 +99,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         fused: bool,
         accumulation_steps: int,
         seed: int,
-        max_grad_norm=None,
+        max_grad_norm=release_notices.NOT_GIVEN,
         release_clipping: str = DEFAULT_CLIP_METHOD,
         grad_scaler=None,
     ):
@@ -109,6 +109,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"Invalid accumulation_steps: {accumulation_steps!r} (expected an integer >= 1)")
         if not valid_seed(seed):
             raise ValueError(f"Invalid seed: {seed!r} (expected a non-negative integer)")
+        unsaid = max_grad_norm is release_notices.NOT_GIVEN  # no clipping; under release, warned once below
+        if unsaid:
+            max_grad_norm = None
         if max_grad_norm is not None:
             check_number("max_grad_norm", max_grad_norm)
             if max_grad_norm <= 0:
@@ -140,6 +143,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         if fused:
             self._release = GradientRelease(self)
             self._release.attach(p for g in self.param_groups for p in g["params"])
+            if unsaid:
+                release_notices.warn_release_without_clipping()
 
     # --- parameter groups ------------------------------------------------------------------
 

@@ -33,7 +33,6 @@ from collections.abc import Iterable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import release_notices
 from .dispatch import check_gradient
 from .reference import accumulate_low_precision
 from .rounding import LOW_PRECISION
@@ -107,7 +106,6 @@ class GradientRelease:
         self._held: list[tuple] = []  # (param, gradient, its CheckedUpdate) not yet updated
         self._held_bytes = 0
         weakref.finalize(optimizer, GradientRelease._remove_handles, self._handles)
-        release_notices.install(_OWNERS)  # say so when torch's clip_grad_norm_ or a second backward meets release
 
     def attach(self, params: Iterable[torch.Tensor]) -> None:
         """Register the release hook on every trainable parameter in ``params``."""

@@ -10,6 +10,7 @@ import torch
 
 from .clipping import DEFAULT_CLIP_METHOD
 from .optimizer import FusedOptimizer, check_number, check_refused_options
+from .release_notices import NOT_GIVEN
 
 
 def sgd_math(p, g, moments, step, *, lr, momentum, dampening, nesterov, weight_decay):
@@ -58,7 +59,7 @@ class SGD(FusedOptimizer):
         seed: int = 0,
         fused: bool = False,
         accumulation_steps: int = 1,
-        max_grad_norm: float | None = None,
+        max_grad_norm: float | None = NOT_GIVEN,
         release_clipping: str = DEFAULT_CLIP_METHOD,
         grad_scaler: torch.amp.GradScaler | None = None,
     ):

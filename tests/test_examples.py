@@ -13,9 +13,19 @@ import pytest
 import torch
 
 import fusedopt
+from fusedopt import release_notices
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "examples")
+# fusedopt's warning for a fused=True optimizer built without max_grad_norm: the examples say whether they clip
+RELEASE_WARNING = "fusedopt: fused=True (gradient release)"
+
+
+@pytest.fixture(autouse=True)
+def _examples_say_whether_they_clip(monkeypatch):
+    monkeypatch.setattr(release_notices, "_release_warned", False)
+    yield
+    assert not release_notices._release_warned, "an example built a fused=True optimizer without max_grad_norm"
 
 
 def _standin_args() -> list[str]:
@@ -35,6 +45,7 @@ def _run(script: str, args: list[str], cwd, returncode: int = 0) -> subprocess.C
     cmd = [sys.executable, os.path.join(EXAMPLES, script), "--device", "cpu", *_standin_args(), *args]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == returncode, proc.stdout + proc.stderr
+    assert RELEASE_WARNING not in proc.stderr, proc.stderr
     return proc
 
 
@@ -211,6 +222,7 @@ def test_finetune_fsdp_trains_saves_and_resumes_on_two_cpu_ranks(tmp_path):
         env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert RELEASE_WARNING not in proc.stderr, proc.stderr
         return proc.stdout
 
     out = torchrun("--steps", "2")

@@ -94,6 +94,8 @@ class OptimizerConfig:
             return torch_adamw_in_backward(params, kwargs)
         if self.fused and accumulation_steps > 1:
             kwargs.setdefault("accumulation_steps", accumulation_steps)
+        if self.fused:
+            kwargs.setdefault("max_grad_norm", None)  # the profiled step clips only when the configuration says so
         return self.optimizer_class()(params, **kwargs)
 
     def unavailable(self, device_type: str) -> str | None:
