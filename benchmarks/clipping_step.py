@@ -74,6 +74,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--only", nargs="+", help="configurations whose name contains one of these")
+    parser.add_argument("--profile", action="store_true", help="then one step of each under torch.profiler")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -113,6 +114,15 @@ def main(argv=None) -> int:
             print(
                 f"{a} / {b}: {statistics.median(per_round):.3f} (per round {' / '.join(f'{x:.3f}' for x in per_round)})"
             )
+    if args.profile:  # where a step's GPU time goes: one more step of each under torch.profiler
+        from torch.profiler import ProfilerActivity, profile
+
+        for name, (opt, _) in trials.items():
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                opt.step()
+                torch.cuda.synchronize()
+            print(f"{name}: GPU time per kernel")
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8, max_name_column_width=60))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(torch=torch.__version__, elements=elements, times={k: v[1] for k, v in trials.items()},
