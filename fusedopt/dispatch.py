@@ -37,7 +37,7 @@ from torch.utils.hooks import RemovableHandle
 from .clipping import scale_
 from .master import MASTER_CORRECTION
 from .reference import ParamUpdate, reference_update
-from .sharding import local
+from .sharding import is_sharded, local
 from .streams import on_default_stream
 
 BACKENDS = ("auto", "triton", "reference")
@@ -95,12 +95,12 @@ def kernel_module(name: str):
 
 def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     """``torch.nn.utils.get_total_norm`` of a step's gradients: through the norm kernel
-    (``kernels/norms.py``, one read of each gradient) where the update runs kernels, contiguous
-    tensors on one device; torch's otherwise."""
+    (``kernels/norms.py``, one read of each gradient) where the update runs kernels, plain tensors
+    on one device; torch's otherwise (sharded gradients: a DTensor norm over the ranks)."""
     choice = backend_choice()
     device = tensors[0].device
     kernel = choice == "triton" or (choice == "auto" and device.type == "cuda")
-    if kernel and (device.type == "cuda" or _interpreting()):
+    if kernel and (device.type == "cuda" or _interpreting()) and not any(is_sharded(t) for t in tensors):
         from .kernels import norms
 
         if norms.fits(tensors):

@@ -423,41 +423,47 @@ class FusedOptimizer(torch.optim.Optimizer):
                 self._released_unscaling.unscale_(scaler, grads)
         return self._clip_released(batch, note_nonfinite=scaler is not None)
 
-    def _clip_released(self, batch: list[tuple[torch.Tensor, list[torch.Tensor]]], *, note_nonfinite: bool) -> list:
+    def _clip_released(
+        self, batch: list[tuple[torch.Tensor, list[torch.Tensor]]], *, note_nonfinite: bool, whole: bool = False
+    ) -> list:
         """Clip released (unscaled) gradients as ``ReleaseClipping`` estimates, in batches of one
         device; returns each one's coefficient (``prepare_released_gradients``). A sharded
-        parameter's gradient is clipped against its whole gradient's norm (one all-reduce of its
-        squared norm, parameter by parameter: every rank issues the same sequence) and, where that is
-        not finite, skipped on every rank (and reported to the scaler when ``note_nonfinite``)."""
+        parameter's gradient is clipped against its whole gradient's norm (an all-reduce of its
+        squared norm) and, where that is not finite, skipped on every rank (and reported to the
+        scaler when ``note_nonfinite``). Every rank must issue the same all-reduces: release's
+        batches follow each rank's own shard sizes, so there they go parameter by parameter;
+        ``whole`` (step()'s rest of the window, the same parameters on every rank) batches them as
+        it batches whole gradients, with one all-reduce per batch."""
         clipping = self._released_clipping
         pending: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        pending_groups: tuple = ()
         scales: list = []
 
         def clip_pending():
-            if pending:
-                coefficient = None
-                if clipping is not None:
-                    coefficient = clipping.clip([self.param_index(p) for p, _ in pending], [g for _, g in pending])
-                scales.extend([coefficient] * len(pending))
+            if not pending:
+                return
+            indices, grads = [self.param_index(p) for p, _ in pending], [g for _, g in pending]
+            coefficient, sq = None, None
+            if pending_groups:
+                sq = sum_over_shards(torch.stack([squared_norm(g) for g in grads]).double(), pending_groups)
+                if note_nonfinite:
+                    self._released_unscaling.note_nonfinite(~torch.isfinite(sq).all())
+            if clipping is not None:
+                coefficient = clipping.clip(indices, grads, sq)
+            elif sq is not None:  # loss scaling alone: a gradient not finite on any rank is skipped on all
+                for entry, finite in zip(grads, torch.isfinite(sq).unbind()):
+                    torch._foreach_mul_(entry, torch.where(finite, 1.0, torch.nan))
+            scales.extend([coefficient] * len(pending))
             pending.clear()
 
         for p, grads in batch:
             groups = self.shard_groups(p)
-            if not groups:  # this rank holds the whole gradient
-                if pending and pending[0][1][0].device != grads[0].device:
-                    clip_pending()
-                pending.append((p, grads))
-                continue
-            clip_pending()  # in release order
-            sq = sum_over_shards(squared_norm(grads).double(), groups)
-            skip = ~torch.isfinite(sq)
-            if note_nonfinite:
-                self._released_unscaling.note_nonfinite(skip)
-            if clipping is not None:
-                clipping.clip([self.param_index(p)], [grads], sq.reshape(1))
-            else:
-                torch._foreach_mul_(grads, torch.where(skip, torch.nan, 1.0))
-            scales.append(None)
+            if pending and (pending[0][1][0].device != grads[0].device or groups != pending_groups):
+                clip_pending()
+            pending.append((p, grads))
+            pending_groups = groups
+            if groups and not whole:  # in release order, one by one
+                clip_pending()
         clip_pending()
         return scales
 
@@ -494,14 +500,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         if releasing and (self._released_clipping is not None or grad_scale is not None):
             # the rest of the window, as release treated the rest
             rest = [(p, [local(g) for g in (grad, accum) if g is not None]) for p, grad, accum in updates]
-            scales = self._clip_released(rest, note_nonfinite=grad_scale is not None)
+            scales = self._clip_released(rest, note_nonfinite=grad_scale is not None, whole=True)
         if releasing and self.grad_scaler is not None:
             self._released_unscaling.report(self.grad_scaler, self)
         if self.max_grad_norm is not None and updates and not releasing:
             # exactly torch.nn.utils.clip_grad_norm_ over every gradient of this step (no host sync)
             tensors = [g for _, grad, accum in updates for g in (grad, accum) if g is not None]
             self._grad_norm = total_norm(tensors)
-            coefficient = exact_coefficient(self._grad_norm, self.max_grad_norm)
+            norm = self._grad_norm.full_tensor() if is_sharded(self._grad_norm) else self._grad_norm  # over the ranks
+            coefficient = exact_coefficient(norm, self.max_grad_norm)
             on_device = {coefficient.device: coefficient}
             for i, (_, grad, _) in enumerate(updates):
                 device = local(grad).device
