@@ -26,7 +26,6 @@ a kernel several times. Block sizes and warps are fixed here.
 
 import functools
 import math
-import os
 import struct
 
 import torch
@@ -92,7 +91,6 @@ _NORMALISED = tl.constexpr(NORMALISED)
 _ROOT_GRID = tl.constexpr(ROOT_GRID)
 _LOG_BLOCK = tl.constexpr(128)  # the log and root grids' blocks, and the normalised codes' (kernels/loggrid.py, ...)
 _NORM_BLOCK = tl.constexpr(64)
-_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))  # read at import
 
 
 @triton.jit
@@ -107,12 +105,10 @@ def _as_f32(x):
 @triton.jit
 def _scaled(x, scale):
     """``x * scale`` in fp32, rounded to nearest-even to ``x``'s dtype (returned in fp32): the
-    gradient as clipping in place (``fusedopt.clipping.scale_``) leaves it. In the interpreter the bf16
-    rounding is integer arithmetic: Triton's CPU interpreter truncates a cast to bf16."""
+    gradient as clipping in place (``fusedopt.clipping.scale_``) leaves it. The bf16 rounding is
+    integer arithmetic: Triton's CPU interpreter truncates a cast to bf16."""
     y = x.to(tl.float32) * scale
-    if x.dtype == tl.bfloat16 and not _INTERPRETED:
-        y = y.to(tl.bfloat16).to(tl.float32)  # the GPU's conversion rounds to nearest-even
-    elif x.dtype == tl.bfloat16:
+    if x.dtype == tl.bfloat16:
         bits = y.to(tl.int32, bitcast=True)
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
         y = tl.where(y != y, y, rounded)
