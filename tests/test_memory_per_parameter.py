@@ -50,7 +50,7 @@ def test_fp32_adamw_reference_point():
 
 
 # fusedopt.Adafactor (beta1, state_bits, master_weight_bits) -> bytes per parameter of a large bf16 matrix,
-# the factored statistics left out (the README's second table; they are added below)
+# the factored statistics left out (the table of docs/adafactor.md; they are added below)
 ADAFACTOR_TABLE = {
     (None, 8, 24): 2 + 1,
     (None, 8, None): 2,
