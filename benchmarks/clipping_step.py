@@ -14,33 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
-import time
 
 import torch
 
-import fusedopt
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 
-
-def _timer(device: str):
-    def time_ms(fn, reps: int) -> float:
-        times = []
-        for _ in range(reps):
-            if device == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-
-    return time_ms
+import fusedopt  # noqa: E402
 
 
 def _torch_clipped(params, max_norm):
@@ -93,13 +76,10 @@ def main(argv=None) -> int:
             p.grad = torch.randn(shape, device=args.device, generator=gen).to(torch.bfloat16)
         opt = make(params)
         opt.step()  # first step: state, compilation
-        trials[name] = (opt, [])
-    time_ms = _timer(args.device)
-    names = list(trials)
-    for r in range(args.rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            opt, times = trials[name]
-            times.append(time_ms(opt.step, args.reps))
+        trials[name] = opt
+    # in turns, the order rotated every round; each round's time is the median of --reps steps
+    times = harness.interleave({n: o.step for n, o in trials.items()}, args.rounds, args.reps, args.device, "rotate")
+    trials = {name: (opt, times[name]) for name, opt in trials.items()}
     elements = args.tensors * shape[0] * shape[1]
     print(f"{args.tensors} x {args.shape} bf16 ({elements:.3g} elements), {args.rounds} rounds x {args.reps} steps")
     print("| configuration | step ms (median of rounds) | per round |")

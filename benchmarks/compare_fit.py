@@ -38,14 +38,13 @@ import sys
 import tempfile
 import time
 
-import compare_io
+import harness
 import torch
-from competitors import select
 
 from fusedopt.profile.models import PRESETS, TinyLM, parse_shape, random_batch
 from fusedopt.profile.planner import byte_model
 
-GIB, MIB = 1 << 30, 1 << 20
+GIB, MIB = harness.GIB, harness.MIB
 BASE = "1b"
 
 
@@ -225,7 +224,7 @@ def _worker_args(entry, args, budgets: list[int]) -> list[str]:
 
 def one_trial(args) -> int:
     """``--trial-out``: one trial at ``--trial-layers`` under the single budget; writes its JSON."""
-    entry = select(args.only, "fit")[0]
+    entry = harness.select(args.only, "fit")[0]
     _cap_memory(args, args._budgets[0], args.device)
     result = trial(entry, args.trial_layers, args, args.device)
     with open(args.trial_out, "w") as f:
@@ -235,7 +234,7 @@ def one_trial(args) -> int:
 
 def worker(args) -> int:
     """All budgets for one line-up key, in this process; writes JSON to args.worker_out."""
-    entry = select(args.only, "fit")[0]
+    entry = harness.select(args.only, "fit")[0]
     device = args.device
     own_process = args.process_per_trial == "all" or (args.process_per_trial == "release" and entry.release)
     results = {}
@@ -313,13 +312,13 @@ def report(data: dict) -> str:
             continue
         rows.append([key, r["label"]] + [_cell(r["budgets"].get(b), unit) for b in budgets])
     lines = [f"largest depth that trains (d_model {family(1, s['shape'], s.get('base', BASE)).d_model})", ""]
-    lines.append(compare_io.table(headers, rows))
-    return "\n".join(lines + compare_io.not_measured(data))
+    lines.append(harness.table(headers, rows))
+    return "\n".join(lines + harness.not_measured(data))
 
 
 def plot(plt, data: dict):
     """The figure, or why there is none."""
-    rows = compare_io.ok_rows(data)
+    rows = harness.ok_rows(data)
     budgets = sorted({b for _, r in rows for b in r["budgets"]}, key=int)
     if not rows or not budgets:
         return "no results"
@@ -369,7 +368,7 @@ def main(argv=None) -> int:
     parser.add_argument("--activations-gib", type=float, default=1.0, help="assumed non-parameter memory")
     parser.add_argument("--budget-s", type=float, help="start no optimizer that would end after this many seconds")
     parser.add_argument("--device", default=None)
-    compare_io.output_args(parser, "out/compare/fit.json", "bar chart")
+    harness.output_args(parser, "out/compare/fit.json", "bar chart")
     parser.add_argument(
         "--process-per-trial",
         choices=("release", "all", "none"),
@@ -383,12 +382,12 @@ def main(argv=None) -> int:
     parser.add_argument("--trial-layers", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.merge:
-        data = compare_io.load(args.out)
+        data = harness.load(args.out)
         for path in args.merge:
-            data = merge(data, compare_io.load(path))
-        compare_io.save(args.out, data)
+            data = merge(data, harness.load(path))
+        harness.save(args.out, data)
         args.report = True
-    if compare_io.report_only(args, report, plot):
+    if harness.report_only(args, report, plot):
         return 0
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.budgets_mib:
@@ -401,15 +400,15 @@ def main(argv=None) -> int:
     if args.worker_out:
         return worker(args)
     t_start = time.perf_counter()
-    data = compare_io.load(args.out)
+    data = harness.load(args.out)
     settings = {"device": args.device, "shape": args.shape, "seq_len": args.seq_len, "steps": args.steps}
     if args.base != BASE:  # only then: results files of the default family stay valid
         settings["base"] = args.base
     if data.get("settings") != settings:
         data = {"settings": settings, "rows": {}}
-    data["env"] = compare_io.environment()
+    data["env"] = harness.environment()
     times = [r["seconds"] for r in data["rows"].values() if r.get("seconds")]
-    for entry in select(args.only, "fit"):
+    for entry in harness.select(args.only, "fit"):
         row = data["rows"].setdefault(entry.key, {"key": entry.key, "label": entry.label, "budgets": {}})
         todo = budgets_to_measure(row, args._budgets, args.redo)
         if not todo:
@@ -442,9 +441,9 @@ def main(argv=None) -> int:
             else:
                 row.update(ok=False, error=f"worker exit code {proc.returncode}")
         times.append(seconds)
-        compare_io.save(args.out, data)
-    compare_io.save(args.out, data)
-    compare_io.finish(report(data), plot, data, args.out, args.plot)
+        harness.save(args.out, data)
+    harness.save(args.out, data)
+    harness.finish(report(data), plot, data, args.out, args.plot)
     return 0 if all(math.isfinite(t) for t in times) else 1
 
 

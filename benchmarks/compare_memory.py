@@ -15,7 +15,8 @@ timed steps whose median is the step time of part 3. Ratios are to torch AdamW w
 parameters and bf16 autocast (key A). Results merge into ``--out`` by key, so a part can run
 in slices (``--only``) and a killed run keeps what it finished. Each row also holds what the
 planner (``fusedopt-profile plan``) predicts for it without a measurement, reported beside it.
-The line-up's AF* keys are fusedopt.Adafactor (``benchmarks/competitors.py``):
+The keys are those of the line-up (``fusedopt/profile/competitors.py``); its AF* keys are
+fusedopt.Adafactor:
 
     python benchmarks/compare_memory.py --regime a --only A,FOR,FO4R,AFR,AFM8R,AFM4R --out $OUT/memory_af.json
 """
@@ -27,11 +28,11 @@ import os
 import sys
 import time
 
-import compare_io
+import harness
 import torch
-from competitors import REFERENCE, select
 
 from fusedopt.profile import ModelSpec, plan, run_profile
+from fusedopt.profile.competitors import REFERENCE
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HF_CONFIG = os.path.join(HERE, "tinyllama_1b.json")
@@ -121,38 +122,38 @@ def report(data: dict) -> str:
             [key, r["label"], f"{r['peak'] / scale:.2f}", r["peak_phase"], f"{r['persistent'] / scale:.2f}"]
             + [ratio["peak"], ratio["persistent"], f"{state:.3f}", r["dominant"]]
         )
-        ms, tps = compare_io.fmt(r["median_step_ms"], ".0f"), compare_io.fmt(r["tokens_per_s"], ".0f")
+        ms, tps = harness.fmt(r["median_step_ms"], ".0f"), harness.fmt(r["tokens_per_s"], ".0f")
         speed.append([key, r["label"], ms, tps])
     s = data["settings"]
     lines = [
         f"{s['model']}; {s['num_params']:,} params; batch {s['batch']} x {s['seq_len']}; {s['device']}",
         "",
-        compare_io.table(
+        harness.table(
             ["key", "optimizer", f"peak {unit}", "peak in", f"persistent {unit}", "peak / A", "persistent / A"]
             + ["state+corr B/param", "peak dominated by"],
             mem,
         ),
         "",
         "Step time (part 3): median of the timed steps after 2 warm-up steps and the tracked step",
-        compare_io.table(["key", "optimizer", "step ms", "tokens/s"], speed),
+        harness.table(["key", "optimizer", "step ms", "tokens/s"], speed),
     ]
     if planner:
         lines += [
             "",
             "The planner's prediction (fusedopt-profile plan, no measurement; activations estimated from the "
             "model's shape, '+': not included, a non-Llama Hugging Face config) against the measurement",
-            compare_io.table(
+            harness.table(
                 ["key", "state+corr B/param: plan", "measured", f"persistent {unit}: plan", "measured"]
                 + [f"peak {unit}: plan", "measured", "plan from"],
                 planner,
             ),
         ]
-    return "\n".join(lines + compare_io.not_measured(data))
+    return "\n".join(lines + harness.not_measured(data))
 
 
 def plot(plt, data: dict):
     """The figure, or why there is none."""
-    rows = compare_io.ok_rows(data)
+    rows = harness.ok_rows(data)
     if not rows:
         return "no successful configuration"
     ref = data["rows"].get(REFERENCE)
@@ -188,9 +189,9 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default=None)
     parser.add_argument("--redo", action="store_true", help="measure keys already in --out again")
     parser.add_argument("--budget-s", type=float, help="start no configuration that would end after this many seconds")
-    compare_io.output_args(parser, "out/compare/memory.json", "bar chart")
+    harness.output_args(parser, "out/compare/memory.json", "bar chart")
     args = parser.parse_args(argv)
-    if compare_io.report_only(args, report, plot):
+    if harness.report_only(args, report, plot):
         return 0
     regime = dict(REGIMES[args.regime])
     for name in ("batch", "seq_len", "steps"):
@@ -198,8 +199,8 @@ def main(argv=None) -> int:
             regime[name] = getattr(args, name)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     spec = model_spec(args, regime["checkpointing"])
-    entries = select(args.only, "memory")
-    data = compare_io.load(args.out)
+    entries = harness.select(args.only, "memory")
+    data = harness.load(args.out)
     settings = {
         "regime": args.regime,
         "regime_desc": "activation checkpointing" if regime["checkpointing"] else "no checkpointing",
@@ -214,7 +215,7 @@ def main(argv=None) -> int:
     if any(data.get("settings", {}).get(k) != settings[k] for k in same):
         data = {"settings": settings, "rows": {}}  # another model or regime: start over
     data["settings"] = settings
-    data["env"] = compare_io.environment()
+    data["env"] = harness.environment()
     rows = data.setdefault("rows", {})
     t_start, spent = time.perf_counter(), []
     for entry in entries:
@@ -225,7 +226,7 @@ def main(argv=None) -> int:
         if why:
             print(f"[{entry.key}] skipped: {why}", file=sys.stderr)
             rows[entry.key] = {"key": entry.key, "label": entry.label, "ok": False, "error": why}
-            compare_io.save(args.out, data)
+            harness.save(args.out, data)
             continue
         guess = 1.2 * max(spent or [0.0])
         if args.budget_s and time.perf_counter() - t_start + guess > args.budget_s:
@@ -248,9 +249,9 @@ def main(argv=None) -> int:
         rows[entry.key] = summarize(entry.key, entry, profile.results[0])
         rows[entry.key]["raw"] = profile.results[0]
         rows[entry.key]["planned"] = planned(config, spec, regime)
-        compare_io.save(args.out, data)
+        harness.save(args.out, data)
         spent.append(time.perf_counter() - t0)
-    compare_io.finish(report(data), plot, data, args.out, args.plot)
+    harness.finish(report(data), plot, data, args.out, args.plot)
     return 0
 
 

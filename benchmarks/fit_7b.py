@@ -31,7 +31,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare_quality import corpus, next_token_loss, warmup_cosine, windows  # noqa: E402
+from harness import corpus, next_token_loss, warmup_cosine, windows  # noqa: E402
 
 import fusedopt  # noqa: E402
 from fusedopt.profile.models import PRESETS, TinyLM, parse_shape  # noqa: E402
@@ -47,7 +47,7 @@ CONFIGS = {
     "block4-nomaster": (fusedopt.AdamW, dict(ADAMW, state_bits=4, master_weight_bits=None), 1e-4),
     "norm2-log4-nomaster": (fusedopt.AdamW, dict(ADAMW, state_format="norm2-log4", master_weight_bits=None), 1e-4),
     "norm2-root4-nomaster": (fusedopt.AdamW, dict(ADAMW, state_format="norm2-root4", master_weight_bits=None), 1e-4),
-    # the peak lrs of format_quality's Adafactor sweep; weight decay per step equal to AdamW's
+    # the peak lrs of the Adafactor sweep of quality.py's formats study; weight decay per step equal to AdamW's
     "adafactor": (fusedopt.Adafactor, dict(weight_decay=1e-4 * 0.1 / 0.3), 0.3),
     "adafactor-nomaster": (fusedopt.Adafactor, dict(weight_decay=1e-4 * 0.1 / 0.3, master_weight_bits=None), 0.3),
     "adafactor-m4": (fusedopt.Adafactor, dict(weight_decay=1e-4 * 0.1 / 0.1, beta1=0.9, state_bits=4), 0.1),

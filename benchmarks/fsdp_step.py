@@ -36,9 +36,8 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from competitors import HPARAMS  # noqa: E402
-
 import fusedopt  # noqa: E402
+from fusedopt.profile.competitors import COMPETITORS, HPARAMS  # noqa: E402
 from fusedopt.profile.models import PRESETS, TinyLM  # noqa: E402
 
 GIB = 1 << 30
@@ -96,10 +95,8 @@ def build(name: str, args, device):
         fused = "fused" in name
         clip = 1.0 if name.endswith("clip") else None
         return model, fusedopt.AdamW(params, **HPARAMS, state_bits=bits, fused=fused, max_grad_norm=clip)
-    import flashoptim  # benchmark-only dependency (benchmarks/wheels)
-
-    optimizer = flashoptim.FlashAdamW(params, **HPARAMS)
-    model._release_handle = flashoptim.enable_gradient_release(model, optimizer)
+    # FlashOptim as the profiler builds it (its README's enable_gradient_release), a benchmark-only dependency
+    optimizer = COMPETITORS["flashoptim.FlashAdamW"].build(params, dict(HPARAMS), "cuda", release=True, model=model)
     return model, optimizer
 
 
@@ -148,7 +145,7 @@ def run_config(name: str, args, device, baseline: int | None) -> dict:
         sync(device)
         times.append((time.perf_counter() - start) * 1e3)
     losses = [float(x) for x in losses]
-    release = getattr(model, "_release_handle", None)
+    release = getattr(model, "_flashoptim_release", None)
     if release is not None:
         release.remove()
     del model, opt, release

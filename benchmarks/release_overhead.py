@@ -122,7 +122,8 @@ class UpdateTimer:
         self.queueing = 0  # queue_update calls in progress: an update_param inside one is the same update
         cls = fusedopt.optimizer.FusedOptimizer
         for name in ("update_param", "queue_update", "flush_updates"):
-            setattr(cls, name, self._timed(getattr(cls, name), name))
+            if hasattr(cls, name):  # another tree's optimizer (tree_ab.sh) may not have them all
+                setattr(cls, name, self._timed(getattr(cls, name), name))
 
     def _timed(self, original, name: str):
         def timed(optimizer, *args, **kwargs):

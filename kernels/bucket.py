@@ -37,7 +37,7 @@ from fusedopt.kernels.update import (
 from fusedopt.streams import on_default_stream
 
 ALIGN = 16  # bytes: the alignment the kernel's vector accesses assume for every member tensor
-# A bucketed update is slower per element than one launched alone (benchmarks/step_ab.py --kernels;
+# A bucketed update is slower per element than one launched alone (benchmarks/step_speed.py --kernels;
 # the cause is not pinned down, benchmarks/RESULTS.md). A bucket saves host time, a launch pair
 # per member, which only pays while the member's own GPU time is shorter: from 2**24 elements a
 # parameter launches alone.

@@ -2,7 +2,7 @@
 
 ``kernel[grid](...)`` binds and specialises every argument on every call: for our kernels'
 ~45 arguments that is most of the host time of a parameter's update, which is two launches
-(benchmarks/launch_overhead.py, figures in benchmarks/RESULTS.md). A
+(benchmarks/launch_overhead.py at commit 7d4d420, figures in benchmarks/RESULTS.md). A
 :class:`DirectLauncher` sends the first launch of each specialisation through Triton (which
 compiles or finds the binary) and later ones straight to the compiled kernel's launcher.
 

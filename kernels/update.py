@@ -50,8 +50,8 @@ from fusedopt.streams import on_default_stream
 KERNEL_IDS = {0: "AdamW", 1: "SGD", 2: "Lion"}
 # Elements per update program (a multiple of every quantisation block) and warps: 16 elements per
 # thread, so each thread's fixed work (hash row keys, scalars, scale handling) spreads over more
-# elements; chosen by A/B runs of benchmarks/step_ab.py against other tiles and warp counts
-# (benchmarks/RESULTS.md).
+# elements; chosen by A/B runs of benchmarks/step_ab.py --variants (at commit 7d4d420) against other
+# tiles and warp counts (benchmarks/RESULTS.md).
 BLOCK = 1024
 NUM_WARPS = 2
 MAX_REGISTERS = None  # per thread (Triton's maxnreg); None: the compiler's choice

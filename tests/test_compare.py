@@ -1,6 +1,8 @@
-"""The issue-6 comparison harness on CPU: competitor configurations in the profiler, the torch
-"optimizer in backward" pattern, and the benchmark scripts' pure logic (line-up, search,
-quality summary). None of this needs the competitor libraries installed."""
+"""The comparison with other libraries on CPU: competitor configurations in the profiler, the torch
+"optimizer in backward" pattern, the line-up (fusedopt/profile/competitors.py), and the benchmark
+harness's pure logic (benchmarks/harness.py: timing as ratios, the paired-seed quality runner and its
+report, fingerprints) and scripts (fit search, quality studies, step speed). None of this needs the
+competitor libraries installed."""
 
 import argparse
 import json
@@ -13,15 +15,24 @@ import torch
 import fusedopt
 import fusedopt.profile
 from fusedopt.profile import parse_config
-from fusedopt.profile.competitors import COMPETITORS, Competitor, torch_adamw_in_backward
+from fusedopt.profile.competitors import (
+    BY_KEY,
+    COMPETITORS,
+    HPARAMS,
+    LINEUP,
+    Competitor,
+    fusedopt_step_bytes,
+    torch_adamw_in_backward,
+)
 from fusedopt.profile.memory import state_storages, state_tensors
 from fusedopt.profile.models import UserError
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 import compare_fit  # noqa: E402
-import compare_quality  # noqa: E402
-import competitors  # noqa: E402
+import harness  # noqa: E402
+import quality  # noqa: E402
+import step_speed  # noqa: E402
 
 
 def test_competitor_configs_parse_with_loop_options():
@@ -131,21 +142,24 @@ def test_state_tensors_reach_the_tensors_of_holder_objects():
 
 
 def test_lineup_parses_and_parts_are_consistent():
-    assert len({e.key for e in competitors.LINEUP}) == len(competitors.LINEUP)
-    for entry in competitors.LINEUP:
+    assert len({e.key for e in LINEUP}) == len(LINEUP) == len(BY_KEY)
+    for entry in LINEUP:
         config = entry.optimizer_config()
         if entry.hparams is None:
-            assert config.kwargs["lr"] == competitors.HPARAMS["lr"]
+            assert config.kwargs["lr"] == HPARAMS["lr"]
         else:  # its own (Adafactor: torch's defaults), none of AdamW's
-            assert not set(competitors.HPARAMS) - set(entry.hparams) & set(config.kwargs)
-            with pytest.raises(SystemExit, match="its own hyperparameters"):
-                entry.optimizer_config(competitors.HPARAMS)
+            assert not set(HPARAMS) - set(entry.hparams) & set(config.kwargs)
+            with pytest.raises(UserError, match="its own hyperparameters"):
+                entry.optimizer_config(HPARAMS)
         assert entry.step_bytes is None or not config.release  # release configs have no separate step
-    for part, keys in competitors.PARTS.items():
-        assert set(keys) <= set(competitors.BY_KEY), part
-    assert competitors.BY_KEY["FO"].step_bytes == 12.25  # 2 grad + 4 param + 2 corr + 4 moments + 0.25 scales
-    with pytest.raises(SystemExit):
-        competitors.select("A,NOPE", "memory")
+    for part, keys in harness.PARTS.items():
+        assert keys is None or set(keys) <= set(BY_KEY), part
+        assert all(e.step_bytes is not None for e in harness.select(None, "step")) if part == "step" else True
+    assert [e.key for e in harness.select(None, "memory")] == list(BY_KEY)
+    assert BY_KEY["FO"].step_bytes == fusedopt_step_bytes(8, 24) == 12.25  # 2 grad + 4 param + 2 corr + 4 + 0.25
+    assert fusedopt_step_bytes(4, None) == 2 + 4 + 2 + 0.25
+    with pytest.raises(SystemExit, match="unknown line-up key 'NOPE'"):
+        harness.select("A,NOPE", "memory")
 
 
 @pytest.mark.parametrize("limit", [0, 1, 7, 40, 97, 300])
@@ -163,7 +177,7 @@ def test_fit_search_finds_the_largest_depth(limit):
 @pytest.mark.parametrize("key", ["AFR", "AFM8R", "AFM4R", "AFNR"])
 def test_adafactor_entries_build_the_configuration_they_name(key):
     param = torch.nn.Parameter(torch.zeros(64, 32, dtype=torch.bfloat16))
-    opt = competitors.BY_KEY[key].optimizer_config().build([param], model=torch.nn.Linear(1, 1))
+    opt = BY_KEY[key].optimizer_config().build([param], model=torch.nn.Linear(1, 1))
     group = opt.param_groups[0]
     expected = {"AFR": (None, 8, 24), "AFM8R": (0.9, 8, 24), "AFM4R": (0.9, 4, 24), "AFNR": (None, 8, None)}
     assert isinstance(opt, fusedopt.Adafactor) and opt.fused
@@ -182,45 +196,72 @@ def test_fit_reports_peak_and_step_time_and_searches_other_widths():
     assert compare_fit._cell(fits, gib) == "32 layers, 6.74B (peak 21.00 GiB, 812 ms/step)"
     assert compare_fit._cell({"layers": 0, "params": 0}, gib) == "not even 1 layer"
     # the planner's guess for the 7B width: 3 bytes per parameter (bf16 + 8-bit correction, no moment)
-    config = competitors.BY_KEY["AFR"].optimizer_config()
+    config = BY_KEY["AFR"].optimizer_config()
     guess = compare_fit.predicted_layers(config, 24 * gib, None, gib, "7b")
     per_layer = compare_fit.family(2, None, "7b").num_params() - compare_fit.family(1, None, "7b").num_params()
     assert guess == int((23 * gib - 3 * (compare_fit.family(1, None, "7b").num_params() - per_layer)) / (3 * per_layer))
     assert 32 < guess < 40
 
 
-def test_format_quality_keys_take_their_own_peak_lr_and_pair_with_more_references():
-    import format_quality as fq
+def _runs(losses: dict, **extra) -> list[dict]:
+    return [
+        {"key": k, "seed": s, "label": k, "final_eval": v, **extra}
+        for k, vs in losses.items()
+        for s, v in enumerate(vs)
+    ]
 
-    assert fq.config_of("fp32", 3e-3)[3] == 3e-3
-    assert fq.config_of("adafactor", 3e-3)[3] == fq.PEAK_LR["adafactor"]
-    assert fq.config_of("adafactor-m4@0.05", 3e-3)[3] == 0.05
+
+def test_quality_keys_take_their_own_peak_lr_and_pair_with_more_references():
+    assert quality.config_of("fp32", 3e-3)[2] == 3e-3
+    assert quality.config_of("adafactor", 3e-3)[2] == quality.PEAK_LR["adafactor"]
+    assert quality.config_of("adafactor-m4@0.05", 3e-3)[2] == 0.05
+    assert quality.config_of("FO@0.01", 3e-3)[1].kwargs["lr"] == 0.01  # a line-up key, its hyperparameters
     for bad, message in (
         ("nope", "unknown configuration"),
         ("adafactor@x", "must be a number"),
         ("fp32@-1", "positive"),
     ):
         with pytest.raises(ValueError, match=message):
-            fq.config_of(bad, 3e-3)
+            quality.config_of(bad, 3e-3)
     # the decoupled weight decay per step, lr * weight_decay, is the AdamW configurations'
     param = torch.nn.Parameter(torch.zeros(8, 8, dtype=torch.bfloat16))
-    group = fq.CONFIGS["adafactor"][1]([param], 0.3).param_groups[0]
-    assert group["lr"] * group["weight_decay"] == pytest.approx(fq.GPU["lr"] * fq.HPARAMS["weight_decay"])
-    losses = {"fp32": [1.0, 2.0], "default": [1.1, 2.2], "adafactor-fp32": [1.2, 2.0], "adafactor-m4": [1.32, 2.1]}
-    losses["adafactor-m32"] = [1.1, 2.1]
-    runs = [{"key": k, "seed": s, "label": k, "final_eval": v} for k, vs in losses.items() for s, v in enumerate(vs)]
-    also = fq.also_against(runs, [0, 1])
+    group = quality.config_of("adafactor@0.3", 3e-3)[1].build([param]).param_groups[0]
+    formats = quality.STUDIES["formats"]["gpu"]
+    assert group["lr"] * group["weight_decay"] == pytest.approx(formats["lr"] * quality.ADAMW["weight_decay"])
+    assert "betas" not in group  # torch.optim.Adafactor's arguments, not AdamW's
+    runs = _runs({"fp32": [1.0, 2.0], "default": [1.1, 2.2], "adafactor-fp32": [1.2, 2.0], "adafactor-m4": [1.32, 2.1]})
+    runs += _runs({"adafactor-m32": [1.1, 2.1]})
+    also = quality.also_against(runs, [0, 1])
     assert set(also) == {"default", "adafactor-fp32", "adafactor-m32"}
     assert [r["key"] for r in also["adafactor-fp32"]] == ["adafactor-m4", "adafactor-m32"]
     assert also["adafactor-fp32"][0]["diff_pct"] == pytest.approx([10.0, 5.0])
     assert [r["key"] for r in also["adafactor-m32"]] == ["adafactor-m4"]  # compressed momentum against fp32's
     assert [r["key"] for r in also["default"]] == ["adafactor-fp32", "adafactor-m4", "adafactor-m32"]
-    assert "paired against adafactor-fp32" in fq.report(fq.summarise(runs, [0, 1]), {"lr": 3e-3}, also)
+    text = quality.report(runs, {"lr": 3e-3}, "fp32", [0, 1])
+    assert "paired against adafactor-fp32" in text and "own peak lr (the others: 0.003)" in text
 
 
-def test_format_quality_reports_the_held_out_samples_part_of_a_paired_difference():
-    import format_quality as fq
+def test_every_quality_configuration_builds_what_it_names():
+    """The quality keys are profiler configurations: each builds (on bf16 parameters) with the
+    study's hyperparameters, and the clipping keys clip as they say."""
+    for key in quality.CONFIGS:
+        if key == "turboadam":
+            continue  # another library: not installed here
+        label, config, lr = quality.config_of(key, 1e-3)
+        param = torch.nn.Parameter(torch.zeros(32, 16, dtype=torch.bfloat16))
+        opt = config.build([param], model=torch.nn.Linear(1, 1), device_type="cpu")
+        group = opt.param_groups[0]
+        assert group["lr"] == lr and label
+        if key in ("exact", "none", *quality.CLIP_METHODS):
+            assert opt.fused == (key != "exact") and opt.max_grad_norm == (None if key == "none" else 1.0)
+            assert key not in quality.CLIP_METHODS or opt.release_clipping == key
+        if hasattr(opt, "remove_hooks"):
+            opt.remove_hooks()
+    assert quality.config_of("default~", 1e-3)[1].kwargs["seed"] == 1  # the control: other rounding draws
+    assert quality.config_of("bf16-rtn", 1e-3)[1].optimizer == "torch.AdamW"
 
+
+def test_paired_differences_per_seed_and_the_held_out_samples_part():
     gen = torch.Generator().manual_seed(0)
     ref = torch.rand(400, generator=gen) + 1.0
     noise = torch.randn(400, generator=gen) * 0.02
@@ -235,58 +276,79 @@ def test_format_quality_reports_the_held_out_samples_part_of_a_paired_difference
         },
         {"key": "B", "seed": 0, "label": "B", "final_eval": 1.5},  # no windows: no figure rather than a wrong one
     ]
-    rows = {r["key"]: r for r in fq.summarise(runs, [0])}
+    rows = {r["key"]: r for r in harness.paired(runs, "fp32", [0])}
     expected = 100 * float(noise.std()) / 20 / float(ref.mean())
     assert rows["A"]["eval_se_pct"] == pytest.approx(expected, rel=1e-5)
     assert "eval_se_pct" not in rows["B"] and "eval_se_pct" not in rows["fp32"]
     # a constant shift of every window is a real difference, not sampling noise
-    assert fq._eval_error((ref + 0.1).tolist(), ref.tolist()) == pytest.approx(0.0, abs=1e-5)
-    assert fq._eval_error([1.0], [1.0]) is None and fq._eval_error([1.0, 2.0], [1.0]) is None
-    assert "held-out sample's part" in fq.report(list(rows.values()), {"lr": 3e-3, "eval_seqs": 400})
+    assert harness._eval_error((ref + 0.1).tolist(), ref.tolist()) == pytest.approx(0.0, abs=1e-5)
+    assert harness._eval_error([1.0], [1.0]) is None and harness._eval_error([1.0, 2.0], [1.0]) is None
+    assert "held-out sample's part" in quality.report(runs, {"lr": 3e-3, "eval_seqs": 400}, "fp32", [0])
 
 
-def test_format_frontier_takes_measured_peaks_and_predicts_the_rest(tmp_path):
-    import format_frontier as ff
-
-    losses = {"fp32": [1.0, 2.0], "default": [1.01, 2.0], "block4": [1.02, 2.04], "rot4-log4": [1.0, 2.02]}
-    losses["mystery"] = [1.0, 2.0]  # neither measured nor predictable: left out
-    runs = [{"key": k, "seed": s, "label": k, "final_eval": v} for k, vs in losses.items() for s, v in enumerate(vs)]
-    memory = tmp_path / "memory.json"
-    rows = {"FOR": {"ok": True, "peak": 6 << 30}, "FO4R": {"ok": True, "peak": 5 << 30}, "A": {"ok": False}}
-    memory.write_text(json.dumps({"rows": rows}))
-    pts = {p["key"]: p for p in ff.points({"runs": runs}, ff.measured_peaks([str(memory)]))}
-    assert set(pts) == {"default", "block4", "rot4-log4"}  # fp32's run (A) failed: no peak, no point
-    assert pts["block4"]["peak_gib"] == 5 and pts["block4"]["peak_from"] == "measured"
-    assert pts["block4"]["diff_pct"] == pytest.approx((100 * 0.01 / 1.01 + 2.0) / 2)
-    assert pts["block4"]["low"] == pytest.approx(100 * 0.01 / 1.01) and pts["block4"]["high"] == pytest.approx(2.0)
-    assert pts["default"]["diff_pct"] == 0 and pts["default"]["peak_gib"] == 6
-    assert pts["rot4-log4"]["peak_from"] == "predicted" and 3 < pts["rot4-log4"]["peak_gib"] < 6
-    assert "(predicted)" in ff.table(list(pts.values()))
+def test_paired_summary_verdicts_gaps_and_seed_counts():
+    runs = _runs({"A": [1.00, 1.02], "FO": [1.015, 1.03], "B": [1.05]})
+    rows = {r["key"]: r for r in harness.paired(runs, "A")}
+    assert rows["A"]["verdict"] == "reference" and rows["A"]["seeds"] == [0, 1]
+    assert rows["FO"]["diff"] == pytest.approx([0.015, 0.01])
+    assert rows["FO"]["diff_pct"] == pytest.approx([1.5, 100 * 0.01 / 1.02])
+    assert rows["FO"]["verdict"] == "worse on every seed" and rows["FO"]["t"] > 0
+    assert rows["FO"]["gap_pct"] == pytest.approx(100 * (1.0225 - 1.01) / 1.01)  # what unpaired means see
+    assert rows["B"]["verdict"] == "one seed" and rows["B"]["diff_pct"] == pytest.approx([5.0])
+    assert rows["B"]["gap_pct"] == pytest.approx(100 * 0.04 / 1.01)
+    runs += _runs({"C": [0.9, float("nan")]})
+    assert {r["key"]: r for r in harness.paired(runs, "A")}["C"]["verdict"] == "not finite"
+    table = harness.paired_table(list(rows.values()), "A", "abs")
+    assert "| FO | FO | 2 | 1.0225 | +0.0150 +0.0100 |" in table and "| A | A | 2 | 1.0100 | - | - | - |" in table
 
 
-def test_quality_summary_gap_and_spread():
-    runs = {
-        "A/0": {"key": "A", "seed": 0, "ok": True, "final_eval": 1.00},
-        "A/1": {"key": "A", "seed": 1, "ok": True, "final_eval": 1.02},
-        "FO/0": {"key": "FO", "seed": 0, "ok": True, "final_eval": 1.015},
-        "B/0": {"key": "B", "seed": 0, "ok": True, "final_eval": 1.05},
-    }
-    s = compare_quality.summary({"runs": runs})
-    assert s["A"]["mean"] == pytest.approx(1.01) and s["A"]["std"] is not None
-    assert s["FO"]["gap"] == pytest.approx(0.005) and s["FO"]["within_ref_spread"]
-    assert s["B"]["gap_pct"] == pytest.approx(100 * 0.04 / 1.01) and not s["B"]["within_ref_spread"]
+def test_recovery_after_spikes_is_against_the_same_configuration_without_them():
+    calm = [0.5] * 120
+    spiky = list(calm)
+    spiky[11:61] = [0.7] * 50  # 50 steps after the spike at step 10: +0.2 each
+    runs = [
+        {"key": "exact", "seed": 0, "label": "exact", "final_eval": 1.0, "train_loss": calm, "spiky": False},
+        {
+            "key": "exact",
+            "seed": 0,
+            "label": "exact",
+            "final_eval": 1.1,
+            "spiky": True,
+            "spikes": [10],
+            "train_loss": spiky,
+        },
+    ]
+    (quiet,) = harness.paired(runs, "exact", spiky=False)
+    (loud,) = harness.paired(runs, "exact", spiky=True)
+    assert "recovery" not in quiet and loud["recovery"] == pytest.approx(0.2)
+    assert loud["loss"] == [1.1]  # each condition pairs with the reference of the same condition
+    # the same spikes for every configuration of a seed, after warm-up, early enough to measure recovery
+    steps = harness.spike_steps(3, 800, 50)
+    assert steps == harness.spike_steps(3, 800, 50) and len(steps) == 8
+    assert all(50 <= t < 800 - harness.RECOVERY for t in steps)
+    # the results files of clipping_quality.py name the key "config" and mark spikes by their steps only
+    old = quality.normalised([{"config": "scaled", "seed": 0, "spikes": [5], "final_eval": 1.0}])
+    assert old[0]["key"] == "scaled" and old[0]["spiky"] and old[0]["label"] == "scaled"
 
 
-def test_frontier_gives_release_configs_the_loss_of_their_plain_twin():
-    import compare_report
-
-    memory = {"rows": {k: {"ok": True, "peak": p} for k, p in {"A": 16, "G": 6, "FOR": 5, "FO": 7}.items()}}
-    runs = {f"{k}/0": {"key": k, "seed": 0, "ok": True, "final_eval": x} for k, x in {"A": 1.0, "F": 1.01}.items()}
-    runs["FO/0"] = {"key": "FO", "seed": 0, "ok": True, "final_eval": 1.005}
-    points = compare_report.frontier_points(memory, {"runs": runs})
-    assert points == {"A": (16, 1.0), "G": (6, 1.01), "FOR": (5, 1.005), "FO": (7, 1.005)}
-    lines = compare_report.check_targets(memory, {"runs": runs}, None)
-    assert any(line.startswith("frontier: G") and "dominated by FOR" in line for line in lines)
+def test_quality_runs_resume_and_refuse_other_settings(tmp_path, capsys):
+    out = str(tmp_path / "q.json")
+    argv = ["--study", "clipping", "--only", "none", "--seeds", "0", "--spikes", "no", "--device", "cpu"]
+    argv += ["--shape", "vocab=256,d_model=16,layers=1,heads=2,kv_heads=2,ffn=32", "--steps", "3", "--warmup", "1"]
+    argv += ["--batch", "2", "--seq", "8", "--eval-seqs", "4", "--corpus-limit", "200000", "--out", out]
+    assert quality.main(argv) == 0
+    data = json.load(open(out))
+    assert sorted((r["key"], r["seed"], r["spiky"]) for r in data["runs"]) == [("exact", 0, False), ("none", 0, False)]
+    assert data["settings"] == json.loads(json.dumps(data["settings"]))  # compares equal after the round trip
+    assert all(len(r["train_loss"]) == 3 and len(r["eval_windows"]) == 4 for r in data["runs"])
+    assert len(data["runs"][0]["grad_norm"]) == 3  # exact clips: the global norm of every step
+    capsys.readouterr()
+    assert quality.main(argv) == 0  # resumed: nothing left to train
+    assert "held-out" not in capsys.readouterr().out.split("settings:")[0]
+    assert len(json.load(open(out))["runs"]) == 2
+    assert quality.main([*argv, "--lr", "1e-2"]) == 2  # other settings: refused, not mixed
+    assert quality.main(["--study", "clipping", "--report-only", "--out", out]) == 0
+    assert "| none | fused=True, no clipping | 1 |" in capsys.readouterr().out
 
 
 def test_fit_search_stops_when_a_failed_trial_keeps_its_memory():
@@ -305,7 +367,7 @@ def test_a_trial_in_its_own_process_measures_what_it_measures_in_this_one():
         device="cpu", shape=shape, seq_len=8, steps=1, max_trials=4, activations_gib=0.0, resolution=None,
         process_per_trial="release", budgets_mib="4", budgets=None, _baseline=0, base="1b",
     )  # fmt: skip
-    entry = competitors.BY_KEY["FOR"]
+    entry = BY_KEY["FOR"]
     budget = 4 * compare_fit.MIB
     compare_fit._cap_memory(args, budget, "cpu")
     here = compare_fit.trial(entry, 3, args, "cpu")
@@ -326,16 +388,6 @@ def test_fit_results_of_two_gpus_merge_budget_by_budget():
     assert merged["H"] == {"key": "H", "label": "h", "ok": False, "error": "not started"}
 
 
-def test_quality_settings_compare_equal_after_the_results_file_round_trip():
-    import compare_quality
-
-    args = argparse.Namespace(steps=20, warmup=2, lr=1e-3, shape="d_model=32", batch=2, seq=8, eval_seqs=4)
-    shape = compare_quality.parse_shape("d_model=32", compare_quality.PRESETS["tiny"])
-    settings = compare_quality.run_settings(args, shape, torch.zeros(100), torch.zeros(10), "digest")
-    assert isinstance(settings["hparams"]["betas"], list)  # HPARAMS holds a tuple
-    assert json.loads(json.dumps(settings)) == settings
-
-
 def test_fit_redo_searches_measured_budgets_again():
     row = {"budgets": {"24": {"layers": 32}}}
     assert compare_fit.budgets_to_measure(row, [24, 80], redo=False) == [80]
@@ -343,13 +395,59 @@ def test_fit_redo_searches_measured_budgets_again():
     assert compare_fit.budgets_to_measure({}, [24], redo=False) == [24]
 
 
-def test_every_kernel_ablation_variant_applies_to_the_current_kernels(tmp_path):
-    import kernel_ablation
+def test_interleaved_rounds_and_ratios_in_the_same_round():
+    assert harness.round_order(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert harness.round_order(["a", "b", "c"], 1) == ["c", "b", "a"]  # drift hits all alike
+    assert harness.round_order(["a", "b", "c"], 1, "rotate") == ["b", "c", "a"]
+    calls = []
+    times = harness.interleave({n: (lambda n=n: calls.append(n)) for n in "ab"}, 2, 3, "cpu")
+    assert calls == ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3 and all(len(t) == 2 for t in times.values())
+    summary = harness.ratios({"base": [2.0, 4.0, 3.0], "x": [1.0, 4.0, 6.0]}, "base")
+    assert summary["x"]["ratios"] == [0.5, 1.0, 2.0] and summary["x"]["ratio"] == 1.0  # per round, then median
+    assert (summary["x"]["min"], summary["x"]["max"], summary["x"]["ms"]) == (0.5, 2.0, 4.0)
+    assert summary["base"]["ratio"] == 1.0
 
-    sys.path.insert(0, str(tmp_path))
-    try:
-        for name in ["base", *kernel_ablation.EDITS]:
-            variant = kernel_ablation.build_variant(str(tmp_path), name)
-            assert hasattr(variant, "_update_kernel") and hasattr(variant, "_check_kernel"), name
-    finally:
-        sys.path.remove(str(tmp_path))
+
+def test_step_speed_times_every_configuration_against_the_baseline(tmp_path):
+    out = tmp_path / "step.json"
+    argv = ["--device", "cpu", "--shape", "32x64", "--tensors", "2", "--rounds", "2", "--reps", "1"]
+    argv += ["--configs", "fusedopt:state_bits=4,master_weight_bits=None", "--lineup", "B", "--out", str(out)]
+    assert step_speed.main(argv) == 0
+    results = json.load(open(out))["results"]
+    assert list(results)[0] == "torch.AdamW(fused=True)" and results["torch.AdamW(fused=True)"]["ratio"] == 1.0
+    assert set(results) >= {"fusedopt.AdamW", "torch AdamW fused, pure bf16 (bf16 state) [B]"}
+    assert all(len(r["ratios"]) == 2 for r in results.values())
+    assert results["fusedopt.AdamW(state_bits=4, master_weight_bits=None)"]["bytes_per_element"] == 8.25
+    assert results["fusedopt.AdamW"]["bytes_per_element"] == 12.25
+    with pytest.raises(SystemExit, match="no optimizer step"):
+        step_speed.main(["--device", "cpu", "--shape", "8x8", "--tensors", "1", "--lineup", "FOR"])
+    assert step_speed.layer_shapes(1, True)[0] == (32000, 2048) and len(step_speed.layer_shapes(4, False)) == 37
+
+
+def test_fingerprints_compare_two_trees_bit_for_bit():
+    grid = {
+        key: (name, options)
+        for key, name, options, _, _ in harness.fingerprint_grid(("adamw", "adafactor"), ("block8", "norm2-root4"))
+    }
+    assert "adamw bits=8 master=24 bfloat16 fused=True" in grid  # the keys of the first bits files
+    assert "adamw format=block8 master=24 bfloat16 fused=False" not in grid  # state_bits=8 covers it
+    assert "adafactor format=block8 master=None bfloat16 fused=True" in grid
+    assert "adamw format=norm2-root4 master=None bfloat16 fused=True" in grid
+    assert not any("float32" in k and "master=None" in k for k in grid)  # fp32 parameters: no correction
+    one = harness.fingerprint(
+        "adamw", dict(state_format="norm2-root4", master_weight_bits=24), torch.bfloat16, False, "cpu"
+    )
+    assert one == harness.fingerprint(
+        "adamw", dict(state_format="norm2-root4", master_weight_bits=24), torch.bfloat16, True, "cpu"
+    )
+    assert one != harness.fingerprint("adamw", dict(state_bits=8, master_weight_bits=24), torch.bfloat16, False, "cpu")
+    a = {"x": "1", "y": "2", "z": "refused: ValueError", "old": "3", "w": "4"}
+    b = {"x": "1", "y": "9", "z": "refused: ValueError", "w": "refused: ValueError"}
+    verdict = harness.same_bits(a, b)
+    assert verdict == {
+        "identical": ["x"],
+        "differ": ["y"],
+        "refused in both": ["z"],
+        "refused in one": ["w"],
+        "in one only": ["old"],
+    }

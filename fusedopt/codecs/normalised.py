@@ -32,7 +32,7 @@ decay cannot be kept exact on a scale. Each step's
 rounding noise stays in ``m`` with weight ``b1**k``, about ``1 / (1 - b1**2)`` steps' worth; with 4
 levels spanning the block's absmax that noise is larger than ``m`` itself, and clipping the
 half-range at 1.2 rms (gaps of 0.8 rms) was the best trade of clipping bias against rounding noise
-of the spacings measured (``benchmarks/norm_spacing.py``, benchmarks/RESULTS.md).
+of the spacings measured (``benchmarks/norm_spacing.py`` at commit 7d4d420, benchmarks/RESULTS.md).
 
 Bytes per element: ``bits / 8 + 2 / 64``: 0.281 (norm2, 2.25 bits), 0.531 (norm4).
 

@@ -119,7 +119,7 @@ def _plan_parser() -> argparse.ArgumentParser:
         description="Which optimizer configurations fit in a GPU's memory, and which fusedopt AdamW "
         "configuration to use: the first that fits from the default format down, in order of preference (the "
         "8-bit formats, then norm2-root4, then 4-bit blocks; quality: held-out loss against fp32 AdamW from "
-        "benchmarks/format_quality.py). "
+        "benchmarks/quality.py). "
         "Per-parameter bytes come from a profiler measurement (--results), else from the optimizer's state "
         "layout, else from fusedopt's byte model (the stored bytes of each state format); activations are "
         "estimated from the model shape at --batch x --seq-len (a Hugging Face config's, when Llama-style).",

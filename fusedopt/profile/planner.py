@@ -216,7 +216,7 @@ def activation_estimate(
 
 
 # Quality of fusedopt AdamW's formats on bf16 parameters, (state format, master_weight_bits) -> held-out
-# loss against fp32 AdamW, mean over paired seeds (benchmarks/format_quality.py, lr 1.5e-3 on the H200:
+# loss against fp32 AdamW, mean over paired seeds (benchmarks/quality.py, lr 1.5e-3 on the H200:
 # benchmarks/RESULTS.md, "Training quality"). The state format is a state_bits value or a
 # state_format name (see format_of); a format missing here was not measured on that benchmark.
 QUALITY = {
@@ -230,7 +230,7 @@ QUALITY = {
     (4, None): "+0.48% (sd 0.48, 6 seeds)",
 }
 NOT_MEASURED = "not measured"
-QUALITY_SOURCE = "quality: held-out loss against fp32 AdamW, mean over paired seeds, benchmarks/format_quality.py"
+QUALITY_SOURCE = "quality: held-out loss against fp32 AdamW, mean over paired seeds, benchmarks/quality.py"
 # Candidate formats, (state format, master_weight_bits), in order of preference: more state bits, then more
 # master bits (32, 24, no correction); below the default's formats the paired norm2-root4, which stores both
 # moments in less memory than block4 and measured better, then block4. (norm2-log4 is not a candidate:

@@ -8,6 +8,7 @@
 #   FAST_TIMEOUT  seconds the fast tier may take (default 330)
 #   BUDGET        seconds for the whole script, install included (default 560: a 600 s call, less a
 #                 margin); the long tier gets what is left of it
+#   SKIP_INSTALL  set: the package is installed already (benchmarks/run_h200_session.sh)
 # A tier that runs out of time is interrupted (SIGINT): pytest still writes what passed and where it stopped.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -17,7 +18,7 @@ export PYTHONUNBUFFERED=1  # output written before an interruption is kept
 BUDGET=${BUDGET:-560}
 paths=("${@:-tests/gpu}")
 
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 \
+[ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 \
   || { cat "$OUT/install.log"; exit 1; }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee "$OUT/gpu.txt"
 # without a visible GPU every test would skip, and the tiers would pass
