@@ -303,7 +303,7 @@ def report(runs: list[dict], settings: dict, reference: str, seeds: list[int] | 
             )
         worse = [r for r in rows if r["key"] in KNOWN_WORSE]
         if worse:
-            seen = [r for r in worse if r.get("verdict") == "worse on every seed"]
+            seen = [r for r in worse if r["diff_pct"] and min(r["diff_pct"]) > 0]  # worse on every seed run
             beyond = [r["key"] for r in seen if trajectory is None or r["mean_pct"] > 2 * trajectory]
             seen = [r["key"] for r in seen]
             lines.append(
