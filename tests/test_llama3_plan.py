@@ -18,6 +18,7 @@ import torch
 import fusedopt
 from fusedopt.dispatch import bucket_budget
 from fusedopt.profile import ModelSpec, UserError, main, parse_config, plan, recommend, run_profile
+from fusedopt.profile import models as profile_models
 from fusedopt.profile.models import PRESETS, TinyLM, hf_model_shape, load_hf_config, parse_shape
 from fusedopt.profile.planner import GIB, activation_estimate, loss_head_bytes
 
@@ -239,7 +240,7 @@ def test_the_run_command_takes_the_chunked_loss_and_the_llama3_preset(tmp_path, 
     assert "8,030,261,248 parameters need about" in capsys.readouterr().err
 
 
-def test_hf_llama_with_the_chunked_loss_is_the_models_own_loss(tmp_path):
+def test_hf_llama_with_the_chunked_loss_is_the_models_own_loss(tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=503,
@@ -257,7 +258,11 @@ def test_hf_llama_with_the_chunked_loss_is_the_models_own_loss(tmp_path):
     ids = torch.randint(0, 503, (2, 21), generator=torch.Generator().manual_seed(1))
     labels = ids.clone()
     labels[0, :4] = -100
+    calls = []
+    original = profile_models.chunked_cross_entropy
+    monkeypatch.setattr(profile_models, "chunked_cross_entropy", lambda *a, **k: calls.append(k) or original(*a, **k))
     chunked = wrapper(ids, labels)
+    assert calls == [dict(chunk_size=7)]  # the wrapper's loss is the chunked one
     own = wrapper.model(input_ids=ids, labels=labels).loss
     torch.testing.assert_close(chunked, own, rtol=1e-5, atol=0)
     chunked.backward()
