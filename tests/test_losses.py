@@ -1,8 +1,9 @@
 """fusedopt.chunked_cross_entropy: the cross-entropy of an LM head's logits, a chunk of tokens at a time.
 
 It must equal ``F.cross_entropy((hidden @ W.T).float(), labels, ignore_index=...)`` in value and in both
-gradients (random inputs, sizes that chunks do not divide, every parameter dtype), never hold a
-``[tokens, vocab]`` tensor, hold the loss-head bytes the planner assumes, and work under gradient release.
+gradients (random inputs, sizes that chunks do not divide, every parameter dtype; on the GPU where there
+is one), never hold a ``[tokens, vocab]`` tensor, hold the loss-head bytes the planner assumes (CPU
+allocator), and work under gradient release.
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ GRAD_RTOL = {
 LOSS_RTOL = 1e-5
 
 
-def _inputs(tokens: int, vocab: int, size: int, dtype: torch.dtype, seed: int, ignored: float = 0.2):
+def _inputs(tokens: int, vocab: int, size: int, dtype: torch.dtype, seed: int, ignored: float = 0.2, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(tokens, size, generator=gen).to(dtype).requires_grad_()
-    weight = (torch.randn(vocab, size, generator=gen) * size**-0.5 * 3).to(dtype).requires_grad_()
+    hidden = torch.randn(tokens, size, generator=gen).to(device, dtype).requires_grad_()
+    weight = (torch.randn(vocab, size, generator=gen) * size**-0.5 * 3).to(device, dtype).requires_grad_()
     labels = torch.randint(0, vocab, (tokens,), generator=gen)
     labels[torch.rand(tokens, generator=gen) < ignored] = -100
-    return hidden, weight, labels
+    return hidden, weight, labels.to(device)
 
 
 def _loss_and_grads(fn, hidden, weight):
@@ -64,8 +65,8 @@ def _assert_grad_close(actual, expected, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("chunk", [1, 50, 203, 1000])  # one token; 4 chunks and a remainder; one chunk; larger
-def test_equals_the_cross_entropy_of_the_full_logits(dtype, reduction, chunk):
-    hidden, weight, labels = _inputs(203, 517, 37, dtype, seed=chunk)
+def test_equals_the_cross_entropy_of_the_full_logits(dtype, reduction, chunk, device):
+    hidden, weight, labels = _inputs(203, 517, 37, dtype, seed=chunk, device=device)
     assert (labels == -100).any() and (labels != -100).any()
     expected = _reference(hidden, weight, labels, reduction=reduction)
     fn = lambda: fusedopt.chunked_cross_entropy(hidden, weight, labels, chunk_size=chunk, reduction=reduction)
@@ -77,14 +78,15 @@ def test_equals_the_cross_entropy_of_the_full_logits(dtype, reduction, chunk):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-def test_batched_shifted_inputs_and_another_ignore_index(dtype):
-    """[batch, seq, hidden] with the next-token shift (a non-contiguous view), default chunk, ignore_index=-1."""
+def test_batched_shifted_inputs_and_another_ignore_index(dtype, device):
+    """[batch, seq, hidden] with the next-token shift (a non-contiguous view), chunk 10, ignore_index=-1."""
     gen = torch.Generator().manual_seed(7)
-    states = torch.randn(3, 29, 24, generator=gen).to(dtype).requires_grad_()
-    weight = (torch.randn(301, 24, generator=gen) * 0.4).to(dtype).requires_grad_()
+    states = torch.randn(3, 29, 24, generator=gen).to(device, dtype).requires_grad_()
+    weight = (torch.randn(301, 24, generator=gen) * 0.4).to(device, dtype).requires_grad_()
     labels = torch.randint(0, 301, (3, 29), generator=gen)
     labels[0, :5] = -1
     labels[2, -3:] = -1
+    labels = labels.to(device)
 
     def chunked():
         return fusedopt.chunked_cross_entropy(states[:, :-1], weight, labels[:, 1:], chunk_size=10, ignore_index=-1)
@@ -101,9 +103,9 @@ def test_batched_shifted_inputs_and_another_ignore_index(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-def test_every_label_ignored_gives_what_torch_gives(dtype):
+def test_every_label_ignored_gives_what_torch_gives(dtype, device):
     """Mean over no target is 0/0: nan, as torch returns, with zero gradients; the sum is 0."""
-    hidden, weight, labels = _inputs(33, 65, 9, dtype, seed=3, ignored=1.0)
+    hidden, weight, labels = _inputs(33, 65, 9, dtype, seed=3, ignored=1.0, device=device)
     assert (labels == -100).all()
     for reduction in ("mean", "sum"):
         expected = _reference(hidden, weight, labels, reduction=reduction)
@@ -115,10 +117,10 @@ def test_every_label_ignored_gives_what_torch_gives(dtype):
         assert torch.equal(grad_weight, expected[2]) and not grad_weight.any()
 
 
-def test_under_autocast_equals_the_linear_layer_under_autocast():
+def test_under_autocast_equals_the_linear_layer_under_autocast(device):
     """fp32 inputs under bf16 autocast: the logits in bf16, as F.linear computes them there; fp32 gradients."""
-    hidden, weight, labels = _inputs(97, 211, 19, torch.float32, seed=5)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    hidden, weight, labels = _inputs(97, 211, 19, torch.float32, seed=5, device=device)
+    with torch.autocast(device, dtype=torch.bfloat16):
         expected = _loss_and_grads(lambda: F.cross_entropy(F.linear(hidden, weight).float(), labels), hidden, weight)
         actual = _loss_and_grads(
             lambda: fusedopt.chunked_cross_entropy(hidden, weight, labels, chunk_size=16), hidden, weight
