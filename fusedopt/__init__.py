@@ -1,12 +1,14 @@
 """fusedopt: memory-lean drop-in torch.optim optimizers.
 
 Compressed optimizer state, master-weight splitting, one fused Triton kernel per parameter
-and gradient release during backward. ``fusedopt.kernels`` is internal.
+and gradient release during backward; ``chunked_cross_entropy``, an LM loss that never builds the
+full logits. ``fusedopt.kernels`` is internal.
 """
 
 from .adafactor import Adafactor
 from .adamw import AdamW
 from .lion import Lion
+from .losses import chunked_cross_entropy
 from .optimizer import FusedOptimizer
 from .sgd import SGD
 from .weights import load_master_state_dict, master_state_dict
@@ -17,6 +19,7 @@ __all__ = [
     "SGD",
     "Lion",
     "Adafactor",
+    "chunked_cross_entropy",
     "FusedOptimizer",
     "master_state_dict",
     "load_master_state_dict",

@@ -484,7 +484,10 @@ def test_plan_from_byte_model_and_layout(capsys):
     assert torch_row.activation_source.startswith("estimate for the 7b preset") and torch_row.activations > 0
     assert torch_row.fits is False
     assert fo_row.per_param.grads_at_peak == 0 and fo_row.per_param.persistent < torch_row.per_param.persistent
-    assert fo_row.grads == bucket_budget()  # release may hold that much to launch updates in buckets
+    # release may hold the bucket budget to launch updates in buckets, plus the gradient that reaches it,
+    # which exists whole before its hook frees it: at most the largest parameter's (the 7b preset's
+    # embedding and LM head, 32000 x 4096, in bf16)
+    assert fo_row.grads == bucket_budget() + 2 * 32000 * 4096
     assert main(["plan", "--model", "1b", "--gpu-memory", "16", "--config", "torch", "--config", "fusedopt"]) == 0
     text = capsys.readouterr().out
     assert "1,100,048,384 parameters" in text and "fits" in text and "GiB, estimate" in text
@@ -494,10 +497,11 @@ def test_plan_counts_what_release_holds(monkeypatch):
     configs = ["fusedopt.AdamW:fused=True", "fusedopt.AdamW:fused=True,accumulation_steps=4", "fusedopt.AdamW"]
     monkeypatch.setenv("FUSEDOPT_BUCKET_MB", "64")
     held, accumulating, unfused = plan(7_000_000_000, 24.0, configs, dtype="bf16")
-    assert held.grads == 64 * 2**20
+    largest = 2 * 32000 * 4096  # the 7b preset's largest gradient (embedding, LM head), bf16
+    assert held.grads == 64 * 2**20 + largest
     assert accumulating.grads == unfused.grads == 2 * 7_000_000_000  # accumulation buffers: every gradient
-    monkeypatch.setenv("FUSEDOPT_BUCKET_MB", "0")
-    assert plan(7_000_000_000, 24.0, configs[:1], dtype="bf16")[0].grads == 0
+    monkeypatch.setenv("FUSEDOPT_BUCKET_MB", "0")  # no bucket: one gradient at a time, until its hook frees it
+    assert plan(7_000_000_000, 24.0, configs[:1], dtype="bf16")[0].grads == largest
     monkeypatch.setenv("FUSEDOPT_BUCKET_MB", "64")
     assert plan(1000, 24.0, configs[:1], dtype="bf16")[0].grads == 2000  # never more than one full set
 
@@ -620,12 +624,16 @@ def _plan_output(capsys, *argv) -> str:
 
 def test_plan_recommends_what_fits_7b_in_24_gib(capsys):
     """The issue: 7e9 parameters in 24 GiB. Only 4-bit state (norm2-root4, then block4) without
-    correction and with gradient release fits; the planner must say so, choose norm2-root4, and list
-    nothing that does not fit."""
+    correction and with gradient release fits, with the full logits and with the chunked loss; the
+    planner must say so, choose norm2-root4 with the full logits, and list nothing that does not fit."""
     rec = recommend(7_000_000_000, 24.0)
-    assert [r.config for r in rec.fitting] == [
-        parse_config("fusedopt:state_format='norm2-root4',master_weight_bits=None,fused=True"),
-        parse_config("fusedopt:state_bits=4,master_weight_bits=None,fused=True"),
+    norm2 = parse_config("fusedopt:state_format='norm2-root4',master_weight_bits=None,fused=True")
+    block4 = parse_config("fusedopt:state_bits=4,master_weight_bits=None,fused=True")
+    assert [(r.config, r.chunked_loss is not None) for r in rec.fitting] == [
+        (norm2, False),
+        (norm2, True),
+        (block4, False),
+        (block4, True),
     ]
     assert rec.choice is rec.fitting[0] and rec.choice.margin > 0 and rec.choice.activations > 0
     assert all(r.peak <= 24 * 2**30 for r in rec.fitting)
@@ -634,7 +642,7 @@ def test_plan_recommends_what_fits_7b_in_24_gib(capsys):
     assert "state_format='norm2-root4',master_weight_bits=None,fused=True" in use and "slower optimizer step" in use
     assert "-0.43% (sd 0.52, 6 seeds)" in text and "+0.48% (sd 0.48, 6 seeds)" in text  # measured quality
     listed = [line for line in text.splitlines() if line.startswith((" * ", "   fusedopt"))]
-    assert len(listed) == 2
+    assert len(listed) == 4
     # the baselines say what they are
     assert "torch AdamW, pure bf16" in text and "torch AdamW, fp32 master + bf16 autocast" in text
 
@@ -821,7 +829,8 @@ def test_plan_estimates_a_llama_hf_config_like_its_shape(capsys):
     shape = "vocab=32000,d_model=2048,layers=22,heads=32,kv_heads=4,ffn=5632"
     from_shape = _plan_output(capsys, "--shape", shape, "--gpu-memory", "24", *configs)
     assert _without_header(from_hf) == _without_header(from_shape)
-    assert "activations: 0.52 GiB, estimate\n" in from_hf and "n/a" not in from_hf and "?" not in from_hf
+    # 0.59 GiB: checkpointed block inputs and one block (0.22) + the full logits, 12 bytes per logit (0.37)
+    assert "activations: 0.59 GiB, estimate\n" in from_hf and "n/a" not in from_hf and "?" not in from_hf
     assert "Use: fusedopt AdamW, 8-bit state, 24-bit master (default)" in from_hf
 
 

@@ -76,6 +76,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--hf-config", metavar="PATH", help="a transformers config.json (or its directory); no download")
     g.add_argument("--no-checkpointing", action="store_true", help="keep all activations (no recomputation)")
+    g.add_argument(
+        "--chunked-loss",
+        nargs="?",
+        const=0,
+        type=_positive_int,
+        metavar="TOKENS",
+        help="compute the loss with fusedopt.chunked_cross_entropy, TOKENS per chunk (default: about 2**24 logits "
+        "per chunk), which never builds the full logits; without it the loss is the cross-entropy of the full logits",
+    )
 
 
 def _run_parser() -> argparse.ArgumentParser:
@@ -153,7 +162,7 @@ def _main_plan(argv) -> int:
     args = _plan_parser().parse_args(argv)
     spec = None
     if args.model or args.shape or args.hf_config:
-        spec = ModelSpec.from_args(args.model, args.shape, args.hf_config, not args.no_checkpointing)
+        spec = ModelSpec.from_args(args.model, args.shape, args.hf_config, not args.no_checkpointing, args.chunked_loss)
     if spec is None and args.params is None:
         raise UserError("give --params N or a model (--model, --shape, --hf-config)")
     measurements = None
@@ -175,6 +184,7 @@ def _main_plan(argv) -> int:
         seq_len=args.seq_len,
         measurements=measurements,
         activations_gib=args.activations,
+        chunked_loss=args.chunked_loss,
     )
     rows = plan(args.params, args.gpu_memory, configs, **common)
     rec = recommend(args.params, args.gpu_memory, **common)
@@ -182,6 +192,8 @@ def _main_plan(argv) -> int:
     dtype = dtype_name(parse_dtype(args.dtype))
     model = spec.describe() if spec else "a model"
     ckpt = "" if spec else ", activation checkpointing"
+    if spec is None and args.chunked_loss is not None:
+        ckpt += ", chunked loss"
     header = f"fusedopt plan: {model}, {dtype} parameters, micro-batch {args.batch} x {args.seq_len}{ckpt}"
     memory = int(args.gpu_memory * GIB)
     print(format_plan(rows, num_params=n, memory_bytes=memory, header=header))
@@ -233,9 +245,11 @@ def _finite(value):
 
 def _main_run(argv) -> int:
     args = _run_parser().parse_args(argv)
-    spec = ModelSpec.from_args(args.model, args.shape, args.hf_config, not args.no_checkpointing)
+    spec = ModelSpec.from_args(args.model, args.shape, args.hf_config, not args.no_checkpointing, args.chunked_loss)
     if args.model is None and args.shape is None and args.hf_config is None:
         spec = ModelSpec.default(not args.no_checkpointing, device=args.device)
+        if args.chunked_loss is not None:
+            spec = spec.with_chunked_loss(args.chunked_loss)
     configs = [parse_config(c) for c in (args.config or DEFAULT_CONFIGS)]
     json_path = _writable_file(args.json or os.path.join(args.output_dir, "results.json"), "results")
     plot_path = args.plot or os.path.join(args.output_dir, "memory.png")

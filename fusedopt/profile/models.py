@@ -2,9 +2,11 @@
 
 Everything here builds in-process from a shape: no download, no data set. The embedded model
 is a Llama-style decoder (RMSNorm, rotary attention with optional grouped KV heads, SwiGLU MLP,
-untied LM head) whose blocks can run under non-reentrant activation checkpointing, which is the
-regime fusedopt is for: with checkpointing and a small micro-batch, weights, gradients and
-optimizer state make the peak of a training step.
+an LM head untied from the embedding unless the shape ties them) whose blocks can run under
+non-reentrant activation checkpointing, which is the regime fusedopt is for: with checkpointing
+and a small micro-batch, weights, gradients and optimizer state make the peak of a training step.
+Its loss is the cross-entropy of the full logits, or ``fusedopt.chunked_cross_entropy`` (chunks of
+tokens, never the full logits) when built with ``chunked_loss``.
 
 A :class:`ModelSpec` names a model (a preset, an explicit shape, or a Hugging Face config file)
 as plain data, so a profiling worker in a fresh process can rebuild it.
@@ -22,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from fusedopt.losses import chunked_cross_entropy, default_chunk_size
 
 
 class UserError(Exception):
@@ -51,7 +55,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Shape of the embedded decoder-only LM."""
+    """Shape of the embedded decoder-only LM. ``tie_embeddings``: the LM head is the embedding's
+    weight (one ``[vocab, d_model]`` parameter instead of two); untied by default."""
 
     vocab: int
     d_model: int
@@ -59,6 +64,7 @@ class ModelShape:
     heads: int
     kv_heads: int
     ffn: int
+    tie_embeddings: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -68,20 +74,24 @@ class ModelShape:
         """Shapes of every parameter, in the order the model registers them."""
         d, kv = self.d_model, self.kv_heads * self.head_dim
         block = [(d,), (d, d), (kv, d), (kv, d), (d, d), (d,), (self.ffn, d), (self.ffn, d), (d, self.ffn)]
-        return [(self.vocab, d)] + block * self.layers + [(d,), (self.vocab, d)]
+        head = [] if self.tie_embeddings else [(self.vocab, d)]
+        return [(self.vocab, d)] + block * self.layers + [(d,)] + head
 
     def num_params(self) -> int:
         return sum(math.prod(s) for s in self.param_shapes())
 
     def describe(self) -> str:
         kv = f", kv_heads={self.kv_heads}" if self.kv_heads != self.heads else ""
+        tied = ", tied embeddings" if self.tie_embeddings else ""
         return (
-            f"vocab={self.vocab}, d_model={self.d_model}, layers={self.layers}, heads={self.heads}{kv}, ffn={self.ffn}"
+            f"vocab={self.vocab}, d_model={self.d_model}, layers={self.layers}, heads={self.heads}{kv}, "
+            f"ffn={self.ffn}{tied}"
         )
 
 
 # Presets. "tiny" is for tests, "small" the CPU default, "1b" the TinyLlama shape of the H200
-# measurements in benchmarks/RESULTS.md, "7b" the Llama-2-7B shape.
+# measurements in benchmarks/RESULTS.md, "7b" the Llama-2-7B shape, "llama3-8b" the Llama-3-8B
+# shape (8,030,261,248 parameters; its embedding and untied LM head are 525,336,576 each).
 PRESETS: dict[str, ModelShape] = {
     "tiny": ModelShape(vocab=256, d_model=128, layers=8, heads=4, kv_heads=4, ffn=384),
     "small": ModelShape(vocab=1024, d_model=256, layers=8, heads=8, kv_heads=8, ffn=768),
@@ -89,6 +99,7 @@ PRESETS: dict[str, ModelShape] = {
     "350m": ModelShape(vocab=32000, d_model=1024, layers=24, heads=16, kv_heads=16, ffn=2816),
     "1b": ModelShape(vocab=32000, d_model=2048, layers=22, heads=32, kv_heads=4, ffn=5632),
     "7b": ModelShape(vocab=32000, d_model=4096, layers=32, heads=32, kv_heads=32, ffn=11008),
+    "llama3-8b": ModelShape(vocab=128256, d_model=4096, layers=32, heads=32, kv_heads=8, ffn=14336),
 }
 
 _SHAPE_KEYS = {
@@ -109,16 +120,21 @@ _SHAPE_KEYS = {
     "ffn": "ffn",
     "intermediate": "ffn",
     "intermediate_size": "ffn",
+    "tie_embeddings": "tie_embeddings",
+    "tie_word_embeddings": "tie_embeddings",
 }
+_BOOLEAN_KEYS = {"tie_embeddings"}
+_BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
 def parse_shape(text: str, base: ModelShape | None = None) -> ModelShape:
     """``"layers=4,d_model=256,heads=4,ffn=1024,vocab=8192"`` -> ModelShape (unset keys from ``base``).
 
     Without a base, ``layers``, ``d_model`` and ``heads`` are required; ``ffn`` defaults to
-    ``4 * d_model``, ``vocab`` to 32000 and ``kv_heads`` to ``heads``.
+    ``4 * d_model``, ``vocab`` to 32000, ``kv_heads`` to ``heads`` and ``tie_embeddings`` (true/false,
+    1/0) to false.
     """
-    values: dict[str, int] = {}
+    values: dict[str, int | bool] = {}
     for item in text.split(","):
         item = item.strip()
         if not item:
@@ -126,8 +142,14 @@ def parse_shape(text: str, base: ModelShape | None = None) -> ModelShape:
         key, sep, raw = item.partition("=")
         key = key.strip().lower().replace("-", "_")
         if not sep or key not in _SHAPE_KEYS:
-            known = "vocab, d_model, layers, heads, kv_heads, ffn"
+            known = "vocab, d_model, layers, heads, kv_heads, ffn, tie_embeddings"
             raise UserError(f"malformed shape {text!r}: expected comma-separated key=value with keys {known}")
+        if _SHAPE_KEYS[key] in _BOOLEAN_KEYS:
+            flag = _BOOLEANS.get(raw.strip().lower())
+            if flag is None:
+                raise UserError(f"malformed shape {text!r}: {key} must be true or false, got {raw.strip()!r}")
+            values[_SHAPE_KEYS[key]] = flag
+            continue
         try:
             value = int(raw.strip().replace("_", ""))
         except ValueError:
@@ -220,31 +242,51 @@ class TinyLM(nn.Module):
     """Decoder-only LM. ``model(input_ids, labels=...)`` returns the mean next-token loss (fp32).
 
     ``checkpointing=True`` recomputes each block in backward (non-reentrant checkpointing),
-    so only block inputs are kept from the forward pass.
+    so only block inputs are kept from the forward pass. ``chunked_loss`` (tokens per chunk) computes
+    the loss with :func:`fusedopt.chunked_cross_entropy`, which never builds the full logits; the
+    default (``None``) is the cross-entropy of the full logits (:func:`lm_loss`). Both are the same
+    loss. ``model.hidden_states(input_ids)`` is the final norm's output, what the head reads.
     """
 
-    def __init__(self, shape: ModelShape, *, checkpointing: bool = True, device=None, dtype=None):
+    def __init__(
+        self,
+        shape: ModelShape,
+        *,
+        checkpointing: bool = True,
+        chunked_loss: int | None = None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         factory = dict(device=device, dtype=dtype)
         self.shape = shape
         self.checkpointing = checkpointing
+        self.chunked_loss = chunked_loss
         self.embed_tokens = nn.Embedding(shape.vocab, shape.d_model, **factory)
         self.layers = nn.ModuleList(Block(shape, **factory) for _ in range(shape.layers))
         self.norm = nn.RMSNorm(shape.d_model, eps=1e-5, **factory)
         self.lm_head = nn.Linear(shape.d_model, shape.vocab, bias=False, **factory)
+        if shape.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
         with torch.no_grad():
             for p in self.parameters():
                 if p.dim() >= 2:
                     p.normal_(0.0, 0.02)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         for block in self.layers:
             if self.checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        logits = self.lm_head(self.norm(x))
+        return self.norm(x)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.hidden_states(input_ids)
+        if labels is not None and self.chunked_loss is not None:
+            return chunked_lm_loss(hidden, self.lm_head.weight, labels, self.chunked_loss)
+        logits = self.lm_head(hidden)
         if labels is None:
             return logits
         return lm_loss(logits, labels)
@@ -254,6 +296,11 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy in fp32 (labels shifted by one, as Hugging Face does)."""
     vocab = logits.shape[-1]
     return F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), labels[:, 1:].reshape(-1))
+
+
+def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """:func:`lm_loss` of ``hidden @ weight.T`` without the full logits (:func:`fusedopt.chunked_cross_entropy`)."""
+    return chunked_cross_entropy(hidden[:, :-1], weight, labels[:, 1:], chunk_size=chunk_size)
 
 
 # --- Hugging Face models -----------------------------------------------------------------------
@@ -305,13 +352,22 @@ def enable_hf_checkpointing(model: nn.Module) -> None:
 
 
 class HFLossWrapper(nn.Module):
-    """``wrapper(input_ids, labels)`` -> ``model(input_ids, labels=labels).loss``, output dropped early."""
+    """``wrapper(input_ids, labels)`` -> ``model(input_ids, labels=labels).loss``, output dropped early.
 
-    def __init__(self, model: nn.Module):
+    With ``chunked_loss`` (tokens per chunk) the loss is :func:`fusedopt.chunked_cross_entropy` of the
+    base model's last hidden state and the output embedding's weight, the same next-token loss
+    without the full logits (for the Llama-style model types, whose head is a plain linear layer)."""
+
+    def __init__(self, model: nn.Module, chunked_loss: int | None = None):
         super().__init__()
         self.model = model
+        self.chunked_loss = chunked_loss
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is not None and self.chunked_loss is not None:
+            hidden = self.model.base_model(input_ids=input_ids).last_hidden_state
+            head = self.model.get_output_embeddings()
+            return chunked_lm_loss(hidden, head.weight, labels, self.chunked_loss)
         return self.model(input_ids=input_ids, labels=labels).loss
 
 
@@ -354,7 +410,7 @@ def hf_model_shape(config) -> tuple[ModelShape | None, str]:
             values[field] = value
     if missing:
         return None, f"is not a Llama-style config (no {', '.join(missing)})"
-    shape = ModelShape(**values)
+    shape = ModelShape(**values, tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
     if shape.d_model % shape.heads or shape.heads % shape.kv_heads:
         return None, "has a hidden_size, num_attention_heads or num_key_value_heads that does not divide evenly"
     head_dim = getattr(config, "head_dim", None)
@@ -377,16 +433,46 @@ def hf_num_params(config) -> int:
 
 @dataclass
 class ModelSpec:
-    """A model as plain data: ``kind`` is ``"preset"``, ``"shape"`` or ``"hf"``."""
+    """A model as plain data: ``kind`` is ``"preset"``, ``"shape"`` or ``"hf"``. ``chunked_loss``: the
+    loss is :func:`fusedopt.chunked_cross_entropy` with that many tokens per chunk (``None``: the
+    cross-entropy of the full logits)."""
 
     kind: str = "preset"
     preset: str | None = "small"
     shape: dict | None = None  # ModelShape fields, for kind "shape" (and filled in for presets)
     hf_config: str | None = None  # path to a config.json, for kind "hf"
     checkpointing: bool = True
+    chunked_loss: int | None = None
 
     @classmethod
-    def from_args(cls, preset: str | None, shape: str | None, hf_config: str | None, checkpointing: bool = True):
+    def from_args(
+        cls,
+        preset: str | None,
+        shape: str | None,
+        hf_config: str | None,
+        checkpointing: bool = True,
+        chunked_loss: int | None = None,
+    ):
+        """The spec of the command line's model arguments. ``chunked_loss=0`` asks for the chunked loss
+        with the default chunk for the model's vocabulary (:func:`fusedopt.losses.default_chunk_size`)."""
+        spec = cls._from_args(preset, shape, hf_config, checkpointing)
+        if chunked_loss is None:
+            return spec
+        if isinstance(chunked_loss, bool) or not isinstance(chunked_loss, int) or chunked_loss < 0:
+            raise UserError(f"--chunked-loss takes a number of tokens per chunk, got {chunked_loss!r}")
+        if spec.kind == "hf":
+            model_type = load_hf_config(spec.hf_config).model_type
+            if model_type not in LLAMA_MODEL_TYPES:
+                raise UserError(
+                    f"--chunked-loss with a Hugging Face config needs a model type whose head is a plain linear "
+                    f"layer ({', '.join(LLAMA_MODEL_TYPES)}), not {model_type}"
+                )
+        vocab = spec.vocab_size()
+        spec.chunked_loss = chunked_loss or default_chunk_size(vocab or 1)
+        return spec
+
+    @classmethod
+    def _from_args(cls, preset: str | None, shape: str | None, hf_config: str | None, checkpointing: bool):
         if hf_config is not None:
             if preset is not None or shape is not None:
                 raise UserError("--hf-config cannot be combined with --model or --shape")
@@ -404,6 +490,13 @@ class ModelSpec:
             parsed = parse_shape(shape, base)
             return cls(kind="shape", preset=preset, shape=dataclasses.asdict(parsed), checkpointing=checkpointing)
         return cls.default(checkpointing=checkpointing)
+
+    def with_chunked_loss(self, chunk_size: int | None) -> ModelSpec:
+        """This model with the chunked loss (``chunk_size`` tokens per chunk, ``0``: the default chunk) or,
+        with ``None``, with the full logits."""
+        if chunk_size == 0:
+            chunk_size = default_chunk_size(self.vocab_size() or 1)
+        return dataclasses.replace(self, chunked_loss=chunk_size)
 
     @classmethod
     def default(cls, checkpointing: bool = True, device: str | None = None) -> ModelSpec:
@@ -450,6 +543,8 @@ class ModelSpec:
 
     def describe(self) -> str:
         ckpt = "activation checkpointing" if self.checkpointing else "no checkpointing"
+        if self.chunked_loss is not None:
+            ckpt += f", chunked loss ({self.chunked_loss} tokens per chunk)"
         if self.kind == "hf":
             config = load_hf_config(self.hf_config)
             return f"Hugging Face {config.model_type} from {self.hf_config} ({ckpt})"
@@ -460,11 +555,21 @@ class ModelSpec:
         """The model on ``device`` in ``dtype``, taking ``(input_ids, labels)`` and returning the loss."""
         if self.kind == "hf":
             config = load_hf_config(self.hf_config)
-            return HFLossWrapper(build_hf_model(config, checkpointing=self.checkpointing, device=device, dtype=dtype))
-        return TinyLM(self.model_shape(), checkpointing=self.checkpointing, device=device, dtype=dtype)
+            model = build_hf_model(config, checkpointing=self.checkpointing, device=device, dtype=dtype)
+            return HFLossWrapper(model, self.chunked_loss)
+        shape, loss = self.model_shape(), self.chunked_loss
+        return TinyLM(shape, checkpointing=self.checkpointing, chunked_loss=loss, device=device, dtype=dtype)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields as plain data; the options added later (``chunked_loss``, a shape's
+        ``tie_embeddings``) only when set, so that a spec without them keeps the key it had in
+        earlier results files (the planner matches measured activations by it)."""
+        data = dataclasses.asdict(self)
+        if data["chunked_loss"] is None:
+            del data["chunked_loss"]
+        if data["shape"] is not None and not data["shape"].get("tie_embeddings", False):
+            data["shape"].pop("tie_embeddings", None)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> ModelSpec:

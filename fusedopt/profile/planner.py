@@ -12,14 +12,18 @@ The peak of a training step is modelled as ``bytes_per_param * num_params + acti
   It is taken from a measurement of the same model and batch when there is one (``measured``),
   else estimated from the model shape (``estimate``; with a bare parameter count, the shape of
   the preset nearest in size; a Llama-style Hugging Face config gives its shape), else left out
-  (and the output says why, and ranks the formats on their other bytes).
+  (and the output says why, and ranks the formats on their other bytes). The estimate's loss head
+  is the full logits, or one chunk of them with the chunked loss (``fusedopt.chunked_cross_entropy``).
 
 :func:`recommend` evaluates fusedopt AdamW's formats (:data:`CANDIDATE_FORMATS`: the ``state_bits``
 formats and the paired ``state_format="norm2-root4"``, each with its master-weight options, with and
 without ``fused=True``) and picks the first that fits from the default down: below the default, the
 paired format before the 4-bit block format, which needs more memory and measured worse. Each row
 carries its quality, the held-out loss against fp32 AdamW of the paired-seed benchmark
-(:data:`QUALITY`).
+(:data:`QUALITY`). Where the activations are estimated, each format is also evaluated with the chunked
+loss after the full logits (the same loss, without the ``[tokens, vocab]`` logits; it needs the training
+loop to call ``fusedopt.chunked_cross_entropy``), so the output says whether a format fits with the full
+logits, with the chunked loss, or with neither.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 import fusedopt
 from fusedopt.codecs import STATE_BITS_FORMATS, codec_named
 from fusedopt.dispatch import bucket_budget
+from fusedopt.losses import default_chunk_size
 from fusedopt.profile.competitors import lookup
 from fusedopt.profile.configs import DEFAULT_CONFIGS, parse_config
 from fusedopt.profile.memory import CORRECTION_KEY
@@ -143,12 +148,14 @@ def _releases(optimizer: str, kwargs: dict) -> bool:
     return fused and int(kwargs.get("accumulation_steps", 1)) <= 1
 
 
-def held_gradients(config, num_params: int, dtype: torch.dtype) -> int:
-    """Gradient bytes that fusedopt's release may hold at once to launch their updates in
-    buckets: ``FUSEDOPT_BUCKET_MB`` (``fusedopt.dispatch``), at most one full set."""
+def held_gradients(config, num_params: int, dtype: torch.dtype, largest: int = 0) -> int:
+    """Gradient bytes that fusedopt's release may hold at once: below ``FUSEDOPT_BUCKET_MB``
+    (``fusedopt.dispatch``) held for a bucketed update, plus the gradient that reaches the budget,
+    which exists whole before its hook frees it (at most the ``largest`` parameter's, in elements);
+    at most one full set."""
     if not _releases(config.optimizer, config.kwargs):
         return 0
-    return min(bucket_budget(), num_params * DTYPE_BYTES[dtype])
+    return min(bucket_budget() + largest * DTYPE_BYTES[dtype], num_params * DTYPE_BYTES[dtype])
 
 
 def layout_model(optimizer: str, kwargs: dict, dtype: torch.dtype, shapes: list[tuple[int, ...]]) -> PerParam | None:
@@ -198,12 +205,12 @@ def _state_bytes(optimizer: str, options: tuple, dtype: torch.dtype, shapes: tup
 
 
 def activation_estimate(
-    shape, *, batch: int, seq_len: int, dtype: torch.dtype, checkpointing: bool = True
+    shape, *, batch: int, seq_len: int, dtype: torch.dtype, checkpointing: bool = True, chunked_loss: int | None = None
 ) -> int | None:
     """Rough bytes at the peak beyond weights, state and gradients for the embedded LM shape.
 
     Saved block inputs (checkpointing) or all block activations, one block's recomputation,
-    and the loss head (logits in the model dtype, fp32 logits and their gradient).
+    and the loss head: :func:`loss_head_bytes`.
     """
     if shape is None:
         return None
@@ -211,8 +218,21 @@ def activation_estimate(
     tokens = batch * seq_len
     per_block = tokens * (10 * shape.d_model + 3 * shape.ffn) * s + batch * shape.heads * seq_len * seq_len * s
     blocks = shape.layers * tokens * shape.d_model * s + per_block if checkpointing else shape.layers * per_block
-    head = tokens * shape.vocab * (s + 8)
-    return int(blocks + head)
+    return int(blocks + loss_head_bytes(shape.vocab, tokens, chunked_loss))
+
+
+def loss_head_bytes(vocab: int, tokens: int, chunked_loss: int | None = None) -> int:
+    """Bytes of the loss head at its peak. The full logits: 12 per token and vocabulary entry, three fp32
+    ``[tokens, vocab]`` tensors in the cross-entropy's backward (the saved log-probabilities, their
+    gradient and the logits' gradient; the logits in the model dtype and their fp32 copy, in forward,
+    hold less). The chunked loss (``fusedopt.chunked_cross_entropy``, ``chunked_loss`` tokens per
+    chunk): 8 per element of one chunk, two fp32 copies of the chunk's logits (its log-sum-exp's
+    input and temporary; the logits in the model dtype beside one fp32 copy hold at most as much).
+    The same for fp32, bf16 and fp16 logits; measured with the CPU allocator in tests/test_losses.py.
+    """
+    if chunked_loss is None:
+        return tokens * vocab * 12
+    return min(chunked_loss, tokens) * vocab * 8
 
 
 # Quality of fusedopt AdamW's formats on bf16 parameters, (state format, master_weight_bits) -> held-out
@@ -263,6 +283,8 @@ def format_of(config) -> tuple:
 BASELINE_CONFIGS = ("torch.AdamW:autocast='bf16'", "torch.AdamW", "fusedopt.AdamW", "fusedopt.AdamW:fused=True")
 
 
+# What a row with the chunked loss adds to its description.
+CHUNKED_LOSS_TAG = ", chunked loss"
 # What a row without an activation figure says, and how to give one.
 NOT_INCLUDED = "not included"
 ACTIVATIONS_HINT = (
@@ -315,6 +337,7 @@ class PlanRow:
     description: str = ""  # describe(config, dtype)
     margin: int = 0  # memory minus peak, bytes (negative: does not fit)
     quality: str = ""  # QUALITY's figure, or NOT_MEASURED
+    chunked_loss: int | None = None  # tokens per chunk of fusedopt.chunked_cross_entropy; None: the full logits
 
 
 def measured_per_param(result: dict) -> PerParam | None:
@@ -348,6 +371,7 @@ def plan_configs(
     activations: int | None = None,
     activation_source: str = "estimate",
     why_no_estimate: str = "",
+    chunked_loss: int | None = None,
 ) -> list[PlanRow]:
     """One row per configuration: estimated peak and whether it fits in ``memory_bytes``.
 
@@ -356,9 +380,14 @@ def plan_configs(
     activation figure (activations + rest at the peak) when ``model_key``, batch and sequence
     length match too; one of another dtype is not used, and the row's ``note`` says so.
     ``activations`` (bytes) overrides every activation figure. Without a figure, a row's
-    ``activation_source`` is ``"not included"`` and ``why_no_estimate`` when given.
+    ``activation_source`` is ``"not included"`` and ``why_no_estimate`` when given. ``chunked_loss``:
+    the estimate's loss head is one chunk of that many tokens (``None``: the full logits).
     """
     rows = []
+    if shapes:
+        largest = max(math.prod(s) for s in shapes)
+    else:
+        largest = max(math.prod(s) for s in model_shape.param_shapes()) if model_shape is not None else 0
     names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     for config in configs:
         param_dtype = config.param_dtype(dtype)  # fp32 under autocast, as the profiler trains it
@@ -398,7 +427,12 @@ def plan_configs(
                 act, act_source = cats["activations"] + cats["rest"], "measured"
         if act is None:
             act = activation_estimate(
-                model_shape, batch=batch, seq_len=seq_len, dtype=dtype, checkpointing=checkpointing
+                model_shape,
+                batch=batch,
+                seq_len=seq_len,
+                dtype=dtype,
+                checkpointing=checkpointing,
+                chunked_loss=chunked_loss,
             )
             if act is not None:
                 act_source = activation_source
@@ -407,7 +441,7 @@ def plan_configs(
         persistent = int(per.persistent * num_params)
         grads = int(per.grads_at_peak * num_params)
         if match is None:  # a measurement saw what release held; a model adds its bound
-            grads += held_gradients(config, num_params, param_dtype)
+            grads += held_gradients(config, num_params, param_dtype, largest)
         peak = persistent + grads + (act or 0)
         fits = peak <= memory_bytes if act is not None else (None if persistent + grads <= memory_bytes else False)
         rows.append(
@@ -422,9 +456,10 @@ def plan_configs(
                 fits,
                 note="; ".join(notes),
                 config=config,
-                description=describe(config, dtype),
+                description=describe(config, dtype) + (CHUNKED_LOSS_TAG if chunked_loss is not None else ""),
                 margin=memory_bytes - peak,
                 quality=_quality(config, param_dtype),
+                chunked_loss=chunked_loss,
             )
         )
     return rows
@@ -458,9 +493,12 @@ def nearest_preset(num_params: int) -> str:
     return min(PRESETS, key=lambda k: abs(math.log(PRESETS[k].num_params() / num_params)))
 
 
-def _inputs(num_params, model, dtype, batch, seq_len, activations_gib):
-    """The planner's common inputs: (num_params, spec, shape, activation source, keyword arguments)."""
+def _inputs(num_params, model, dtype, batch, seq_len, activations_gib, chunked_loss=None):
+    """The planner's common inputs: (num_params, keyword arguments of :func:`plan_configs`).
+    ``chunked_loss`` (tokens per chunk, ``0``: the default chunk) overrides the model's loss."""
     spec = ModelSpec.from_args(model, None, None) if isinstance(model, str) else model
+    if spec is not None and chunked_loss is not None:
+        spec = spec.with_chunked_loss(chunked_loss)
     if num_params is None:
         if spec is None:
             raise UserError("give a parameter count or a model")
@@ -478,6 +516,10 @@ def _inputs(num_params, model, dtype, batch, seq_len, activations_gib):
         preset = nearest_preset(num_params)
         shape = PRESETS[preset]
         source = f"estimate for the {preset} preset's shape ({PRESETS[preset].num_params():,} params)"
+    if spec is not None:
+        chunked_loss = spec.chunked_loss
+    elif chunked_loss == 0:
+        chunked_loss = default_chunk_size(shape.vocab)
     kwargs = dict(
         dtype=parse_dtype(dtype),
         shapes=spec.param_shapes() if spec is not None else None,
@@ -489,6 +531,7 @@ def _inputs(num_params, model, dtype, batch, seq_len, activations_gib):
         activations=int(activations_gib * GIB) if activations_gib is not None else None,
         activation_source=source,
         why_no_estimate=why_no_estimate,
+        chunked_loss=chunked_loss,
     )
     return num_params, kwargs
 
@@ -504,9 +547,12 @@ def plan(
     seq_len: int = 1024,
     measurements: list[dict] | None = None,
     activations_gib: float | None = None,
+    chunked_loss: int | None = None,
 ) -> list[PlanRow]:
-    """Which configurations fit in ``memory_gib``; one :class:`PlanRow` per configuration."""
-    num_params, kwargs = _inputs(num_params, model, dtype, batch, seq_len, activations_gib)
+    """Which configurations fit in ``memory_gib``; one :class:`PlanRow` per configuration. The loss is
+    the model's (``ModelSpec.chunked_loss``; the full logits for a bare count) unless ``chunked_loss``
+    (tokens per chunk, ``0``: the default chunk) says otherwise."""
+    num_params, kwargs = _inputs(num_params, model, dtype, batch, seq_len, activations_gib, chunked_loss)
     configs = [parse_config(c) if isinstance(c, str) else c for c in (configs or DEFAULT_CONFIGS)]
     return plan_configs(num_params, int(memory_gib * GIB), configs, measurements=measurements, **kwargs)
 
@@ -541,6 +587,7 @@ def recommend(
     seq_len: int = 1024,
     measurements: list[dict] | None = None,
     activations_gib: float | None = None,
+    chunked_loss: int | None = None,
 ) -> Recommendation:
     """The fusedopt AdamW configurations that fit in ``memory_gib``, and which one to use.
 
@@ -550,14 +597,33 @@ def recommend(
     correction, then the paired ``norm2-root4`` (less memory than the 4-bit block format and measured
     better than it; after the default, whose optimizer step is faster and whose loss the seeds do
     not tell apart from it), then the 4-bit block format. Among equals, ``fused=False`` (a faster
-    step) before ``fused=True``.
+    step) before ``fused=True``, and the full logits before the chunked loss (the same loss and update;
+    it recomputes the head's logits in backward and needs the training loop to call
+    ``fusedopt.chunked_cross_entropy``): a format with the chunked loss comes before a leaner format.
+    The chunked loss is a candidate where the model's loss is the full logits and the activations are
+    estimated from its shape (a given or measured figure already holds the loss the run used);
+    ``chunked_loss`` sets the model's loss, as for :func:`plan`.
     """
-    num_params, kwargs = _inputs(num_params, model, dtype, batch, seq_len, activations_gib)
+    num_params, kwargs = _inputs(num_params, model, dtype, batch, seq_len, activations_gib, chunked_loss)
     configs = candidate_configs(kwargs["dtype"])
-    rows = plan_configs(num_params, int(memory_gib * GIB), configs, measurements=measurements, **kwargs)
+    memory = int(memory_gib * GIB)
+    rows = plan_configs(num_params, memory, configs, measurements=measurements, **kwargs)
+    if kwargs["chunked_loss"] is None and kwargs["model_shape"] is not None and kwargs["activations"] is None:
+        chunk = default_chunk_size(kwargs["model_shape"].vocab)
+        chunked = plan_configs(num_params, memory, configs, measurements=None, **{**kwargs, "chunked_loss": chunk})
+        chunked = [r for r in chunked if r.activation_source != "measured"]
+        rows = _interleave(rows, chunked, configs)
     choice = _first_from_default(rows, lambda r: r.fits is True)
     tentative = None if choice else _first_from_default(rows, lambda r: r.fits is None)
     return Recommendation(rows, choice, tentative)
+
+
+def _interleave(full: list[PlanRow], chunked: list[PlanRow], configs: list) -> list[PlanRow]:
+    """Each format's rows with the full logits, then the same format's with the chunked loss."""
+    out = []
+    for fmt in dict.fromkeys(format_of(c) for c in configs):
+        out += [r for r in full if format_of(r.config) == fmt] + [r for r in chunked if format_of(r.config) == fmt]
+    return out
 
 
 def _first_from_default(rows: list[PlanRow], eligible) -> PlanRow | None:
@@ -574,6 +640,12 @@ def config_string(config) -> str:
     """The ``--config`` string of a configuration (what the profiler takes)."""
     name = config.optimizer.replace("fusedopt.AdamW", "fusedopt").replace("torch.AdamW", "torch")
     return name + (":" + ",".join(f"{k}={v!r}" for k, v in config.kwargs.items()) if config.kwargs else "")
+
+
+def _profiler_args(row: PlanRow) -> str:
+    """The profiler's arguments that measure a row: its ``--config`` and, for the chunked loss, ``--chunked-loss``."""
+    loss = f" --chunked-loss {row.chunked_loss}" if row.chunked_loss is not None else ""
+    return f'--config "{config_string(row.config)}"{loss}'
 
 
 def _gib(b) -> str:
@@ -626,9 +698,19 @@ def format_recommendation(rec: Recommendation, *, memory_bytes: int) -> str:
     if not fitting:
         leanest = min(rec.rows, key=lambda r: r.peak)
         needs = f"{_gib(leanest.peak)} GiB" + (" before activations" if leanest.activations is None else "")
+        if leanest.activations is not None:
+            needs += f" (margin {leanest.margin / GIB:+.2f} GiB)"
+        full = [r for r in rec.rows if r.chunked_loss is None]
+        also = ""
+        if leanest.chunked_loss is not None and full:
+            lean_full = min(full, key=lambda r: r.peak)
+            also = (
+                f"; with the full logits the leanest, {lean_full.description}, needs {_gib(lean_full.peak)} GiB "
+                f"(margin {lean_full.margin / GIB:+.2f} GiB)"
+            )
         lines.append(
             f"No fusedopt AdamW configuration fits in {memory_bytes / GIB:.2f} GiB: the leanest, "
-            f"{leanest.description}, needs {needs}. Try a smaller --batch or --seq-len, "
+            f"{leanest.description}, needs {needs}{also}. Try a smaller --batch or --seq-len, "
             "activation checkpointing, or more GPU memory."
         )
         return "\n".join(lines)
@@ -645,9 +727,13 @@ def format_recommendation(rec: Recommendation, *, memory_bytes: int) -> str:
         )
     c = rec.choice
     lines.append(
-        f'Use: {c.description} (--config "{config_string(c.config)}"), peak {_gib(c.peak)} GiB, '
-        f"margin {c.margin / GIB:.2f} GiB."
+        f"Use: {c.description} ({_profiler_args(c)}), peak {_gib(c.peak)} GiB, margin {c.margin / GIB:.2f} GiB."
     )
+    if c.chunked_loss is not None:
+        lines.append(
+            "  (the chunked loss: compute the loss with fusedopt.chunked_cross_entropy(hidden, lm_head.weight, "
+            f"labels, chunk_size={c.chunked_loss}), which never builds the full logits)"
+        )
     if format_of(c.config) != format_of(fitting[0].config):
         lines.append("  (rows above it keep more bits than the default: more memory for no measured gain)")
     if rec.undecided:

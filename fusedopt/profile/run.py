@@ -91,7 +91,12 @@ def _fits_check(job: dict, spec: ModelSpec, config: OptimizerConfig, device: tor
     per = byte_model(config.optimizer, config.kwargs, dtype)
     shape = spec.activation_shape()[0]
     act = activation_estimate(
-        shape, batch=job["batch"], seq_len=job["seq_len"], dtype=dtype, checkpointing=spec.checkpointing
+        shape,
+        batch=job["batch"],
+        seq_len=job["seq_len"],
+        dtype=dtype,
+        checkpointing=spec.checkpointing,
+        chunked_loss=spec.chunked_loss,
     )
     need = per.at_peak * n + (act or 0)
     if need > capacity:
@@ -365,7 +370,12 @@ def run_profile(
         available = psutil.virtual_memory().available
         shape = spec.activation_shape()[0]
         act = activation_estimate(
-            shape, batch=batch, seq_len=seq_len, dtype=torch_dtype, checkpointing=spec.checkpointing
+            shape,
+            batch=batch,
+            seq_len=seq_len,
+            dtype=torch_dtype,
+            checkpointing=spec.checkpointing,
+            chunked_loss=spec.chunked_loss,
         )
         per = [byte_model(c.optimizer, c.kwargs, c.param_dtype(torch_dtype)).at_peak for c in configs]
         need = min(per) * num_params + (act or 0)

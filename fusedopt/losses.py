@@ -1,0 +1,170 @@
+"""Cross-entropy of a language-model head without the full logits: :func:`chunked_cross_entropy`.
+
+``chunked_cross_entropy(hidden, lm_head_weight, labels)`` is
+``F.cross_entropy((hidden @ lm_head_weight.T).float(), labels, ignore_index=-100)``: the logits are
+computed in the inputs' dtype, as ``nn.Linear`` computes them, and the cross-entropy in fp32. It
+never builds the ``[tokens, vocab]`` logits. The forward pass runs the head's matmul and the
+cross-entropy one chunk of ``chunk_size`` tokens at a time and keeps one fp32 log-sum-exp per
+token. The backward pass recomputes the logits twice: by chunks of tokens for the gradient of
+``hidden`` (each chunk's rows of it are one matmul over the whole vocabulary), and by slices of the
+vocabulary holding as many elements for the gradient of the weight (each slice's rows of it are one
+matmul over every token). Each gradient is therefore rounded once to its dtype, as in the
+unchunked loss, and no fp32 ``[vocab, hidden]`` accumulator exists. The cost is three more
+matmuls of the head's size than the unchunked loss (five instead of three); the largest
+temporaries hold ``chunk_size x vocab`` elements.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+__all__ = ["chunked_cross_entropy", "default_chunk_size", "DEFAULT_CHUNK_ELEMENTS"]
+
+# The default chunk holds at most this many logits (64 MiB in fp32): 130 tokens of a 128,256-token
+# vocabulary, 524 of a 32,000-token one.
+DEFAULT_CHUNK_ELEMENTS = 1 << 24
+REDUCTIONS = ("mean", "sum")
+
+
+def default_chunk_size(vocab: int) -> int:
+    """Tokens per chunk when ``chunk_size`` is not given: ``DEFAULT_CHUNK_ELEMENTS // vocab`` (at least 1)."""
+    return max(1, DEFAULT_CHUNK_ELEMENTS // vocab)
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype of the logits' matmul: autocast's where it is on (as ``F.linear`` under autocast),
+    else the inputs' own (which must agree, as for a matmul)."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    if hidden.dtype != weight.dtype:
+        raise ValueError(
+            f"chunked_cross_entropy: hidden is {hidden.dtype} and lm_head_weight is {weight.dtype}; "
+            "give both in one dtype (or run under torch.autocast)"
+        )
+    return hidden.dtype
+
+
+def _targets(labels: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid mask, labels with the ignored ones replaced by 0 so that they can index)."""
+    valid = labels != ignore_index
+    return valid, torch.where(valid, labels, torch.zeros((), dtype=labels.dtype, device=labels.device))
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, reduction, compute_dtype):
+        tokens = hidden.shape[0]
+        valid, safe = _targets(labels, ignore_index)
+        lse = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(compute_dtype)
+            for start in range(0, tokens, chunk_size):
+                end = min(start + chunk_size, tokens)
+                logits = (hidden[start:end].to(compute_dtype) @ w.T).float()
+                chunk_lse = torch.logsumexp(logits, dim=-1)
+                target = logits.gather(1, safe[start:end, None]).squeeze(1)
+                del logits
+                lse[start:end] = chunk_lse
+                per_token = torch.where(valid[start:end], chunk_lse - target, torch.zeros((), device=hidden.device))
+                total += per_token.sum()
+        count = valid.sum().to(torch.float32)
+        loss = total / count if reduction == "mean" else total  # mean over no target: 0/0 = nan, as torch
+        ctx.save_for_backward(hidden, weight, labels, lse, count)
+        ctx.options = (chunk_size, ignore_index, reduction, compute_dtype)
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        hidden, weight, labels, lse, count = ctx.saved_tensors
+        chunk_size, ignore_index, reduction, compute_dtype = ctx.options
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        grad_hidden = grad_weight = None
+        tokens, vocab = hidden.shape[0], weight.shape[0]
+        valid, safe = _targets(labels, ignore_index)
+        scale = grad_loss.to(torch.float32) / count if reduction == "mean" else grad_loss.to(torch.float32)
+        # the gradient of each token's logits is (softmax - one_hot(label)) * row_scale; ignored rows are 0
+        row_scale = torch.where(valid, scale, torch.zeros((), device=hidden.device))
+        minus_valid = -valid.to(torch.float32)
+        h = hidden.to(compute_dtype)
+        w = weight.to(compute_dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            if need_hidden:
+                grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+                for start in range(0, tokens, chunk_size):
+                    end = min(start + chunk_size, tokens)
+                    probs = (h[start:end] @ w.T).float()
+                    probs.sub_(lse[start:end, None]).exp_()
+                    probs.scatter_add_(1, safe[start:end, None], minus_valid[start:end, None])
+                    probs.mul_(row_scale[start:end, None])
+                    grad_hidden[start:end] = probs.to(compute_dtype) @ w
+                    del probs
+            if need_weight:
+                # vocabulary slices of as many elements as a chunk of tokens holds
+                width = max(1, (chunk_size * vocab) // max(tokens, 1))
+                grad_weight = torch.empty(weight.shape, dtype=compute_dtype, device=weight.device)
+                for start in range(0, vocab, width):
+                    end = min(start + width, vocab)
+                    probs = (h @ w[start:end].T).float()
+                    probs.sub_(lse[:, None]).exp_()
+                    here = (safe >= start) & (safe < end)
+                    index = torch.where(here, safe - start, torch.zeros((), dtype=safe.dtype, device=safe.device))
+                    probs.scatter_add_(1, index[:, None], (minus_valid * here)[:, None])
+                    probs.mul_(row_scale[:, None])
+                    torch.mm(probs.to(compute_dtype).T, h, out=grad_weight[start:end])
+                    del probs
+                grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """Cross-entropy of an LM head's logits, computed a chunk of tokens at a time.
+
+    Equal to ``F.cross_entropy((hidden @ lm_head_weight.T).float(), labels, ignore_index=ignore_index,
+    reduction=reduction)`` (logits in the inputs' dtype, or autocast's where it is on; cross-entropy
+    in fp32) without building the ``[tokens, vocab]`` logits in forward or backward.
+
+    ``hidden`` is ``[..., hidden_size]`` (the final norm's output) and ``labels`` its leading shape:
+    the caller shifts them for next-token prediction (``hidden[:, :-1]``, ``labels[:, 1:]``).
+    ``lm_head_weight`` is ``[vocab, hidden_size]`` (``model.lm_head.weight``; a head with a bias is not
+    supported). ``chunk_size`` is the tokens per chunk (default :func:`default_chunk_size`: about
+    ``2**24`` logits per chunk). ``reduction`` is ``"mean"`` over the labels that are not
+    ``ignore_index`` (a batch where every label is ignored gives ``nan``, as torch does, and zero
+    gradients) or ``"sum"`` (``0`` then). Returns an fp32 scalar. Gradients flow to ``hidden`` and to
+    the weight, whose gradient is produced once per backward, so gradient release
+    (``fused=True``) updates the head as it does under the unchunked loss.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"chunked_cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if lm_head_weight.dim() != 2:
+        shape = tuple(lm_head_weight.shape)
+        raise ValueError(f"chunked_cross_entropy: lm_head_weight must be [vocab, hidden_size], got {shape}")
+    size = lm_head_weight.shape[1]
+    if hidden.shape[-1] != size:
+        raise ValueError(
+            f"chunked_cross_entropy: hidden's last dimension is {hidden.shape[-1]}, lm_head_weight's is {size}"
+        )
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"chunked_cross_entropy: labels have shape {tuple(labels.shape)}, hidden's leading shape is "
+            f"{tuple(hidden.shape[:-1])}"
+        )
+    if chunk_size is None:
+        chunk_size = default_chunk_size(lm_head_weight.shape[0])
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunked_cross_entropy: chunk_size must be a positive integer, got {chunk_size!r}")
+    compute_dtype = _compute_dtype(hidden, lm_head_weight)
+    flat_labels = labels.reshape(-1).long()
+    return _ChunkedCrossEntropy.apply(
+        hidden.reshape(-1, size), lm_head_weight, flat_labels, chunk_size, ignore_index, reduction, compute_dtype
+    )
