@@ -15,7 +15,7 @@ timed steps whose median is the step time of part 3. Ratios are to torch AdamW w
 parameters and bf16 autocast (key A). Results merge into ``--out`` by key, so a part can run
 in slices (``--only``) and a killed run keeps what it finished. Each row also holds what the
 planner (``fusedopt-profile plan``) predicts for it without a measurement, reported beside it.
-The keys are those of the line-up (``fusedopt/profile/competitors.py``); its AF* keys are
+The keys are those of the line-up (``fusedopt/profile/lineup.py``); its AF* keys are
 fusedopt.Adafactor:
 
     python benchmarks/compare_memory.py --regime a --only A,FOR,FO4R,AFR,AFM8R,AFM4R --out $OUT/memory_af.json
@@ -32,7 +32,7 @@ import harness
 import torch
 
 from fusedopt.profile import ModelSpec, plan, run_profile
-from fusedopt.profile.competitors import REFERENCE
+from fusedopt.profile.lineup import REFERENCE
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HF_CONFIG = os.path.join(HERE, "tinyllama_1b.json")

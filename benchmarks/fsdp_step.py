@@ -37,7 +37,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import fusedopt  # noqa: E402
-from fusedopt.profile.competitors import COMPETITORS, HPARAMS  # noqa: E402
+from fusedopt.profile.competitors import COMPETITORS  # noqa: E402
+from fusedopt.profile.lineup import HPARAMS  # noqa: E402
 from fusedopt.profile.models import PRESETS, TinyLM  # noqa: E402
 
 GIB = 1 << 30

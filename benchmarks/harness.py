@@ -35,7 +35,7 @@ import torch
 
 GIB, MIB = 1 << 30, 1 << 20
 
-# --- the line-up (fusedopt/profile/competitors.py) ---------------------------------------------
+# --- the line-up (fusedopt/profile/lineup.py) ---------------------------------------------
 
 # What each benchmark runs by default (its --only narrows it).
 PARTS = {
@@ -49,7 +49,7 @@ PARTS = {
 def select(keys: str | None, part: str) -> list:
     """Line-up entries by comma-separated keys (``"A,FO,FOR"``), or the part's default line-up; an
     unknown key ends the script with a message."""
-    from fusedopt.profile.competitors import BY_KEY, lineup
+    from fusedopt.profile.lineup import BY_KEY, lineup
     from fusedopt.profile.models import UserError
 
     try:
@@ -661,7 +661,8 @@ def main(argv=None) -> int:
     same.add_argument("files", nargs=2)
     args = parser.parse_args(argv)
     if args.command == "lineup":
-        from fusedopt.profile.competitors import COMPETITORS, library_versions, status_lines
+        from fusedopt.profile.competitors import COMPETITORS, library_versions
+        from fusedopt.profile.lineup import status_lines
 
         print("\n".join(status_lines(args.device)))
         print(library_versions())

@@ -22,7 +22,7 @@ Studies (``--study``; each sets the settings, the configurations and the referen
   their own peak lr (``PEAK_LR``: torch's relative step) with AdamW's weight decay per step, and are
   also paired against fusedopt's default and fp32 Adafactor; ``KEY@LR`` runs a key at another peak
   lr (a sweep). The known-worse configurations must come out worse than fp32 beyond the noise.
-* ``lineup``: other libraries' optimizers (the keys of ``fusedopt/profile/competitors.py``'s line-up,
+* ``lineup``: other libraries' optimizers (the keys of ``fusedopt/profile/lineup.py``'s line-up,
   its shared hyperparameters) against torch AdamW with fp32 parameters and bf16 autocast (``A``):
   8 layers, d_model 512, ffn 1408, 2000 steps of 16 x 256 bytes, peak lr 1e-3, 256 held-out windows.
 * ``clipping``: clipping under gradient release. ``exact`` (``fused=False``: the global norm in
@@ -190,7 +190,7 @@ def config_of(key: str, lr: float):
     or ``KEY@LR`` for that configuration at another peak lr. ``lr``: the peak lr of keys without
     their own (:data:`PEAK_LR`)."""
     from fusedopt.profile import parse_config
-    from fusedopt.profile.competitors import BY_KEY, HPARAMS
+    from fusedopt.profile.lineup import BY_KEY, HPARAMS
 
     base, sep, value = key.partition("@")
     if base not in CONFIGS and base not in BY_KEY:

@@ -22,7 +22,7 @@ bandwidth measured in the same process. fusedopt's finite check reads the gradie
 Configurations: the baseline, fusedopt's default, then ``--formats`` (``state_format``, built under
 ``FUSEDOPT_BACKEND=triton`` on CUDA: a format the kernel cannot run is an error, not a reference-path
 time), ``--configs`` (``fusedopt-profile --config`` strings) and ``--lineup`` (keys of
-``fusedopt/profile/competitors.py``'s line-up, with its hyperparameters; plain steps only: release
+``fusedopt/profile/lineup.py``'s line-up, with its hyperparameters; plain steps only: release
 configurations have no step to time). ``--model PRESET`` times the parameters of the profiler's
 Llama-style model instead of the large tensors (most of them join bucketed launches: the step is
 bound by host time). ``--adafactor``: the tensors of ``--layers`` decoder layers of the 1.1B shape
@@ -66,7 +66,7 @@ def layer_shapes(layers: int, embedding: bool) -> list[tuple[int, ...]]:
 
 def step_bytes(config, dtype) -> float | None:
     """Bytes per element of one step by the byte model (each tensor read and written once), or None."""
-    from fusedopt.profile.competitors import fusedopt_step_bytes
+    from fusedopt.profile.lineup import fusedopt_step_bytes
 
     kwargs = config.constructor_kwargs
     if config.optimizer == "torch.AdamW" and not kwargs.get("amsgrad"):

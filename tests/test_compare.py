@@ -1,5 +1,5 @@
 """The comparison with other libraries on CPU: competitor configurations in the profiler, the torch
-"optimizer in backward" pattern, the line-up (fusedopt/profile/competitors.py), and the benchmark
+"optimizer in backward" pattern, the line-up (fusedopt/profile/lineup.py), and the benchmark
 harness's pure logic (benchmarks/harness.py: timing as ratios, the paired-seed quality runner and its
 report, fingerprints) and scripts (fit search, quality studies, step speed). None of this needs the
 competitor libraries installed."""
@@ -15,15 +15,8 @@ import torch
 import fusedopt
 import fusedopt.profile
 from fusedopt.profile import parse_config
-from fusedopt.profile.competitors import (
-    BY_KEY,
-    COMPETITORS,
-    HPARAMS,
-    LINEUP,
-    Competitor,
-    fusedopt_step_bytes,
-    torch_adamw_in_backward,
-)
+from fusedopt.profile.competitors import COMPETITORS, Competitor, torch_adamw_in_backward
+from fusedopt.profile.lineup import BY_KEY, HPARAMS, LINEUP, fusedopt_step_bytes
 from fusedopt.profile.memory import state_storages, state_tensors
 from fusedopt.profile.models import UserError
 
