@@ -13,6 +13,13 @@ towards the corpus's byte entropy; a diverging or non-finite loss fails the run)
     python benchmarks/fit_7b.py --shape vocab=256,d_model=64,layers=2,heads=2,kv_heads=2,ffn=192 \\
         --device cpu --steps 5 --config block4-nomaster        # CPU smoke test (no cap)
 
+``--vocab-pieces N`` holds the embedding and the LM head as N row pieces each
+(``fusedopt.split_rows``), so release holds one piece's gradient at a time; ``--chunked-loss`` computes
+the loss with ``fusedopt.chunked_cross_entropy`` (default chunk: 0), given the head's pieces.
+
+    python benchmarks/fit_7b.py --shape llama3-8b --config norm2-root4-nomaster --budget-gib 22.35 \
+        --vocab-pieces 8 --chunked-loss 0 --steps 200 --out $OUT/fit_llama3.json
+
 ``--config`` names one of ``CONFIGS`` (fusedopt.AdamW or fusedopt.Adafactor, its keyword arguments
 and peak lr); ``--opt k=v,...`` adds or overrides keyword arguments (``master_weight_bits=None``,
 ``state_format=rot4``...).
@@ -34,7 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import corpus, next_token_loss, warmup_cosine, windows  # noqa: E402
 
 import fusedopt  # noqa: E402
-from fusedopt.profile.models import PRESETS, TinyLM, parse_shape  # noqa: E402
+from fusedopt.losses import default_chunk_size  # noqa: E402
+from fusedopt.profile.models import PRESETS, TinyLM, head_weight, parse_shape  # noqa: E402
 
 GIB = 1 << 30
 ADAMW = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -42,6 +50,8 @@ ADAMW = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 # step: the update is scaled by max(eps2, RMS(param)) * min(lr, 1/sqrt(step)).
 CONFIGS = {
     "default": (fusedopt.AdamW, dict(ADAMW), 1e-4),
+    # the baseline: torch's AdamW on the bf16 parameters (fused=True is its CUDA kernel; no release)
+    "torch-bf16": (torch.optim.AdamW, dict(ADAMW), 1e-4),
     "nomaster": (fusedopt.AdamW, dict(ADAMW, master_weight_bits=None), 1e-4),
     "block4": (fusedopt.AdamW, dict(ADAMW, state_bits=4), 1e-4),
     "block4-nomaster": (fusedopt.AdamW, dict(ADAMW, state_bits=4, master_weight_bits=None), 1e-4),
@@ -88,13 +98,17 @@ def main(argv=None) -> int:
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the config's)")
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--vocab-pieces", type=int, default=None, help="split the embedding and head (split_rows)")
+    parser.add_argument("--chunked-loss", type=int, default=None, help="tokens per chunked-loss chunk (0: default)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
     shape = PRESETS[args.shape] if args.shape in PRESETS else parse_shape(args.shape, PRESETS["7b"])
     opt_class, kwargs, lr = CONFIGS[args.config]
-    kwargs = {"max_grad_norm": None, **kwargs, **parse_opt(args.opt)}  # no clipping unless --opt asks
+    kwargs = {**kwargs, **parse_opt(args.opt)}
+    if opt_class is not torch.optim.AdamW:
+        kwargs = {"max_grad_norm": None, **kwargs}  # no clipping unless --opt asks
     lr = args.lr if args.lr is not None else lr
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -107,6 +121,10 @@ def main(argv=None) -> int:
 
     torch.manual_seed(0)
     model = TinyLM(shape, checkpointing=True, device=device, dtype=torch.bfloat16)
+    if args.vocab_pieces:
+        model.embed_tokens = fusedopt.split_rows(model.embed_tokens, args.vocab_pieces)
+        model.lm_head = fusedopt.split_rows(model.lm_head, args.vocab_pieces)
+    chunk = None if args.chunked_loss is None else args.chunked_loss or default_chunk_size(shape.vocab)
     n_params = sum(p.numel() for p in model.parameters())
     opt = opt_class(model.parameters(), lr=lr, fused=True, **kwargs)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps))
@@ -119,8 +137,11 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             starts = torch.randint(0, train.numel() - args.seq - 2, (args.batch,), generator=gen).to(device)
             x, y = windows(train, starts, args.seq)
-            loss = next_token_loss(model, x, y)
-            loss.backward()  # fused=True: every parameter is updated inside backward
+            if chunk is None:
+                loss = next_token_loss(model, x, y)
+            else:
+                loss = fusedopt.chunked_cross_entropy(model.hidden_states(x), head_weight(model.lm_head), y, chunk)
+            loss.backward()  # fusedopt's fused=True: every parameter is updated inside backward
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
@@ -141,6 +162,8 @@ def main(argv=None) -> int:
         "lr": lr,
         "optimizer_kwargs": {k: (list(v) if isinstance(v, tuple) else v) for k, v in kwargs.items()},
         "budget_gib": args.budget_gib if cuda else None,
+        "vocab_pieces": args.vocab_pieces,
+        "chunked_loss": chunk,
         "steps_run": len(times),
         "steps": args.steps,
         "error": error,

@@ -2,7 +2,8 @@
 
 Compressed optimizer state, master-weight splitting, one fused Triton kernel per parameter
 and gradient release during backward; ``chunked_cross_entropy``, an LM loss that never builds the
-full logits. ``fusedopt.kernels`` is internal.
+full logits; ``split_rows``, which holds an embedding or LM head as row pieces so that release
+holds one piece's gradient at a time. ``fusedopt.kernels`` is internal.
 """
 
 from .adafactor import Adafactor
@@ -10,6 +11,7 @@ from .adamw import AdamW
 from .lion import Lion
 from .losses import chunked_cross_entropy
 from .optimizer import FusedOptimizer
+from .pieces import split_rows
 from .sgd import SGD
 from .weights import load_master_state_dict, master_state_dict
 
@@ -20,6 +22,7 @@ __all__ = [
     "Lion",
     "Adafactor",
     "chunked_cross_entropy",
+    "split_rows",
     "FusedOptimizer",
     "master_state_dict",
     "load_master_state_dict",

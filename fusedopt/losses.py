@@ -16,6 +16,8 @@ temporaries hold ``chunk_size x vocab`` elements.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -120,9 +122,82 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
+class _PieceLogSumExp(torch.autograd.Function):
+    """One row piece of the head: each token's log-sum-exp over the piece's logits and its target's
+    logit (0 where the target lies in another piece). Its backward yields the piece's weight gradient
+    by itself, so autograd accumulates it (and release applies and frees it) before the next piece's."""
+
+    @staticmethod
+    def forward(ctx, hidden, piece, local, here, chunk_elements, compute_dtype):
+        tokens, rows = hidden.shape[0], piece.shape[0]
+        chunk_size = max(1, chunk_elements // max(rows, 1))  # tokens whose logits in this piece fill a chunk
+        lse = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+        target = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = piece.to(compute_dtype)
+            for start in range(0, tokens, chunk_size):
+                end = min(start + chunk_size, tokens)
+                logits = (hidden[start:end].to(compute_dtype) @ w.T).float()
+                lse[start:end] = torch.logsumexp(logits, dim=-1)
+                picked = logits.gather(1, local[start:end, None]).squeeze(1)
+                target[start:end] = torch.where(here[start:end], picked, target[start:end])
+                del logits
+        ctx.save_for_backward(hidden, piece, local, here, lse)
+        ctx.options = (max(1, chunk_elements // max(tokens, 1)), compute_dtype)  # rows per slice in backward
+        return lse, target
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_lse, grad_target):
+        hidden, piece, local, here, lse = ctx.saved_tensors
+        width, compute_dtype = ctx.options
+        h = hidden.to(compute_dtype)
+        w = piece.to(compute_dtype)
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_piece = torch.empty(piece.shape, dtype=compute_dtype, device=piece.device)
+        target_scale = torch.where(here, grad_target.float(), torch.zeros((), device=hidden.device))
+        with torch.autocast(hidden.device.type, enabled=False):
+            # d/dlogits = softmax within the piece (exp(logits - lse)) * grad_lse + one_hot(target) * grad_target
+            for start in range(0, piece.shape[0], width):
+                end = min(start + width, piece.shape[0])
+                probs = (h @ w[start:end].T).float()
+                probs.sub_(lse[:, None]).exp_().mul_(grad_lse.float()[:, None])
+                inside = here & (local >= start) & (local < end)
+                index = torch.where(inside, local - start, torch.zeros((), dtype=local.dtype, device=local.device))
+                probs.scatter_add_(1, index[:, None], torch.where(inside, target_scale, 0.0)[:, None])
+                probs = probs.to(compute_dtype)
+                torch.mm(probs.T, h, out=grad_piece[start:end])
+                grad_hidden += probs @ w[start:end]
+                del probs
+        return grad_hidden.to(hidden.dtype), grad_piece.to(piece.dtype), None, None, None, None
+
+
+def _pieces_cross_entropy(hidden, pieces, labels, chunk_size, ignore_index, reduction, compute_dtype):
+    """The loss over a head given as row pieces: each piece's log-sum-exp, then one over the pieces."""
+    valid, safe = _targets(labels, ignore_index)
+    # the pieces' gradients of hidden are summed in fp32 and rounded to hidden's dtype once, by this cast
+    hidden32 = hidden.float()
+    vocab = sum(piece.shape[0] for piece in pieces)
+    lses, targets, start = [], [], 0
+    for piece in pieces:
+        end = start + piece.shape[0]
+        here = (safe >= start) & (safe < end)
+        local = torch.where(here, safe - start, torch.zeros((), dtype=safe.dtype, device=safe.device))
+        elements = chunk_size * vocab
+        lse, target = _PieceLogSumExp.apply(hidden32, piece, local, here, elements, compute_dtype)
+        lses.append(lse)
+        targets.append(target)
+        start = end
+    lse = torch.logsumexp(torch.stack(lses), dim=0)
+    target = torch.stack(targets).sum(dim=0)  # one piece holds each target; the others add zeros
+    per_token = torch.where(valid, lse - target, torch.zeros((), device=hidden.device))
+    total = per_token.sum()
+    return total / valid.sum().to(torch.float32) if reduction == "mean" else total
+
+
 def chunked_cross_entropy(
     hidden: torch.Tensor,
-    lm_head_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor | Sequence[torch.Tensor],
     labels: torch.Tensor,
     chunk_size: int | None = None,
     ignore_index: int = -100,
@@ -143,13 +218,34 @@ def chunked_cross_entropy(
     gradients) or ``"sum"`` (``0`` then). Returns an fp32 scalar. Gradients flow to ``hidden`` and to
     the weight, whose gradient is produced once per backward, so gradient release
     (``fused=True``) updates the head as it does under the unchunked loss.
+
+    ``lm_head_weight`` may also be a sequence of row pieces (``fusedopt.split_rows(head, n).pieces``),
+    the weight's consecutive row blocks: the same loss, with each piece's gradient produced by
+    itself in backward, so that release holds one piece's gradient at a time, not the whole head's.
+    (The logits are then computed twice in all instead of three times; the gradient of ``hidden`` is
+    the pieces' sum, each piece's rounded to the logits' dtype.)
     """
+    if not isinstance(lm_head_weight, torch.Tensor):
+        pieces = list(lm_head_weight)
+        if not pieces or not all(isinstance(p, torch.Tensor) and p.dim() == 2 for p in pieces):
+            raise ValueError(
+                "chunked_cross_entropy: lm_head_weight must be a 2-D tensor or a non-empty sequence of them"
+            )
+        if len({p.shape[1] for p in pieces}) != 1 or len({p.dtype for p in pieces}) != 1:
+            raise ValueError(
+                "chunked_cross_entropy: the pieces of lm_head_weight must share their dtype and row length"
+            )
+        head = pieces[0]
+        vocab = sum(p.shape[0] for p in pieces)
+    else:
+        pieces, head = None, lm_head_weight
+        vocab = head.shape[0] if head.dim() == 2 else 0
     if reduction not in REDUCTIONS:
         raise ValueError(f"chunked_cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if lm_head_weight.dim() != 2:
-        shape = tuple(lm_head_weight.shape)
+    if head.dim() != 2:
+        shape = tuple(head.shape)
         raise ValueError(f"chunked_cross_entropy: lm_head_weight must be [vocab, hidden_size], got {shape}")
-    size = lm_head_weight.shape[1]
+    size = head.shape[1]
     if hidden.shape[-1] != size:
         raise ValueError(
             f"chunked_cross_entropy: hidden's last dimension is {hidden.shape[-1]}, lm_head_weight's is {size}"
@@ -160,11 +256,14 @@ def chunked_cross_entropy(
             f"{tuple(hidden.shape[:-1])}"
         )
     if chunk_size is None:
-        chunk_size = default_chunk_size(lm_head_weight.shape[0])
+        chunk_size = default_chunk_size(vocab)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunked_cross_entropy: chunk_size must be a positive integer, got {chunk_size!r}")
-    compute_dtype = _compute_dtype(hidden, lm_head_weight)
+    compute_dtype = _compute_dtype(hidden, head)
     flat_labels = labels.reshape(-1).long()
+    if pieces is not None:
+        flat = hidden.reshape(-1, size)
+        return _pieces_cross_entropy(flat, pieces, flat_labels, chunk_size, ignore_index, reduction, compute_dtype)
     return _ChunkedCrossEntropy.apply(
         hidden.reshape(-1, size), lm_head_weight, flat_labels, chunk_size, ignore_index, reduction, compute_dtype
     )

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fusedopt.losses import chunked_cross_entropy, default_chunk_size
+from fusedopt.pieces import RowPiecesLinear
 
 
 class UserError(Exception):
@@ -285,7 +286,7 @@ class TinyLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.hidden_states(input_ids)
         if labels is not None and self.chunked_loss is not None:
-            return chunked_lm_loss(hidden, self.lm_head.weight, labels, self.chunked_loss)
+            return chunked_lm_loss(hidden, head_weight(self.lm_head), labels, self.chunked_loss)
         logits = self.lm_head(hidden)
         if labels is None:
             return logits
@@ -296,6 +297,12 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy in fp32 (labels shifted by one, as Hugging Face does)."""
     vocab = logits.shape[-1]
     return F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), labels[:, 1:].reshape(-1))
+
+
+def head_weight(head: nn.Module):
+    """What :func:`fusedopt.chunked_cross_entropy` takes of an LM head: its row pieces where it was split
+    (:func:`fusedopt.split_rows`), else its weight."""
+    return head.pieces if isinstance(head, RowPiecesLinear) else head.weight
 
 
 def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -367,7 +374,7 @@ class HFLossWrapper(nn.Module):
         if labels is not None and self.chunked_loss is not None:
             hidden = self.model.base_model(input_ids=input_ids).last_hidden_state
             head = self.model.get_output_embeddings()
-            return chunked_lm_loss(hidden, head.weight, labels, self.chunked_loss)
+            return chunked_lm_loss(hidden, head_weight(head), labels, self.chunked_loss)
         return self.model(input_ids=input_ids, labels=labels).loss
 
 
