@@ -85,6 +85,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="compute the loss with fusedopt.chunked_cross_entropy, TOKENS per chunk (default: about 2**24 logits "
         "per chunk), which never builds the full logits; without it the loss is the cross-entropy of the full logits",
     )
+    g.add_argument(
+        "--vocab-pieces",
+        type=_positive_int,
+        metavar="N",
+        help="hold the embedding and the LM head as N row pieces each (fusedopt.split_rows), so that gradient "
+        "release holds one piece's gradient at a time",
+    )
 
 
 def _run_parser() -> argparse.ArgumentParser:
@@ -185,6 +192,7 @@ def _main_plan(argv) -> int:
         measurements=measurements,
         activations_gib=args.activations,
         chunked_loss=args.chunked_loss,
+        vocab_pieces=args.vocab_pieces,
     )
     rows = plan(args.params, args.gpu_memory, configs, **common)
     rec = recommend(args.params, args.gpu_memory, **common)
@@ -250,6 +258,7 @@ def _main_run(argv) -> int:
         spec = ModelSpec.default(not args.no_checkpointing, device=args.device)
         if args.chunked_loss is not None:
             spec = spec.with_chunked_loss(args.chunked_loss)
+    spec = spec.with_vocab_pieces(args.vocab_pieces)
     configs = [parse_config(c) for c in (args.config or DEFAULT_CONFIGS)]
     json_path = _writable_file(args.json or os.path.join(args.output_dir, "results.json"), "results")
     plot_path = args.plot or os.path.join(args.output_dir, "memory.png")

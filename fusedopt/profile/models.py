@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fusedopt.losses import chunked_cross_entropy, default_chunk_size
-from fusedopt.pieces import RowPiecesLinear
+from fusedopt.pieces import RowPiecesLinear, split_rows
 
 
 class UserError(Exception):
@@ -442,7 +442,8 @@ def hf_num_params(config) -> int:
 class ModelSpec:
     """A model as plain data: ``kind`` is ``"preset"``, ``"shape"`` or ``"hf"``. ``chunked_loss``: the
     loss is :func:`fusedopt.chunked_cross_entropy` with that many tokens per chunk (``None``: the
-    cross-entropy of the full logits)."""
+    cross-entropy of the full logits). ``vocab_pieces``: the embedding and the head are held as that
+    many row pieces each (:func:`fusedopt.split_rows`), so release holds one piece's gradient at a time."""
 
     kind: str = "preset"
     preset: str | None = "small"
@@ -450,6 +451,7 @@ class ModelSpec:
     hf_config: str | None = None  # path to a config.json, for kind "hf"
     checkpointing: bool = True
     chunked_loss: int | None = None
+    vocab_pieces: int | None = None
 
     @classmethod
     def from_args(
@@ -498,6 +500,18 @@ class ModelSpec:
             return cls(kind="shape", preset=preset, shape=dataclasses.asdict(parsed), checkpointing=checkpointing)
         return cls.default(checkpointing=checkpointing)
 
+    def with_vocab_pieces(self, pieces: int | None) -> ModelSpec:
+        """This model with its embedding and head in ``pieces`` row pieces each (``None``: whole)."""
+        if pieces is not None:
+            if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
+                raise UserError(f"--vocab-pieces takes a positive number of pieces, got {pieces!r}")
+            if self.kind == "hf" and load_hf_config(self.hf_config).model_type not in LLAMA_MODEL_TYPES:
+                types = ", ".join(LLAMA_MODEL_TYPES)
+                raise UserError(f"--vocab-pieces with a Hugging Face config needs one of these model types: {types}")
+            if self.kind != "hf" and self.model_shape().tie_embeddings:
+                raise UserError("--vocab-pieces needs an untied head: split_rows would untie the tied embeddings")
+        return dataclasses.replace(self, vocab_pieces=pieces)
+
     def with_chunked_loss(self, chunk_size: int | None) -> ModelSpec:
         """This model with the chunked loss (``chunk_size`` tokens per chunk, ``0``: the default chunk) or,
         with ``None``, with the full logits."""
@@ -535,8 +549,18 @@ class ModelSpec:
         if self.kind == "hf":
             with torch.device("meta"):
                 model = causal_lm_from_config(load_hf_config(self.hf_config))
-            return [tuple(p.shape) for p in model.parameters()]
-        return self.model_shape().param_shapes()
+            shapes = [tuple(p.shape) for p in model.parameters()]
+        else:
+            shapes = self.model_shape().param_shapes()
+        if not self.vocab_pieces:
+            return shapes
+        vocab, out = self.vocab_size(), []
+        for shape in shapes:  # the embedding and the head: [vocab, hidden] -> split_rows' row blocks
+            if len(shape) == 2 and shape[0] == vocab:
+                out += [(len(rows), shape[1]) for rows in torch.arange(vocab).tensor_split(self.vocab_pieces)]
+            else:
+                out.append(shape)
+        return out
 
     def vocab_size(self) -> int | None:
         if self.kind == "hf":
@@ -552,6 +576,8 @@ class ModelSpec:
         ckpt = "activation checkpointing" if self.checkpointing else "no checkpointing"
         if self.chunked_loss is not None:
             ckpt += f", chunked loss ({self.chunked_loss} tokens per chunk)"
+        if self.vocab_pieces:
+            ckpt += f", embedding and head in {self.vocab_pieces} pieces"
         if self.kind == "hf":
             config = load_hf_config(self.hf_config)
             return f"Hugging Face {config.model_type} from {self.hf_config} ({ckpt})"
@@ -563,17 +589,25 @@ class ModelSpec:
         if self.kind == "hf":
             config = load_hf_config(self.hf_config)
             model = build_hf_model(config, checkpointing=self.checkpointing, device=device, dtype=dtype)
+            if self.vocab_pieces:
+                model.set_input_embeddings(split_rows(model.get_input_embeddings(), self.vocab_pieces))
+                model.set_output_embeddings(split_rows(model.get_output_embeddings(), self.vocab_pieces))
             return HFLossWrapper(model, self.chunked_loss)
         shape, loss = self.model_shape(), self.chunked_loss
-        return TinyLM(shape, checkpointing=self.checkpointing, chunked_loss=loss, device=device, dtype=dtype)
+        model = TinyLM(shape, checkpointing=self.checkpointing, chunked_loss=loss, device=device, dtype=dtype)
+        if self.vocab_pieces:
+            model.embed_tokens = split_rows(model.embed_tokens, self.vocab_pieces)
+            model.lm_head = split_rows(model.lm_head, self.vocab_pieces)
+        return model
 
     def to_dict(self) -> dict:
         """The fields as plain data; the options added later (``chunked_loss``, a shape's
         ``tie_embeddings``) only when set, so that a spec without them keeps the key it had in
         earlier results files (the planner matches measured activations by it)."""
         data = dataclasses.asdict(self)
-        if data["chunked_loss"] is None:
-            del data["chunked_loss"]
+        for later in ("chunked_loss", "vocab_pieces"):
+            if data[later] is None:
+                del data[later]
         if data["shape"] is not None and not data["shape"].get("tie_embeddings", False):
             data["shape"].pop("tie_embeddings", None)
         return data

@@ -285,6 +285,10 @@ BASELINE_CONFIGS = ("torch.AdamW:autocast='bf16'", "torch.AdamW", "fusedopt.Adam
 
 # What a row with the chunked loss adds to its description.
 CHUNKED_LOSS_TAG = ", chunked loss"
+VOCAB_PIECES_TAG = ", vocabulary in {} pieces"
+# The pieces the planner tries when nothing fits with the chunked loss (measured on the H200 for
+# Llama-3-8B: benchmarks/RESULTS.md, "Llama-3-8B on 24 GB").
+VOCAB_PIECES = 8
 # What a row without an activation figure says, and how to give one.
 NOT_INCLUDED = "not included"
 ACTIVATIONS_HINT = (
@@ -338,6 +342,7 @@ class PlanRow:
     margin: int = 0  # memory minus peak, bytes (negative: does not fit)
     quality: str = ""  # QUALITY's figure, or NOT_MEASURED
     chunked_loss: int | None = None  # tokens per chunk of fusedopt.chunked_cross_entropy; None: the full logits
+    vocab_pieces: int | None = None  # the embedding and head in that many row pieces (fusedopt.split_rows)
 
 
 def measured_per_param(result: dict) -> PerParam | None:
@@ -372,6 +377,7 @@ def plan_configs(
     activation_source: str = "estimate",
     why_no_estimate: str = "",
     chunked_loss: int | None = None,
+    vocab_pieces: int | None = None,
 ) -> list[PlanRow]:
     """One row per configuration: estimated peak and whether it fits in ``memory_bytes``.
 
@@ -382,6 +388,7 @@ def plan_configs(
     ``activations`` (bytes) overrides every activation figure. Without a figure, a row's
     ``activation_source`` is ``"not included"`` and ``why_no_estimate`` when given. ``chunked_loss``:
     the estimate's loss head is one chunk of that many tokens (``None``: the full logits).
+    ``vocab_pieces``: ``shapes`` hold the embedding and head as that many row pieces (a row says so).
     """
     rows = []
     if shapes:
@@ -456,10 +463,13 @@ def plan_configs(
                 fits,
                 note="; ".join(notes),
                 config=config,
-                description=describe(config, dtype) + (CHUNKED_LOSS_TAG if chunked_loss is not None else ""),
+                description=describe(config, dtype)
+                + (CHUNKED_LOSS_TAG if chunked_loss is not None else "")
+                + (VOCAB_PIECES_TAG.format(vocab_pieces) if vocab_pieces else ""),
                 margin=memory_bytes - peak,
                 quality=_quality(config, param_dtype),
                 chunked_loss=chunked_loss,
+                vocab_pieces=vocab_pieces,
             )
         )
     return rows
@@ -493,12 +503,17 @@ def nearest_preset(num_params: int) -> str:
     return min(PRESETS, key=lambda k: abs(math.log(PRESETS[k].num_params() / num_params)))
 
 
-def _inputs(num_params, model, dtype, batch, seq_len, activations_gib, chunked_loss=None):
+def _inputs(num_params, model, dtype, batch, seq_len, activations_gib, chunked_loss=None, vocab_pieces=None):
     """The planner's common inputs: (num_params, keyword arguments of :func:`plan_configs`).
-    ``chunked_loss`` (tokens per chunk, ``0``: the default chunk) overrides the model's loss."""
+    ``chunked_loss`` (tokens per chunk, ``0``: the default chunk) overrides the model's loss, and
+    ``vocab_pieces`` its embedding and head."""
     spec = ModelSpec.from_args(model, None, None) if isinstance(model, str) else model
     if spec is not None and chunked_loss is not None:
         spec = spec.with_chunked_loss(chunked_loss)
+    if vocab_pieces is not None:
+        if spec is None:
+            raise UserError("--vocab-pieces needs a model (--model, --shape or --hf-config)")
+        spec = spec.with_vocab_pieces(vocab_pieces)
     if num_params is None:
         if spec is None:
             raise UserError("give a parameter count or a model")
@@ -532,6 +547,7 @@ def _inputs(num_params, model, dtype, batch, seq_len, activations_gib, chunked_l
         activation_source=source,
         why_no_estimate=why_no_estimate,
         chunked_loss=chunked_loss,
+        vocab_pieces=spec.vocab_pieces if spec is not None else None,
     )
     return num_params, kwargs
 
@@ -548,11 +564,12 @@ def plan(
     measurements: list[dict] | None = None,
     activations_gib: float | None = None,
     chunked_loss: int | None = None,
+    vocab_pieces: int | None = None,
 ) -> list[PlanRow]:
     """Which configurations fit in ``memory_gib``; one :class:`PlanRow` per configuration. The loss is
     the model's (``ModelSpec.chunked_loss``; the full logits for a bare count) unless ``chunked_loss``
-    (tokens per chunk, ``0``: the default chunk) says otherwise."""
-    num_params, kwargs = _inputs(num_params, model, dtype, batch, seq_len, activations_gib, chunked_loss)
+    (tokens per chunk, ``0``: the default chunk) says otherwise; ``vocab_pieces`` likewise."""
+    num_params, kwargs = _inputs(num_params, model, dtype, batch, seq_len, activations_gib, chunked_loss, vocab_pieces)
     configs = [parse_config(c) if isinstance(c, str) else c for c in (configs or DEFAULT_CONFIGS)]
     return plan_configs(num_params, int(memory_gib * GIB), configs, measurements=measurements, **kwargs)
 
@@ -588,6 +605,7 @@ def recommend(
     measurements: list[dict] | None = None,
     activations_gib: float | None = None,
     chunked_loss: int | None = None,
+    vocab_pieces: int | None = None,
 ) -> Recommendation:
     """The fusedopt AdamW configurations that fit in ``memory_gib``, and which one to use.
 
@@ -602,27 +620,42 @@ def recommend(
     ``fusedopt.chunked_cross_entropy``): a format with the chunked loss comes before a leaner format.
     The chunked loss is a candidate where the model's loss is the full logits and the activations are
     estimated from its shape (a given or measured figure already holds the loss the run used);
-    ``chunked_loss`` sets the model's loss, as for :func:`plan`.
+    ``chunked_loss`` sets the model's loss, as for :func:`plan`. Where no format fits with the chunked
+    loss, the chunked loss with the embedding and head in :data:`VOCAB_PIECES` row pieces
+    (``fusedopt.split_rows``: release then holds one piece's gradient, not the head's) follows each
+    format's chunked row; ``vocab_pieces`` sets them for every row instead.
     """
-    num_params, kwargs = _inputs(num_params, model, dtype, batch, seq_len, activations_gib, chunked_loss)
+    args = (num_params, model, dtype, batch, seq_len, activations_gib)
+    num_params, kwargs = _inputs(*args, chunked_loss, vocab_pieces)
     configs = candidate_configs(kwargs["dtype"])
     memory = int(memory_gib * GIB)
     rows = plan_configs(num_params, memory, configs, measurements=measurements, **kwargs)
-    if kwargs["chunked_loss"] is None and kwargs["model_shape"] is not None and kwargs["activations"] is None:
+    estimated = kwargs["model_shape"] is not None and kwargs["activations"] is None
+    variants = [rows]
+    if kwargs["chunked_loss"] is None and estimated:
         chunk = default_chunk_size(kwargs["model_shape"].vocab)
         chunked = plan_configs(num_params, memory, configs, measurements=None, **{**kwargs, "chunked_loss": chunk})
-        chunked = [r for r in chunked if r.activation_source != "measured"]
-        rows = _interleave(rows, chunked, configs)
+        variants.append([r for r in chunked if r.activation_source != "measured"])
+    if vocab_pieces is None and estimated and model is not None and not any(r.fits for r in variants[-1]):
+        try:
+            _, split = _inputs(*args, kwargs["chunked_loss"] or 0, VOCAB_PIECES)
+        except UserError:  # tied embeddings, or a Hugging Face model type split_rows does not fit
+            split = None
+        if split is not None:
+            pieces = plan_configs(num_params, memory, configs, measurements=None, **split)
+            variants.append([r for r in pieces if r.activation_source != "measured"])
+    rows = _interleave(variants, configs)
     choice = _first_from_default(rows, lambda r: r.fits is True)
     tentative = None if choice else _first_from_default(rows, lambda r: r.fits is None)
     return Recommendation(rows, choice, tentative)
 
 
-def _interleave(full: list[PlanRow], chunked: list[PlanRow], configs: list) -> list[PlanRow]:
-    """Each format's rows with the full logits, then the same format's with the chunked loss."""
+def _interleave(variants: list[list[PlanRow]], configs: list) -> list[PlanRow]:
+    """Each format's rows of the first variant (the full logits), then of the next (the chunked loss, then
+    with the vocabulary in pieces)."""
     out = []
     for fmt in dict.fromkeys(format_of(c) for c in configs):
-        out += [r for r in full if format_of(r.config) == fmt] + [r for r in chunked if format_of(r.config) == fmt]
+        out += [r for rows in variants for r in rows if format_of(r.config) == fmt]
     return out
 
 
@@ -645,6 +678,7 @@ def config_string(config) -> str:
 def _profiler_args(row: PlanRow) -> str:
     """The profiler's arguments that measure a row: its ``--config`` and, for the chunked loss, ``--chunked-loss``."""
     loss = f" --chunked-loss {row.chunked_loss}" if row.chunked_loss is not None else ""
+    loss += f" --vocab-pieces {row.vocab_pieces}" if row.vocab_pieces else ""
     return f'--config "{config_string(row.config)}"{loss}'
 
 
@@ -729,9 +763,15 @@ def format_recommendation(rec: Recommendation, *, memory_bytes: int) -> str:
     lines.append(
         f"Use: {c.description} ({_profiler_args(c)}), peak {_gib(c.peak)} GiB, margin {c.margin / GIB:.2f} GiB."
     )
-    if c.chunked_loss is not None:
+    if c.vocab_pieces:
         lines.append(
-            "  (the chunked loss: compute the loss with fusedopt.chunked_cross_entropy(hidden, lm_head.weight, "
+            f"  (the vocabulary in pieces: model.lm_head = fusedopt.split_rows(model.lm_head, {c.vocab_pieces}), the "
+            "same for the input embedding, before building the optimizer)"
+        )
+    if c.chunked_loss is not None:
+        head = "lm_head.pieces" if c.vocab_pieces else "lm_head.weight"
+        lines.append(
+            f"  (the chunked loss: compute the loss with fusedopt.chunked_cross_entropy(hidden, {head}, "
             f"labels, chunk_size={c.chunked_loss}), which never builds the full logits)"
         )
     if format_of(c.config) != format_of(fitting[0].config):
