@@ -67,14 +67,16 @@ def layer_shapes(layers: int, embedding: bool) -> list[tuple[int, ...]]:
 def step_bytes(config, dtype) -> float | None:
     """Bytes per element of one step by the byte model (each tensor read and written once), or None."""
     from fusedopt.profile.lineup import fusedopt_step_bytes
+    from fusedopt.profile.planner import options_of
 
     kwargs = config.constructor_kwargs
     if config.optimizer == "torch.AdamW" and not kwargs.get("amsgrad"):
         return 7 * torch.finfo(dtype).bits / 8  # gradient, parameter, two moments in the parameter dtype
     if config.optimizer == "fusedopt.AdamW" and dtype == torch.bfloat16 and "state_format" not in kwargs:
+        options = options_of(config.optimizer, kwargs)  # the constructor's defaults for options not given
         try:
-            return fusedopt_step_bytes(kwargs.get("state_bits", 8), kwargs.get("master_weight_bits", 24))
-        except KeyError:
+            return fusedopt_step_bytes(options["state_bits"], options["master_weight_bits"])
+        except (KeyError, ValueError):  # an option the optimizer refuses
             return None
     return None
 

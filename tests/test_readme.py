@@ -136,3 +136,11 @@ def _anchors(markdown: str) -> set[str]:
     """GitHub's anchors of a document's headings (lower case, punctuation dropped, spaces as dashes)."""
     headings = re.findall(r"^#+ (.+)$", re.sub(r"^```.*?^```", "", markdown, flags=re.M | re.S), flags=re.M)
     return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_results_is_one_current_page():
+    """benchmarks/RESULTS.md holds the current figures, each with its command and commit; superseded
+    studies live in git history, so the page stays short enough to read."""
+    with open(os.path.join(REPO, "benchmarks", "RESULTS.md")) as f:
+        lines = f.read().splitlines()
+    assert len(lines) <= 400, len(lines)

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fusedopt.master import MASTER_CORRECTION
+
 # Keys of a configuration that belong to the training loop, not to the optimizer's constructor.
 LOOP_OPTIONS = ("release", "autocast")
 
@@ -238,7 +240,7 @@ def lookup(name: str) -> Competitor | None:
 @functools.cache
 def correction_keys() -> tuple[str, ...]:
     """State keys that hold master-weight corrections, across fusedopt and every entry."""
-    keys = ["master_correction"]
+    keys = [MASTER_CORRECTION]
     for c in COMPETITORS.values():
         keys += [k for k in c.correction_keys if k not in keys]
     return tuple(keys)

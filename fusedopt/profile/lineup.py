@@ -11,6 +11,7 @@ import torch
 
 from fusedopt.profile.configs import OptimizerConfig, parse_config
 from fusedopt.profile.models import UserError
+from fusedopt.profile.planner import byte_model
 
 # --- the line-up of the head-to-head benchmarks ------------------------------------------------
 #
@@ -26,12 +27,12 @@ REFERENCE = "A"  # the benchmarks' ratios and gaps are to torch AdamW, fp32 para
 
 def fusedopt_step_bytes(state_bits: int, master_weight_bits) -> float:
     """Bytes per element one fusedopt AdamW step moves on bf16 parameters, each tensor read and
-    written once: gradient 2 (read), parameter 2 + 2, correction, moments and block scales (one byte
-    per 16 elements and moment). The finite check's second read of the gradient (+2) is not counted."""
-    corr = {None: 0, 24: 2, 32: 4}[master_weight_bits]
-    moments = {8: 4, 4: 2, 16: 8, 32: 16}[state_bits]
-    scales = 2 * 2 / 16 if state_bits in (8, 4) else 0
-    return 2 + 4 + corr + moments + scales
+    written once: the gradient read, the parameter, its correction and its moments (block scales
+    included) read and written, their sizes from the planner's byte model. The finite check's second
+    read of the gradient (+2) is not counted."""
+    options = {"state_bits": state_bits, "master_weight_bits": master_weight_bits}
+    per = byte_model("fusedopt.AdamW", options, torch.bfloat16)
+    return per.params + 2 * per.persistent
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Memory measurement for ``fusedopt.profile``: where the bytes of a training step go.
 
 :class:`MemoryTracker` watches one training step and splits the memory it holds into
-parameters, master-weight corrections (optimizer state key ``"master_correction"``), other
+parameters, master-weight corrections (``fusedopt.master.MASTER_CORRECTION``), other
 optimizer state, gradients, activations and the rest. It combines:
 
 * **Tensor accounting** (CPU and CUDA): a ``TorchDispatchMode`` sees the outputs of every aten
@@ -53,7 +53,6 @@ CATEGORY_LABELS = {
 }
 # Where the bytes in "rest" come from.
 REST_PARTS = ("inputs_buffers", "backward_temporaries", "update_temporaries", "other_temporaries", "untracked")
-CORRECTION_KEY = "master_correction"
 PHASES = ("forward", "backward", "update")
 
 _ORIGIN_ACTIVATION = "activation"

@@ -6,8 +6,9 @@ The peak of a training step is modelled as ``bytes_per_param * num_params + acti
   optimizer state and the gradients alive at the peak. It comes, in order of preference, from
   a profiler measurement of the same configuration and parameter dtype (``measured``), from
   the optimizer's own state layout built on meta tensors (``layout``: exact state bytes, no
-  memory used), or from fusedopt's byte model (``byte model``: the stored bytes of each
-  format, :data:`MOMENT_BYTES` and :data:`CORRECTION_BYTES`, times the moments the algorithm keeps).
+  memory used), or from fusedopt's byte model (``byte model``: of a large matrix, the stored bytes
+  per element of each moment's codec, ``MomentCodec.bytes_per_element``, and of the master-weight
+  correction, ``fusedopt.master.correction_layout``; options not given take the constructor's defaults).
 * ``activations`` is everything else at the peak (activations, loss-head buffers, temporaries).
   It is taken from a measurement of the same model and batch when there is one (``measured``),
   else estimated from the model shape (``estimate``; with a bare parameter count, the shape of
@@ -30,43 +31,28 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import json
 import math
+import types
 from dataclasses import dataclass
 
 import torch
 
 import fusedopt
-from fusedopt.codecs import STATE_BITS_FORMATS, codec_named
+from fusedopt.adafactor import StatisticCodec
+from fusedopt.codecs import STATE_BITS_FORMATS, SUPPORTED_STATE_BITS, MomentCodec, codec_for
 from fusedopt.dispatch import bucket_budget
 from fusedopt.losses import default_chunk_size
+from fusedopt.master import MASTER_CORRECTION, correction_layout
 from fusedopt.profile.competitors import lookup
 from fusedopt.profile.configs import DEFAULT_CONFIGS, parse_config
-from fusedopt.profile.memory import CORRECTION_KEY
 from fusedopt.profile.models import PRESETS, ModelSpec, UserError, parse_dtype
 
 GIB = 1 << 30
-DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
-# The byte model: bytes per element of one stored moment of a large matrix, from each state_bits
-# format's own layout (block scales included), and of one master-weight correction.
+# The byte model's matrix: large enough that what does not scale with the parameter (a block's
+# padding, Adafactor's row and column statistics, the fp32 moments of small tensors) is left out.
 _LARGE = torch.Size([4096, 4096])
-MOMENT_BYTES = {
-    bits: codec_named(name, True, _LARGE).bytes_per_element(_LARGE) for bits, name in STATE_BITS_FORMATS.items()
-}
-CORRECTION_BYTES = {None: 0, 24: 1, 32: 2}
-
-
-def moment_bytes(options: dict, signed: bool = True) -> float:
-    """Bytes per element of one moment of a large matrix under fusedopt options (``state_format``,
-    when set, wins over ``state_bits``, as in the optimizers; a paired format stores a nonnegative
-    moment, ``signed=False``, in another codec than a signed one)."""
-    name = options.get("state_format")
-    if name is None:
-        return MOMENT_BYTES.get(options["state_bits"], 4.0)
-    return codec_named(name, signed, _LARGE).bytes_per_element(_LARGE)
-
-
-FUSEDOPT_DEFAULTS = {"state_bits": 8, "master_weight_bits": 24, "fused": False}
 
 
 def _algorithm(optimizer: str):
@@ -82,25 +68,67 @@ def _algorithm(optimizer: str):
     return cls
 
 
+@functools.cache
+def constructor_defaults(cls) -> types.MappingProxyType:
+    """The keyword defaults of an optimizer class's constructor: what an option not given is."""
+    parameters = inspect.signature(cls.__init__).parameters.values()
+    return types.MappingProxyType({p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty})
+
+
+def options_of(optimizer: str, kwargs: dict) -> dict:
+    """A fusedopt configuration's options: ``kwargs`` over its constructor's defaults."""
+    return {**constructor_defaults(_algorithm(optimizer)), **kwargs}
+
+
+# Bytes per element of one moment of a large matrix, by state_bits (the codec it selects).
+MOMENT_BYTES = {bits: codec_for(bits, _LARGE, 0).bytes_per_element(_LARGE) for bits in SUPPORTED_STATE_BITS}
+
+
+def correction_bytes(master_weight_bits, dtype: torch.dtype) -> float:
+    """Bytes per element of the master-weight correction kept beside a parameter of ``dtype``
+    (none for fp32 parameters or ``master_weight_bits=None``)."""
+    layout = correction_layout(torch.empty(_LARGE, dtype=dtype, device="meta"), master_weight_bits)
+    return sum(d.itemsize * shape.numel() for d, shape in layout.values()) / _LARGE.numel()
+
+
+# torch.optim options that fusedopt's algorithms refuse or own differently (release): not passed on
+# when a torch optimizer's moments are counted through fusedopt's counterpart.
+_TORCH_ONLY_OPTIONS = ("fused", "foreach", "capturable", "differentiable", "amsgrad", "accumulation_steps")
+
+
 def moments_of(optimizer: str, kwargs: dict) -> int:
     """How many parameter-sized moment tensors the algorithm keeps per parameter (Adafactor's factored
-    second moment, R + C values per R x C matrix, counts as none)."""
-    return len(_parameter_sized_slots(optimizer, kwargs))
+    second moment, R + C values per R x C matrix, counts as none). A torch optimizer keeps those of
+    fusedopt's counterpart with the same hyperparameters."""
+    if not optimizer.startswith("fusedopt"):
+        names = constructor_defaults(_algorithm(optimizer))
+        kwargs = {k: v for k, v in kwargs.items() if k in names and k not in _TORCH_ONLY_OPTIONS}
+    return len(_moment_codecs(optimizer, kwargs))
 
 
-def _parameter_sized_slots(optimizer: str, kwargs: dict) -> tuple[str, ...]:
+def _moment_codecs(optimizer: str, kwargs: dict) -> dict[str, MomentCodec]:
+    """Slot -> codec of the parameter-sized moments a fusedopt optimizer built with ``kwargs`` keeps
+    for a large matrix (its ``codecs``; Adafactor's factored statistics left out)."""
     cls = _algorithm(optimizer)
-    if cls is fusedopt.Adafactor:
-        return ("exp_avg",) if kwargs.get("beta1") is not None else ()  # only the first moment is parameter-sized
-    if cls is fusedopt.SGD and not kwargs.get("momentum", 0):
-        return ()  # plain SGD keeps no moment
-    return cls.slots
+    options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in ("fused", "accumulation_steps")))
+    try:
+        codecs = _large_matrix_codecs(cls, options)
+    except TypeError:  # an option value that cannot be a cache key: build without the cache
+        codecs = _large_matrix_codecs.__wrapped__(cls, options)
+    return {slot: c for slot, c in codecs.items() if not isinstance(c, StatisticCodec)}
 
 
-def state_bytes(optimizer: str, kwargs: dict, options: dict) -> float:
+@functools.lru_cache(maxsize=256)
+def _large_matrix_codecs(cls, options: tuple) -> dict[str, MomentCodec]:
+    """``cls``'s codecs for a large matrix, from an optimizer built with ``options`` on a meta tensor."""
+    p = torch.nn.Parameter(torch.empty(_LARGE, device="meta", dtype=torch.bfloat16))
+    opt = cls([p], **dict(options))
+    return opt.codecs(p, opt.param_groups[0])
+
+
+def state_bytes(optimizer: str, kwargs: dict) -> float:
     """Bytes per parameter of a fusedopt algorithm's parameter-sized moments in their stored formats."""
-    nonnegative = _algorithm(optimizer).nonnegative_slots
-    return sum(moment_bytes(options, slot not in nonnegative) for slot in _parameter_sized_slots(optimizer, kwargs))
+    return sum(c.bytes_per_element(_LARGE) for c in _moment_codecs(optimizer, kwargs).values())
 
 
 @dataclass
@@ -125,7 +153,7 @@ class PerParam:
 def byte_model(optimizer: str, kwargs: dict, dtype: torch.dtype) -> PerParam:
     """Bytes per parameter from the byte model: the parameter, its correction, its moments in their
     stored format and its gradient unless released in backward (small-tensor exceptions ignored)."""
-    p = DTYPE_BYTES[dtype]
+    p = dtype.itemsize
     fused = _releases(optimizer, kwargs) or bool(kwargs.get("release", False))  # or another library's release
     competitor = lookup(optimizer)
     if competitor is not None:  # its documented state layout (bf16 parameters)
@@ -135,17 +163,18 @@ def byte_model(optimizer: str, kwargs: dict, dtype: torch.dtype) -> PerParam:
         state = moments_of(optimizer, kwargs) * p  # torch keeps state in the parameter dtype
         corrections = 0.0
     else:
-        options = {**FUSEDOPT_DEFAULTS, **kwargs}
-        state = state_bytes(optimizer, kwargs, options)
-        corrections = 0.0 if dtype == torch.float32 else CORRECTION_BYTES.get(options["master_weight_bits"], 0)
+        state = state_bytes(optimizer, kwargs)
+        corrections = correction_bytes(options_of(optimizer, kwargs)["master_weight_bits"], dtype)
     return PerParam(p, corrections, state, 0.0 if fused else p, "byte model")
 
 
 def _releases(optimizer: str, kwargs: dict) -> bool:
     """Whether a fusedopt configuration frees each gradient in backward: ``fused=True`` without
     accumulation (with it, the optimizer's buffers hold every gradient until the k-th backward)."""
-    fused = optimizer.startswith("fusedopt") and bool(kwargs.get("fused", False))
-    return fused and int(kwargs.get("accumulation_steps", 1)) <= 1
+    if not optimizer.startswith("fusedopt"):
+        return False
+    options = options_of(optimizer, kwargs)
+    return bool(options["fused"]) and int(options["accumulation_steps"]) <= 1
 
 
 def held_gradients(config, num_params: int, dtype: torch.dtype, largest: int = 0) -> int:
@@ -155,7 +184,7 @@ def held_gradients(config, num_params: int, dtype: torch.dtype, largest: int = 0
     at most one full set."""
     if not _releases(config.optimizer, config.kwargs):
         return 0
-    return min(bucket_budget() + largest * DTYPE_BYTES[dtype], num_params * DTYPE_BYTES[dtype])
+    return min(bucket_budget() + largest * dtype.itemsize, num_params * dtype.itemsize)
 
 
 def layout_model(optimizer: str, kwargs: dict, dtype: torch.dtype, shapes: list[tuple[int, ...]]) -> PerParam | None:
@@ -173,7 +202,7 @@ def layout_model(optimizer: str, kwargs: dict, dtype: torch.dtype, shapes: list[
     corrections = sum(found[s][0] * c for s, c in counts.items())
     state = sum(found[s][1] * c for s, c in counts.items())
     n = sum(math.prod(s) * c for s, c in counts.items())
-    p_bytes = DTYPE_BYTES[dtype]
+    p_bytes = dtype.itemsize
     fused = _releases(optimizer, kwargs)
     return PerParam(p_bytes, corrections / n, state / n, 0.0 if fused else p_bytes, "layout (optimizer state on meta)")
 
@@ -196,7 +225,7 @@ def _state_bytes(optimizer: str, options: tuple, dtype: torch.dtype, shapes: tup
         for key, value in opt.state[p].items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 nbytes = value.numel() * value.element_size()
-                if key.startswith(CORRECTION_KEY):
+                if key.startswith(MASTER_CORRECTION):
                     corrections += nbytes
                 else:
                     state += nbytes
@@ -214,7 +243,7 @@ def activation_estimate(
     """
     if shape is None:
         return None
-    s = DTYPE_BYTES[dtype]
+    s = dtype.itemsize
     tokens = batch * seq_len
     per_block = tokens * (10 * shape.d_model + 3 * shape.ffn) * s + batch * shape.heads * seq_len * seq_len * s
     blocks = shape.layers * tokens * shape.d_model * s + per_block if checkpointing else shape.layers * per_block
@@ -262,7 +291,8 @@ CANDIDATE_FORMATS = (
     (4, 24),
     (4, None),
 )
-DEFAULT_FORMAT = (FUSEDOPT_DEFAULTS["state_bits"], FUSEDOPT_DEFAULTS["master_weight_bits"])
+# The options that make a fusedopt configuration its own format, as the rows describe it.
+_FORMAT_OPTIONS = ("state_bits", "state_format", "master_weight_bits", "fused")
 # What a format costs besides memory, said in its rows.
 FORMAT_CAVEATS = {"norm2-root4": "slower optimizer step", "norm2-log4": "slower optimizer step"}
 _BITS_OF_FORMAT = {name: bits for bits, name in STATE_BITS_FORMATS.items()}
@@ -272,10 +302,13 @@ def format_of(config) -> tuple:
     """(state format, master_weight_bits) of a fusedopt configuration, the key of :data:`QUALITY` and
     :data:`CANDIDATE_FORMATS`: its ``state_format`` when set (it wins over ``state_bits``, as in the
     optimizers; a format that a ``state_bits`` value selects is named by that value), else ``state_bits``."""
-    options = {**FUSEDOPT_DEFAULTS, **config.kwargs}
-    name = options.get("state_format")
+    options = options_of(config.optimizer, config.kwargs)
+    name = options["state_format"]
     state = options["state_bits"] if name is None else _BITS_OF_FORMAT.get(name, name)
     return state, options["master_weight_bits"]
+
+
+DEFAULT_FORMAT = format_of(parse_config("fusedopt.AdamW"))  # the constructor's defaults
 
 
 # The rows the planner shows besides its recommendation: torch.optim.AdamW as people run it and fusedopt's
@@ -312,8 +345,8 @@ def describe(config, dtype: torch.dtype) -> str:
             what = f"torch AdamW, pure {names[dtype]}" if dtype != torch.float32 else "torch AdamW, fp32"
         return what + (", step in backward" if kwargs.get("release") else "")
     if config.optimizer == "fusedopt.AdamW":
-        options = {**FUSEDOPT_DEFAULTS, **kwargs}
-        state_format = options.get("state_format")  # wins over state_bits, as in the optimizer
+        options = options_of(config.optimizer, kwargs)
+        state_format = options["state_format"]  # wins over state_bits, as in the optimizer
         parts = [f"{state_format} state" if state_format is not None else f"{options['state_bits']}-bit state"]
         if config.param_dtype(dtype) != torch.float32:
             parts.append(_bits(options["master_weight_bits"]))
@@ -321,7 +354,8 @@ def describe(config, dtype: torch.dtype) -> str:
             parts.append("fused=True")
         if state_format in FORMAT_CAVEATS:
             parts.append(FORMAT_CAVEATS[state_format])
-        default = state_format is None and all(options[k] == v for k, v in FUSEDOPT_DEFAULTS.items())
+        defaults = constructor_defaults(fusedopt.AdamW)
+        default = all(options[k] == defaults[k] for k in _FORMAT_OPTIONS)
         return "fusedopt AdamW, " + ", ".join(parts) + (" (default)" if default else "")
     return config.label
 
