@@ -15,6 +15,17 @@ scheduler and step (``optimizer.pt``), and prints the memory of the last step me
     python examples/finetune_hf.py --steps 400 --resume out/finetune_hf   # continue it to step 400
     python examples/finetune_hf.py --config my_model/config.json --init my_model/
 
+Llama-3-8B on one 24 GB GPU (a directory saved by ``save_pretrained``; the configuration the planner
+recommends for it, ``fusedopt-profile plan --model llama3-8b --gpu-memory 22.35``)::
+
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python examples/finetune_hf.py --init Meta-Llama-3-8B/ \
+        --state-format norm2-root4 --master-weight-bits none --vocab-pieces 8 --chunked-loss --accum 1
+
+``--vocab-pieces N`` holds the embedding and the LM head as N row pieces each (``fusedopt.split_rows``),
+so release holds one piece's gradient at a time; ``--chunked-loss`` computes the loss with
+``fusedopt.chunked_cross_entropy``, which never builds the full logits. ``--accum 1``: with
+accumulation the optimizer keeps every gradient until the last micro-batch.
+
 The LR schedule (warm-up, then cosine to ``lr * min_lr_ratio`` at ``--total-steps``, default
 ``--steps``; constant after that) is fixed when a run starts and saved in ``optimizer.pt``. A
 resumed run follows the saved schedule, so its LR at every step is what an uninterrupted run
@@ -40,6 +51,7 @@ from memory_summary import summarize  # examples/memory_summary.py: sizes in B/K
 from schedule import lr_lambda, resolve_schedule, saved_schedule  # examples/schedule.py
 
 import fusedopt
+from fusedopt.pieces import RowPiecesLinear
 from fusedopt.profile import MemoryTracker
 from fusedopt.profile.models import enable_hf_checkpointing, stdlib_source_bytes
 
@@ -106,6 +118,9 @@ def parse_args(argv=None):
         help="clip by the global gradient norm inside the optimizer, as release needs (0: no clipping)",
     )
     p.add_argument("--state-bits", type=int, default=None, help="override fusedopt's default state_bits")
+    p.add_argument("--state-format", default=None, help="a state format by name, e.g. norm2-root4")
+    p.add_argument("--vocab-pieces", type=int, default=None, help="embedding and LM head in N row pieces each")
+    p.add_argument("--chunked-loss", action="store_true", help="the loss without the full logits")
     p.add_argument("--master-weight-bits", default=None, help="override the default master_weight_bits (24, 32, none)")
     p.add_argument("--out", default="out/finetune_hf")
     p.add_argument("--summary-json", help="write losses and the memory summary to this JSON file")
@@ -117,10 +132,20 @@ def parse_args(argv=None):
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    for name in ("steps", "micro_batch", "accum", "seq_len", "total_steps", "warmup"):
+    for name in ("steps", "micro_batch", "accum", "seq_len", "total_steps", "warmup", "vocab_pieces"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
+
+
+def next_token_loss(model, ids: torch.Tensor, chunked: bool) -> torch.Tensor:
+    """The mean next-token loss; ``chunked``: from the last hidden state, without the full logits."""
+    if not chunked:
+        return model(input_ids=ids, labels=ids).loss  # the ModelOutput is dropped here
+    hidden = model.base_model(input_ids=ids).last_hidden_state
+    head = model.get_output_embeddings()
+    weight = head.pieces if isinstance(head, RowPiecesLinear) else head.weight
+    return fusedopt.chunked_cross_entropy(hidden[:, :-1], weight, ids[:, 1:])
 
 
 def main(argv=None) -> int:
@@ -167,6 +192,12 @@ def main(argv=None) -> int:
     else:
         model = transformers.AutoModelForCausalLM.from_config(config)
     model.to(device=device, dtype=dtype)
+    if args.vocab_pieces:  # before the optimizer: each piece is a parameter of its own
+        if config.tie_word_embeddings:
+            print("error: --vocab-pieces needs an untied LM head (tie_word_embeddings is true)", file=sys.stderr)
+            return 2
+        model.set_input_embeddings(fusedopt.split_rows(model.get_input_embeddings(), args.vocab_pieces))
+        model.set_output_embeddings(fusedopt.split_rows(model.get_output_embeddings(), args.vocab_pieces))
     enable_hf_checkpointing(model)  # non-reentrant activation checkpointing, any transformers version
     model.train()
 
@@ -174,6 +205,8 @@ def main(argv=None) -> int:
     kwargs["max_grad_norm"] = args.max_grad_norm or None  # clipped inside backward, before release
     if args.state_bits is not None:
         kwargs["state_bits"] = args.state_bits
+    if args.state_format is not None:
+        kwargs["state_format"] = args.state_format
     if args.master_weight_bits is not None:
         kwargs["master_weight_bits"] = None if args.master_weight_bits == "none" else int(args.master_weight_bits)
     optimizer = fusedopt.AdamW(model.parameters(), **kwargs)
@@ -205,7 +238,7 @@ def main(argv=None) -> int:
             for micro in range(args.accum):
                 ids = get_batch(corpus, step, micro, args, device)
                 with phase("forward"):
-                    loss = model(input_ids=ids, labels=ids).loss / args.accum  # the ModelOutput is dropped here
+                    loss = next_token_loss(model, ids, args.chunked_loss) / args.accum
                 with phase("backward"):
                     loss.backward()  # the k-th backward updates each parameter and frees its gradient
                     total += loss.item()

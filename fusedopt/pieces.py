@@ -15,8 +15,9 @@ pieces follow the algorithm of the whole weight: bit for bit with exact state, a
 bits where a compressed format or the bf16 weights round stochastically (the bits are drawn per
 parameter). The formats' blocks lie within rows where the row length is a multiple of the block.
 Adafactor's factored statistics are per matrix and become per piece.
-``state_dict()`` shows the one ``weight`` of the original module (the pieces concatenated) and
-``load_state_dict`` accepts it, so checkpoints stay those of the unsplit model.
+``state_dict()`` shows the one ``weight`` of the original module (the pieces concatenated, on the CPU)
+and ``load_state_dict`` accepts it, so checkpoints stay those of the unsplit model
+(``save_pretrained`` included).
 """
 
 from __future__ import annotations
@@ -50,15 +51,16 @@ class _RowPieces(nn.Module):
     def rows(self) -> int:
         return self.offsets[-1]
 
-    def merged_weight(self) -> torch.Tensor:
-        """The whole weight, a new tensor (the pieces concatenated; detached)."""
-        return torch.cat([p.detach() for p in self.pieces], dim=0)
+    def merged_weight(self, device=None) -> torch.Tensor:
+        """The whole weight, a new tensor on ``device`` (default: the pieces'): the pieces concatenated, detached."""
+        return torch.cat([p.detach().to(device) for p in self.pieces], dim=0)
 
 
 def _whole_weight(module: _RowPieces, state_dict: dict, prefix: str, local_metadata) -> None:
     for i in range(len(module.pieces)):
         state_dict.pop(f"{prefix}pieces.{i}", None)
-    state_dict[f"{prefix}weight"] = module.merged_weight()
+    # on the CPU: a model that just fits its GPU has no room for a second copy of the weight there
+    state_dict[f"{prefix}weight"] = module.merged_weight("cpu")
 
 
 def _split_weight(module: _RowPieces, state_dict: dict, prefix: str, *args) -> None:

@@ -184,6 +184,24 @@ def test_finetune_hf(tmp_path):
     assert (out / "config.json").exists() and (out / "optimizer.pt").exists()
 
 
+def test_finetune_hf_with_the_vocabulary_in_pieces_saves_the_unsplit_model(tmp_path):
+    """The 24 GB recipe's flags at the tiny size: the embedding and head in pieces, the chunked loss,
+    norm2-root4 without correction; save_pretrained writes the model's own keys and shapes, which load
+    back into the unsplit model."""
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "hf"
+    recipe = ["--state-format", "norm2-root4", "--master-weight-bits", "none", "--vocab-pieces", "3", "--chunked-loss"]
+    proc = _run("finetune_hf.py", ["--steps", "2", "--accum", "1", *recipe, "--out", str(out)], tmp_path)
+    assert re.search(r"step 2/2  loss \d+\.\d+  grad norm \d+\.\d+", proc.stdout)
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    model, info = load(out, local_files_only=True, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    assert tuple(model.lm_head.weight.shape) == tuple(model.model.embed_tokens.weight.shape) == (vocab, hidden)
+    optimizer = torch.load(out / "optimizer.pt", weights_only=True)["optimizer"]
+    assert len(optimizer["param_groups"][0]["params"]) == len(list(model.parameters())) + 2 * (3 - 1)
+
+
 def test_finetune_hf_resume_follows_the_saved_schedule(tmp_path, monkeypatch, capsys):
     pytest.importorskip("transformers")
     example = _load_example("finetune_hf", monkeypatch)
