@@ -198,8 +198,9 @@ def _takes_grad_scale(launch) -> bool:
 class UpdateDispatcher:
     """The update path of one optimizer (see the module docstring)."""
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, store):
         self._opt = optimizer  # the owner; it holds this object (a cycle the GC breaks)
+        self._store = store  # the owner's StateStore: positions and state of its parameters
         self._algorithm = type(optimizer)
         self._prepared: dict[torch.Tensor, PreparedEntry] = {}
         self._scratch: dict[torch.Tensor, torch.Tensor] = {}
@@ -307,7 +308,7 @@ class UpdateDispatcher:
         if launch is None or not self._buckets_on or accum is not None or not _takes_grad_scale(launch):
             self.update(p, grad, accum, checked, grad_scale)
             return
-        group_index = self._opt._position[p][0]
+        group_index = self._store.group_index(p)
         settings = self._window.get(group_index) or self.settings(group_index)
         if not self._add(launch, grad, settings.scalars, group_index, grad_scale):
             # prepared but not bucketable (size, alignment): alone
@@ -324,7 +325,7 @@ class UpdateDispatcher:
         if entry is not None and id(entry.launch) in self._waiting:
             self._opt.flush_updates()  # p's queued update runs first
         opt = self._opt
-        group_index = opt._position[p][0]
+        group_index = self._store.group_index(p)
         settings = self._window.get(group_index) or self.settings(group_index)
         launch = checked.launch
         with self.observed():
@@ -342,7 +343,7 @@ class UpdateDispatcher:
             # then waits for
             param = local(p)
             with on_default_stream(param):
-                state = opt.ensure_state(p)
+                state = self._store.ensure(p)
             job = ParamUpdate(
                 param=param,
                 grad=grad,
@@ -352,11 +353,11 @@ class UpdateDispatcher:
                 hyper=settings.hyper,
                 master_weight_bits=group["master_weight_bits"],
                 seed=opt.seed,
-                index=opt.param_index(p),
+                index=self._store.param_index(p),
                 skipped=opt.num_skipped_updates,
                 decays=opt.ema_decays(settings.hyper),
                 frames=opt.frames,
-                first=opt.element_offset(p),
+                first=self._store.element_offset(p),
             )
             launch = self._run(job, settings)
         if launch is not None:
