@@ -273,10 +273,14 @@ def _codec_names(optimizer, p: torch.Tensor) -> dict[str, str]:
     return {slot: codec.name for slot, codec in optimizer.codecs(p, group).items()}
 
 
-def load_state_dict(optimizer, saved: dict) -> None:
-    """Load ``saved`` into ``optimizer`` (see the module docstring); all-or-nothing. torch's load hooks
-    are the optimizer's to run, around this."""
+def load_state_dict(optimizer, saved: dict, pre_hooks: dict, post_hooks: dict) -> None:
+    """Load ``saved`` into ``optimizer`` (see the module docstring); all-or-nothing. ``pre_hooks``,
+    ``post_hooks``: the optimizer's ``register_load_state_dict_pre_hook`` / ``_post_hook`` hooks."""
     saved = saved.copy()
+    for hook in pre_hooks.values():
+        result = hook(optimizer, saved)
+        if result is not None:
+            saved = result
     meta = saved.get("fusedopt")
     folded = meta is None  # through DCP: the entry is rebuilt from the copies it keeps
     if folded:
@@ -354,6 +358,8 @@ def load_state_dict(optimizer, saved: dict) -> None:
             "checkpoint state was converted to this optimizer's state format with rounding: " + "; ".join(lossy),
             stacklevel=3,
         )
+    for hook in post_hooks.values():
+        hook(optimizer)
 
 
 def _merge_group(optimizer, group: dict, saved_group: dict) -> dict:

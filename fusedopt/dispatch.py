@@ -37,7 +37,7 @@ from torch.utils.hooks import RemovableHandle
 from .clipping import scale_
 from .master import MASTER_CORRECTION
 from .reference import ParamUpdate, reference_update
-from .sharding import is_sharded, local
+from .sharding import check_sharded_gradient, is_sharded, local
 from .streams import on_default_stream
 
 BACKENDS = ("auto", "triton", "reference")
@@ -258,6 +258,24 @@ class UpdateDispatcher:
             settings = GroupSettings(hyper, (formats, flags, opt.seed), allowed, scalars)
             self._window[group_index] = settings
         return settings
+
+    # --- checks ----------------------------------------------------------------------------
+
+    def check(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None) -> CheckedUpdate:
+        """``FusedOptimizer.check_update``: the gradient, then the prepared launch if it still holds,
+        else the state against the group."""
+        name = self._algorithm.__name__
+        if is_sharded(p) or is_sharded(grad):
+            if is_sharded(grad):  # (a plain one: the optimizer's accumulation buffer of the local shard)
+                check_sharded_gradient(p, grad)
+            check_gradient(local(p), local(grad), accum, name)
+        else:
+            check_gradient(p, grad, accum, name)
+        group_index = self._store.group_index(p)
+        checked = self.check_prepared(p, grad, accum, self.settings(group_index))
+        if checked.launch is None:
+            self._store.check(p, self._opt.param_groups[group_index])
+        return checked
 
     # --- prepared launches -----------------------------------------------------------------
 

@@ -17,16 +17,16 @@ from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint, release_notices
 from .clipping import DEFAULT_CLIP_METHOD, check_clip_method
-from .codecs import SUPPORTED_STATE_BITS, MomentCodec, codec_for, codec_named, registered_formats
-from .dispatch import CheckedUpdate, UpdateDispatcher, check_gradient
+from .codecs import SUPPORTED_STATE_BITS, MomentCodec, codec_named, registered_formats
+from .dispatch import CheckedUpdate, UpdateDispatcher
 from .gradients import GradientPipeline, check_scaler_step
 from .loss_scaling import check_grad_scaler
-from .master import check_master_weight_bits, master_value
+from .master import check_master_weight_bits
 from .reference import UpdateMath
 from .release import GradientRelease
 from .rng import valid_seed
-from .sharding import as_sharded, check_sharded_gradient, check_sharded_param, is_sharded, local
-from .state_store import StateStore
+from .sharding import check_sharded_param, is_sharded
+from .state_store import StateStore, slot_codecs
 
 # Options that apply to the whole optimizer; a parameter group may not set them.
 OPTIMIZER_WIDE_OPTIONS = ("fused", "accumulation_steps", "seed", "max_grad_norm", "release_clipping", "grad_scaler")
@@ -63,6 +63,57 @@ def check_betas(betas) -> None:
         check_number("beta", beta, high=1.0, message=f"Invalid beta parameter at index {i}: {beta}")
 
 
+def check_optimizer_options(fused, accumulation_steps, seed, max_grad_norm, release_clipping) -> None:
+    """Validate the optimizer-wide options (``max_grad_norm``: None when not given)."""
+    if not isinstance(fused, bool):
+        raise ValueError(f"Invalid fused: {fused!r} (expected True or False)")
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        raise ValueError(f"Invalid accumulation_steps: {accumulation_steps!r} (expected an integer >= 1)")
+    if not valid_seed(seed):
+        raise ValueError(f"Invalid seed: {seed!r} (expected a non-negative integer)")
+    if max_grad_norm is not None:
+        check_number("max_grad_norm", max_grad_norm)
+        if max_grad_norm <= 0:
+            raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (expected a positive number, or None)")
+    check_clip_method(release_clipping)
+
+
+def check_group_options(optimizer, group: dict) -> None:
+    """Validate the options every fusedopt group has (``FusedOptimizer.check_group``)."""
+    bits = group["state_bits"]
+    if bits not in SUPPORTED_STATE_BITS or isinstance(bits, bool):
+        raise ValueError(f"Invalid state_bits: {bits!r} (expected 32, 16, 8 or 4)")
+    numel = group["min_compress_numel"]
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"Invalid min_compress_numel: {numel!r} (expected an integer >= 0)")
+    state_format = group.setdefault("state_format", None)  # groups saved before it existed lack it
+    if state_format is not None and state_format not in registered_formats():
+        raise ValueError(
+            f"Invalid state_format: {state_format!r} (expected None or one of {', '.join(registered_formats())})"
+        )
+    if state_format is not None:
+        slots = optimizer.state_slots(group)
+        for slot in slots:
+            codec = codec_named(state_format, slot not in optimizer.nonnegative_slots, _PROBE_SHAPE)
+            if codec.frame and optimizer.frames.get(slot) not in slots:
+                raise ValueError(
+                    f"Invalid state_format: {state_format!r} stores {slot!r} in units of a second moment, "
+                    f"which fusedopt.{type(optimizer).__name__} does not keep"
+                )
+    check_master_weight_bits(group["master_weight_bits"])
+    if not isinstance(group["maximize"], bool):
+        raise ValueError(f"Invalid maximize: {group['maximize']!r} (expected True or False)")
+
+
+def check_shardable(optimizer, params) -> None:
+    """Refuse an algorithm that cannot update a shard on its own (``shardable``)."""
+    if not optimizer.shardable and any(is_sharded(p) for p in params):
+        raise ValueError(
+            f"fusedopt.{type(optimizer).__name__} does not support sharded (FSDP2) parameters yet: its update "
+            "needs statistics of the whole tensor (rows, columns, norms), and a rank holds only its shard"
+        )
+
+
 class FusedOptimizer(torch.optim.Optimizer):
     """Base class. An algorithm subclasses it in one file, declaring the facts below and implementing
     ``check_hyperparameters`` and ``hyper`` (and ``kernel_scalars`` where it has a kernel branch)."""
@@ -95,20 +146,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         release_clipping: str = DEFAULT_CLIP_METHOD,
         grad_scaler=None,
     ):
-        if not isinstance(fused, bool):
-            raise ValueError(f"Invalid fused: {fused!r} (expected True or False)")
-        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-            raise ValueError(f"Invalid accumulation_steps: {accumulation_steps!r} (expected an integer >= 1)")
-        if not valid_seed(seed):
-            raise ValueError(f"Invalid seed: {seed!r} (expected a non-negative integer)")
         unsaid = max_grad_norm is release_notices.NOT_GIVEN  # no clipping; under release, warned once below
         if unsaid:
             max_grad_norm = None
-        if max_grad_norm is not None:
-            check_number("max_grad_norm", max_grad_norm)
-            if max_grad_norm <= 0:
-                raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (expected a positive number, or None)")
-        check_clip_method(release_clipping)
+        check_optimizer_options(fused, accumulation_steps, seed, max_grad_norm, release_clipping)
         self.fused = fused
         self.accumulation_steps = accumulation_steps
         self.seed = seed
@@ -149,17 +190,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 check_param(p)
             self.check_group(group)
-        except Exception:
-            self.param_groups.pop()
-            raise
-        if self._release is not None and self._release.attached:  # not after remove_hooks()
-            try:
+            if self._release is not None and self._release.attached:  # not after remove_hooks()
                 self._release.attach(group["params"])  # checks every parameter before it hooks one
-            except Exception:
-                self.param_groups.pop()
-                raise
-        try:
-            self._check_sharded(group["params"])
+            check_shardable(self, group["params"])
         except Exception:
             self.param_groups.pop()
             raise
@@ -181,28 +214,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def check_group(self, group: dict) -> None:
         """Validate every option of a (complete) group: the shared fusedopt ones, then the algorithm's."""
-        bits = group["state_bits"]
-        if bits not in SUPPORTED_STATE_BITS or isinstance(bits, bool):
-            raise ValueError(f"Invalid state_bits: {bits!r} (expected 32, 16, 8 or 4)")
-        numel = group["min_compress_numel"]
-        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
-            raise ValueError(f"Invalid min_compress_numel: {numel!r} (expected an integer >= 0)")
-        state_format = group.setdefault("state_format", None)  # groups saved before it existed lack it
-        if state_format is not None and state_format not in registered_formats():
-            raise ValueError(
-                f"Invalid state_format: {state_format!r} (expected None or one of {', '.join(registered_formats())})"
-            )
-        if state_format is not None:
-            for slot in self.state_slots(group):
-                codec = codec_named(state_format, slot not in self.nonnegative_slots, _PROBE_SHAPE)
-                if codec.frame and self.frames.get(slot) not in self.state_slots(group):
-                    raise ValueError(
-                        f"Invalid state_format: {state_format!r} stores {slot!r} in units of a second moment, "
-                        f"which fusedopt.{type(self).__name__} does not keep"
-                    )
-        check_master_weight_bits(group["master_weight_bits"])
-        if not isinstance(group["maximize"], bool):
-            raise ValueError(f"Invalid maximize: {group['maximize']!r} (expected True or False)")
+        check_group_options(self, group)
         self.check_hyperparameters(group)
 
     def check_hyperparameters(self, group: dict) -> None:
@@ -232,26 +244,11 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def codecs(self, p: torch.Tensor, group: dict) -> dict[str, MomentCodec]:
         """Slot name -> codec for parameter ``p`` under ``group``."""
-        bits, fmt, numel = group["state_bits"], group.get("state_format"), group["min_compress_numel"]
-        nonnegative = self.nonnegative_slots
-        # a sharded parameter's format is chosen from its global shape (it does not depend on the
-        # number of ranks), its codec made for the local shard
-        codecs = {
-            slot: codec_for(bits, p.shape, numel, signed=slot not in nonnegative, state_format=fmt)
-            for slot in self.state_slots(group)
-        }
-        if is_sharded(p):
-            shape = local(p).shape
-            codecs = {slot: codec_named(c.name, slot not in nonnegative, shape) for slot, c in codecs.items()}
-        return codecs
+        return slot_codecs(p, group, self.state_slots(group), self.nonnegative_slots)
 
     def position(self, p: torch.Tensor) -> tuple[dict, int]:
         """The group holding ``p`` and ``p``'s index in the optimizer (a hash input)."""
         return self._store.position(p)
-
-    def group_index(self, p: torch.Tensor) -> int:
-        """The index in ``param_groups`` of the group holding ``p``."""
-        return self._store.group_index(p)
 
     def param_index(self, p: torch.Tensor) -> int:
         """``p``'s index in the optimizer: a hash input, it never changes or repeats."""
@@ -279,11 +276,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """
         self.flush_updates()
         self.sync_groups()
-        if not self._store.holds(p):
-            raise ValueError("master_weight(p): p is not a parameter of this optimizer")
-        group, _ = self.position(p)
-        master = master_value(local(p), self.state.get(p), group["master_weight_bits"])
-        return as_sharded(p, master) if is_sharded(p) else master
+        return self._store.master_weight(p)
 
     # --- observing updates (the memory profiler attributes allocations with this) ----------
 
@@ -325,14 +318,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         check_grad_scaler(scaler)
         self._grad_scaler = scaler
 
-    def _check_sharded(self, params) -> None:
-        """Refuse an algorithm that cannot update a shard on its own (``shardable``)."""
-        if not self.shardable and any(is_sharded(p) for p in params):
-            raise ValueError(
-                f"fusedopt.{type(self).__name__} does not support sharded (FSDP2) parameters yet: its update "
-                "needs statistics of the whole tensor (rows, columns, norms), and a rank holds only its shard"
-            )
-
     def _releasing(self) -> bool:
         return self._release is not None and self._release.attached
 
@@ -352,17 +337,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         update, gradient release each one before it counts the gradient. Beyond the gradient's shape,
         nothing is looked at while ``p``'s prepared launch still holds (it was built for this state,
         parameter and group structure)."""
-        if is_sharded(p) or is_sharded(grad):
-            if is_sharded(grad):  # (a plain one: the optimizer's accumulation buffer of the local shard)
-                check_sharded_gradient(p, grad)
-            check_gradient(local(p), local(grad), accum, type(self).__name__)
-        else:
-            check_gradient(p, grad, accum, type(self).__name__)
-        group_index = self._store.group_index(p)
-        checked = self._dispatch.check_prepared(p, grad, accum, self._dispatch.settings(group_index))
-        if checked.launch is None:
-            self._store.check(p, self.param_groups[group_index])
-        return checked
+        return self._dispatch.check(p, grad, accum)
 
     def update_param(
         self,
@@ -483,14 +458,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Load a fusedopt or torch.optim checkpoint; state keeps its saved dtypes (see checkpoint.py)."""
         self.flush_updates()
         self.sync_groups()
-        state_dict = state_dict.copy()
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        checkpoint.load_state_dict(self, state_dict)
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+        hooks = (self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks)
+        checkpoint.load_state_dict(self, state_dict, *hooks)
         self._dispatch.forget()  # prepared launches hold the replaced state tensors
         self._dispatch.new_window()
 

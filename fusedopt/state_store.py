@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .master import MASTER_CORRECTION, correction_layout
-from .sharding import element_offset, is_sharded, local, shard_groups
+from .codecs import codec_for, codec_named
+from .master import MASTER_CORRECTION, correction_layout, master_value
+from .sharding import as_sharded, element_offset, is_sharded, local, shard_groups
 from .state_memory import SharedCorrections, pack
 
 
@@ -135,6 +136,14 @@ class StateStore:
             if view is not None and view is not value:
                 state[MASTER_CORRECTION] = view.copy_(value)
 
+    def master_weight(self, p) -> torch.Tensor:
+        """``FusedOptimizer.master_weight``: ``p``'s full-precision master as a new fp32 tensor."""
+        if not self.holds(p):
+            raise ValueError("master_weight(p): p is not a parameter of this optimizer")
+        group, _ = self.position(p)
+        master = master_value(local(p), self._opt.state.get(p), group["master_weight_bits"])
+        return as_sharded(p, master) if is_sharded(p) else master
+
     def check(self, p: torch.Tensor, group: dict) -> None:
         """Refuse state that does not fit ``p`` and its group as they are now: every tensor their
         settings need, of its dtype and shape, and no master correction they do not keep. The
@@ -164,6 +173,18 @@ class StateStore:
                 "the group's settings through state_dict() / load_state_dict(), which converts the state (edit the "
                 "saved group); for a parameter of another shape or dtype, build a new optimizer"
             )
+
+
+def slot_codecs(p: torch.Tensor, group: dict, slots: tuple[str, ...], nonnegative: tuple[str, ...]) -> dict:
+    """Slot name -> codec for parameter ``p`` under ``group`` (``FusedOptimizer.codecs``)."""
+    bits, fmt, numel = group["state_bits"], group.get("state_format"), group["min_compress_numel"]
+    # a sharded parameter's format is chosen from its global shape (it does not depend on the
+    # number of ranks), its codec made for the local shard
+    codecs = {slot: codec_for(bits, p.shape, numel, signed=slot not in nonnegative, state_format=fmt) for slot in slots}
+    if is_sharded(p):
+        shape = local(p).shape
+        codecs = {slot: codec_named(c.name, slot not in nonnegative, shape) for slot, c in codecs.items()}
+    return codecs
 
 
 def _state_problem(key: str, value: torch.Tensor | None, dtype: torch.dtype, shape: torch.Size) -> str | None:
