@@ -1,10 +1,12 @@
 """FusedOptimizer: the shared base of fusedopt's optimizers over ``torch.optim.Optimizer``.
 
 It owns what every algorithm shares: parameter groups and the validation of fusedopt's options,
-lazy state initialisation through the codecs (``codecs/``), the checks before an update, ``step()``,
-gradient release (``fused=True``, ``release.py``) and checkpoints (``checkpoint.py``). Which path
-runs an update, and what the kernel path keeps between updates, is ``dispatch.py``'s. Each
-algorithm is one file (``adamw.py``, ``sgd.py``, ``lion.py``) with the facts declared below.
+``step()``, and the parts it delegates to: each parameter's position and state (``state_store.py``,
+state created through the codecs, ``codecs/``), unscaling and clipping of gradients
+(``gradients.py``), which path runs an update and what the kernel path keeps between updates
+(``dispatch.py``), gradient release (``fused=True``, ``release.py``) and checkpoints
+(``checkpoint.py``). Each algorithm is one file (``adamw.py``, ``sgd.py``, ``lion.py``,
+``adafactor.py``) with the facts declared below.
 """
 
 from __future__ import annotations
