@@ -281,6 +281,7 @@ def load_state_dict(optimizer, saved: dict, pre_hooks: dict, post_hooks: dict) -
         result = hook(optimizer, saved)
         if result is not None:
             saved = result
+
     meta = saved.get("fusedopt")
     folded = meta is None  # through DCP: the entry is rebuilt from the copies it keeps
     if folded:

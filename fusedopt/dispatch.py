@@ -200,7 +200,7 @@ class UpdateDispatcher:
 
     def __init__(self, optimizer, store):
         self._opt = optimizer  # the owner; it holds this object (a cycle the GC breaks)
-        self._store = store  # the owner's StateStore: positions and state of its parameters
+        self._store = store  # the owner's StateStore, for each parameter's group
         self._algorithm = type(optimizer)
         self._prepared: dict[torch.Tensor, PreparedEntry] = {}
         self._scratch: dict[torch.Tensor, torch.Tensor] = {}
@@ -272,7 +272,8 @@ class UpdateDispatcher:
         else:
             check_gradient(p, grad, accum, name)
         group_index = self._store.group_index(p)
-        checked = self.check_prepared(p, grad, accum, self.settings(group_index))
+        settings = self._window.get(group_index) or self.settings(group_index)
+        checked = self.check_prepared(p, grad, accum, settings)
         if checked.launch is None:
             self._store.check(p, self._opt.param_groups[group_index])
         return checked
@@ -361,7 +362,7 @@ class UpdateDispatcher:
             # then waits for
             param = local(p)
             with on_default_stream(param):
-                state = self._store.ensure(p)
+                state = opt.ensure_state(p)
             job = ParamUpdate(
                 param=param,
                 grad=grad,
@@ -371,11 +372,11 @@ class UpdateDispatcher:
                 hyper=settings.hyper,
                 master_weight_bits=group["master_weight_bits"],
                 seed=opt.seed,
-                index=self._store.param_index(p),
+                index=opt.param_index(p),
                 skipped=opt.num_skipped_updates,
                 decays=opt.ema_decays(settings.hyper),
                 frames=opt.frames,
-                first=self._store.element_offset(p),
+                first=opt.element_offset(p),
             )
             launch = self._run(job, settings)
         if launch is not None:
