@@ -37,7 +37,6 @@ from collections import defaultdict
 import torch
 
 from . import rng
-from .clipping import ReleaseClipping
 from .codecs import MomentCodec, codec_named, decode_moments, known_formats
 from .codecs.blockwise import BlockCodec
 from .master import MASTER_CORRECTION, convert_correction
@@ -76,9 +75,10 @@ def state_dict(optimizer, packed: dict) -> dict:
         # the format of each stored moment: two formats may share a layout
         "codecs": {i: _codec_names(optimizer, params[i]) for i in packed["state"]},
     }
-    if optimizer._released_clipping is not None:  # the history of clipping under release (clipping.py)
+    clipping = optimizer.gradient_pipeline.clipping
+    if clipping is not None:  # the history of clipping under release (clipping.py)
         pids = {optimizer.param_index(p): i for i, p in enumerate(params)}
-        packed["fusedopt"]["release_clipping"] = optimizer._released_clipping.state_dict(pids)
+        packed["fusedopt"]["release_clipping"] = clipping.state_dict(pids)
     if sharded:
         _fold_for_dcp(packed, sharded)
     return packed
@@ -251,10 +251,10 @@ def _load_release_clipping(optimizer, meta: dict | None, ids: dict):
     """The history of clipping under release from a checkpoint, in a new ``ReleaseClipping`` (None:
     this optimizer does not clip). A checkpoint without one gives an empty history: the optimizer's
     own (DCP's template step made one of zeros) would not belong to the loaded state."""
-    if optimizer._released_clipping is None:
+    clipping = optimizer.gradient_pipeline.new_clipping()
+    if clipping is None:
         return None
     saved = meta.get("release_clipping") if meta is not None else None
-    clipping = ReleaseClipping(optimizer.max_grad_norm, optimizer.release_clipping)
     if saved is None:
         return clipping
     indices = {pid: (optimizer.param_index(p), p.device) for pid, (p, _) in ids.items()}
@@ -273,10 +273,11 @@ def _codec_names(optimizer, p: torch.Tensor) -> dict[str, str]:
     return {slot: codec.name for slot, codec in optimizer.codecs(p, group).items()}
 
 
-def load_state_dict(optimizer, saved: dict) -> None:
-    """Load ``saved`` into ``optimizer`` (see the module docstring); all-or-nothing."""
+def load_state_dict(optimizer, saved: dict, pre_hooks: dict, post_hooks: dict) -> None:
+    """Load ``saved`` into ``optimizer`` (see the module docstring); all-or-nothing. ``pre_hooks``,
+    ``post_hooks``: the optimizer's ``register_load_state_dict_pre_hook`` / ``_post_hook`` hooks."""
     saved = saved.copy()
-    for hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
+    for hook in pre_hooks.values():
         result = hook(optimizer, saved)
         if result is not None:
             saved = result
@@ -352,13 +353,13 @@ def load_state_dict(optimizer, saved: dict) -> None:
     if skipped is not None:
         optimizer.num_skipped_updates.copy_(skipped)
     if clipping is not None:
-        optimizer._released_clipping = clipping
+        optimizer.gradient_pipeline.replace_clipping(clipping)
     if lossy:
         warnings.warn(
             "checkpoint state was converted to this optimizer's state format with rounding: " + "; ".join(lossy),
             stacklevel=3,
         )
-    for hook in optimizer._optimizer_load_state_dict_post_hooks.values():
+    for hook in post_hooks.values():
         hook(optimizer)
 
 

@@ -37,7 +37,7 @@ from torch.utils.hooks import RemovableHandle
 from .clipping import scale_
 from .master import MASTER_CORRECTION
 from .reference import ParamUpdate, reference_update
-from .sharding import is_sharded, local
+from .sharding import check_sharded_gradient, is_sharded, local
 from .streams import on_default_stream
 
 BACKENDS = ("auto", "triton", "reference")
@@ -198,8 +198,9 @@ def _takes_grad_scale(launch) -> bool:
 class UpdateDispatcher:
     """The update path of one optimizer (see the module docstring)."""
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, store):
         self._opt = optimizer  # the owner; it holds this object (a cycle the GC breaks)
+        self._store = store  # the owner's StateStore, for each parameter's group
         self._algorithm = type(optimizer)
         self._prepared: dict[torch.Tensor, PreparedEntry] = {}
         self._scratch: dict[torch.Tensor, torch.Tensor] = {}
@@ -258,6 +259,25 @@ class UpdateDispatcher:
             self._window[group_index] = settings
         return settings
 
+    # --- checks ----------------------------------------------------------------------------
+
+    def check(self, p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None) -> CheckedUpdate:
+        """``FusedOptimizer.check_update``: the gradient, then the prepared launch if it still holds,
+        else the state against the group."""
+        name = self._algorithm.__name__
+        if is_sharded(p) or is_sharded(grad):
+            if is_sharded(grad):  # (a plain one: the optimizer's accumulation buffer of the local shard)
+                check_sharded_gradient(p, grad)
+            check_gradient(local(p), local(grad), accum, name)
+        else:
+            check_gradient(p, grad, accum, name)
+        group_index = self._store.group_index(p)
+        settings = self._window.get(group_index) or self.settings(group_index)
+        checked = self.check_prepared(p, grad, accum, settings)
+        if checked.launch is None:
+            self._store.check(p, self._opt.param_groups[group_index])
+        return checked
+
     # --- prepared launches -----------------------------------------------------------------
 
     def check_prepared(self, p: torch.Tensor, grad, accum, settings: GroupSettings) -> CheckedUpdate:
@@ -307,7 +327,7 @@ class UpdateDispatcher:
         if launch is None or not self._buckets_on or accum is not None or not _takes_grad_scale(launch):
             self.update(p, grad, accum, checked, grad_scale)
             return
-        group_index = self._opt._position[p][0]
+        group_index = self._store.group_index(p)
         settings = self._window.get(group_index) or self.settings(group_index)
         if not self._add(launch, grad, settings.scalars, group_index, grad_scale):
             # prepared but not bucketable (size, alignment): alone
@@ -324,7 +344,7 @@ class UpdateDispatcher:
         if entry is not None and id(entry.launch) in self._waiting:
             self._opt.flush_updates()  # p's queued update runs first
         opt = self._opt
-        group_index = opt._position[p][0]
+        group_index = self._store.group_index(p)
         settings = self._window.get(group_index) or self.settings(group_index)
         launch = checked.launch
         with self.observed():

@@ -1,10 +1,12 @@
 """FusedOptimizer: the shared base of fusedopt's optimizers over ``torch.optim.Optimizer``.
 
 It owns what every algorithm shares: parameter groups and the validation of fusedopt's options,
-lazy state initialisation through the codecs (``codecs/``), the checks before an update, ``step()``,
-gradient release (``fused=True``, ``release.py``) and checkpoints (``checkpoint.py``). Which path
-runs an update, and what the kernel path keeps between updates, is ``dispatch.py``'s. Each
-algorithm is one file (``adamw.py``, ``sgd.py``, ``lion.py``) with the facts declared below.
+``step()``, and the parts it delegates to: each parameter's position and state (``state_store.py``,
+state created through the codecs, ``codecs/``), unscaling and clipping of gradients
+(``gradients.py``), which path runs an update and what the kernel path keeps between updates
+(``dispatch.py``), gradient release (``fused=True``, ``release.py``) and checkpoints
+(``checkpoint.py``). Each algorithm is one file (``adamw.py``, ``sgd.py``, ``lion.py``,
+``adafactor.py``) with the facts declared below.
 """
 
 from __future__ import annotations
@@ -16,25 +18,17 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint, release_notices
-from .clipping import DEFAULT_CLIP_METHOD, ReleaseClipping, check_clip_method, exact_coefficient, squared_norm
-from .codecs import SUPPORTED_STATE_BITS, MomentCodec, codec_for, codec_named, registered_formats
-from .dispatch import CheckedUpdate, UpdateDispatcher, check_gradient, total_norm
-from .loss_scaling import ReleasedUnscaling, check_grad_scaler, inverse, unscale_
-from .master import MASTER_CORRECTION, check_master_weight_bits, correction_layout, master_value
+from .clipping import DEFAULT_CLIP_METHOD, check_clip_method
+from .codecs import SUPPORTED_STATE_BITS, MomentCodec, codec_named, registered_formats
+from .dispatch import CheckedUpdate, UpdateDispatcher
+from .gradients import GradientPipeline, check_scaler_step
+from .loss_scaling import check_grad_scaler
+from .master import check_master_weight_bits
 from .reference import UpdateMath
 from .release import GradientRelease
 from .rng import valid_seed
-from .sharding import (
-    as_sharded,
-    check_sharded_gradient,
-    check_sharded_param,
-    element_offset,
-    is_sharded,
-    local,
-    shard_groups,
-    sum_over_shards,
-)
-from .state_memory import SharedCorrections, pack
+from .sharding import check_sharded_param, is_sharded
+from .state_store import StateStore, slot_codecs
 
 # Options that apply to the whole optimizer; a parameter group may not set them.
 OPTIMIZER_WIDE_OPTIONS = ("fused", "accumulation_steps", "seed", "max_grad_norm", "release_clipping", "grad_scaler")
@@ -71,6 +65,57 @@ def check_betas(betas) -> None:
         check_number("beta", beta, high=1.0, message=f"Invalid beta parameter at index {i}: {beta}")
 
 
+def check_optimizer_options(fused, accumulation_steps, seed, max_grad_norm, release_clipping) -> None:
+    """Validate the optimizer-wide options (``max_grad_norm``: None when not given)."""
+    if not isinstance(fused, bool):
+        raise ValueError(f"Invalid fused: {fused!r} (expected True or False)")
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        raise ValueError(f"Invalid accumulation_steps: {accumulation_steps!r} (expected an integer >= 1)")
+    if not valid_seed(seed):
+        raise ValueError(f"Invalid seed: {seed!r} (expected a non-negative integer)")
+    if max_grad_norm is not None:
+        check_number("max_grad_norm", max_grad_norm)
+        if max_grad_norm <= 0:
+            raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (expected a positive number, or None)")
+    check_clip_method(release_clipping)
+
+
+def check_group_options(optimizer, group: dict) -> None:
+    """Validate the options every fusedopt group has (``FusedOptimizer.check_group``)."""
+    bits = group["state_bits"]
+    if bits not in SUPPORTED_STATE_BITS or isinstance(bits, bool):
+        raise ValueError(f"Invalid state_bits: {bits!r} (expected 32, 16, 8 or 4)")
+    numel = group["min_compress_numel"]
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"Invalid min_compress_numel: {numel!r} (expected an integer >= 0)")
+    state_format = group.setdefault("state_format", None)  # groups saved before it existed lack it
+    if state_format is not None and state_format not in registered_formats():
+        raise ValueError(
+            f"Invalid state_format: {state_format!r} (expected None or one of {', '.join(registered_formats())})"
+        )
+    if state_format is not None:
+        slots = optimizer.state_slots(group)
+        for slot in slots:
+            codec = codec_named(state_format, slot not in optimizer.nonnegative_slots, _PROBE_SHAPE)
+            if codec.frame and optimizer.frames.get(slot) not in slots:
+                raise ValueError(
+                    f"Invalid state_format: {state_format!r} stores {slot!r} in units of a second moment, "
+                    f"which fusedopt.{type(optimizer).__name__} does not keep"
+                )
+    check_master_weight_bits(group["master_weight_bits"])
+    if not isinstance(group["maximize"], bool):
+        raise ValueError(f"Invalid maximize: {group['maximize']!r} (expected True or False)")
+
+
+def check_shardable(optimizer, params) -> None:
+    """Refuse an algorithm that cannot update a shard on its own (``shardable``)."""
+    if not optimizer.shardable and any(is_sharded(p) for p in params):
+        raise ValueError(
+            f"fusedopt.{type(optimizer).__name__} does not support sharded (FSDP2) parameters yet: its update "
+            "needs statistics of the whole tensor (rows, columns, norms), and a rank holds only its shard"
+        )
+
+
 class FusedOptimizer(torch.optim.Optimizer):
     """Base class. An algorithm subclasses it in one file, declaring the facts below and implementing
     ``check_hyperparameters`` and ``hyper`` (and ``kernel_scalars`` where it has a kernel branch)."""
@@ -103,37 +148,21 @@ class FusedOptimizer(torch.optim.Optimizer):
         release_clipping: str = DEFAULT_CLIP_METHOD,
         grad_scaler=None,
     ):
-        if not isinstance(fused, bool):
-            raise ValueError(f"Invalid fused: {fused!r} (expected True or False)")
-        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-            raise ValueError(f"Invalid accumulation_steps: {accumulation_steps!r} (expected an integer >= 1)")
-        if not valid_seed(seed):
-            raise ValueError(f"Invalid seed: {seed!r} (expected a non-negative integer)")
         unsaid = max_grad_norm is release_notices.NOT_GIVEN  # no clipping; under release, warned once below
         if unsaid:
             max_grad_norm = None
-        if max_grad_norm is not None:
-            check_number("max_grad_norm", max_grad_norm)
-            if max_grad_norm <= 0:
-                raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (expected a positive number, or None)")
-        check_clip_method(release_clipping)
+        check_optimizer_options(fused, accumulation_steps, seed, max_grad_norm, release_clipping)
         self.fused = fused
         self.accumulation_steps = accumulation_steps
         self.seed = seed
         self.max_grad_norm = max_grad_norm
         self.release_clipping = release_clipping
         self._grad_scaler = None
-        self._grad_norm: torch.Tensor | None = None  # exact clipping's last norm (step())
-        self._released_clipping = ReleaseClipping(max_grad_norm, release_clipping) if max_grad_norm else None
-        self._released_unscaling = ReleasedUnscaling()
-        self._position: dict[torch.Tensor, tuple[int, int]] = {}  # param -> (group index, param index)
-        self._next_index = 0  # a new parameter's index (a hash input: it never changes or repeats)
-        self._offsets: dict[torch.Tensor, int] = {}  # sharded param -> its shard's first global element index
-        self._shard_groups: dict[torch.Tensor, tuple] = {}  # sharded param -> groups its shards span
-        self._groups_seen: list = []  # param_groups as _position last saw them (sync_groups)
+        self._store = StateStore(self)
+        self.gradient_pipeline = GradientPipeline(self, self._store)
+        self._corrections = self._store.corrections  # (the tests replace its view to compare unshared ones)
         self._release: GradientRelease | None = None
-        self._corrections = SharedCorrections()
-        self._dispatch = UpdateDispatcher(self)
+        self._dispatch = UpdateDispatcher(self, self._store)
         self.bucket_budget = self._dispatch.bucket_budget  # bytes of gradients release may hold (0: none)
         params = _materialise(params)
         super().__init__(params, defaults)
@@ -163,25 +192,14 @@ class FusedOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 check_param(p)
             self.check_group(group)
-        except Exception:
-            self.param_groups.pop()
-            raise
-        if self._release is not None and self._release.attached:  # not after remove_hooks()
-            try:
+            if self._release is not None and self._release.attached:  # not after remove_hooks()
                 self._release.attach(group["params"])  # checks every parameter before it hooks one
-            except Exception:
-                self.param_groups.pop()
-                raise
-        try:
-            self._check_sharded(group["params"])
+            check_shardable(self, group["params"])
         except Exception:
             self.param_groups.pop()
             raise
-        group_index = len(self.param_groups) - 1
         self._dispatch.new_window()
-        for p in group["params"]:
-            self._position[p] = (group_index, self._next_index)
-            self._next_index += 1
+        self._store.add(len(self.param_groups) - 1, group["params"])
 
     def sync_groups(self) -> None:
         """Follow edits made to ``param_groups`` directly, as torch.optim does: groups reordered or
@@ -189,49 +207,16 @@ class FusedOptimizer(torch.optim.Optimizer):
         stays); one no longer in any group is forgotten and its release hook removed, so nothing
         updates it. A parameter that never went through the constructor or ``add_param_group`` is
         refused: fusedopt has not validated it and has no index for it."""
-        seen = [(id(g), len(g["params"])) for g in self.param_groups]
-        if seen == self._groups_seen:
+        dropped = self._store.sync(self.param_groups)
+        if dropped is None:
             return
-        positions = {}
-        for group_index, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                if p not in self._position or p in positions:
-                    raise ValueError(
-                        f"param_groups[{group_index}]['params'] holds a parameter of shape {tuple(p.shape)} that "
-                        "was not added through the constructor or add_param_group() (or is listed twice); "
-                        "add parameters with add_param_group()"
-                    )
-                positions[p] = (group_index, self._position[p][1])
-        dropped = [p for p in self._position if p not in positions]
         if dropped and self._release is not None:
             self._release.detach(dropped)
-        self._position, self._groups_seen = positions, seen
         self._dispatch.new_window()
 
     def check_group(self, group: dict) -> None:
         """Validate every option of a (complete) group: the shared fusedopt ones, then the algorithm's."""
-        bits = group["state_bits"]
-        if bits not in SUPPORTED_STATE_BITS or isinstance(bits, bool):
-            raise ValueError(f"Invalid state_bits: {bits!r} (expected 32, 16, 8 or 4)")
-        numel = group["min_compress_numel"]
-        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
-            raise ValueError(f"Invalid min_compress_numel: {numel!r} (expected an integer >= 0)")
-        state_format = group.setdefault("state_format", None)  # groups saved before it existed lack it
-        if state_format is not None and state_format not in registered_formats():
-            raise ValueError(
-                f"Invalid state_format: {state_format!r} (expected None or one of {', '.join(registered_formats())})"
-            )
-        if state_format is not None:
-            for slot in self.state_slots(group):
-                codec = codec_named(state_format, slot not in self.nonnegative_slots, _PROBE_SHAPE)
-                if codec.frame and self.frames.get(slot) not in self.state_slots(group):
-                    raise ValueError(
-                        f"Invalid state_format: {state_format!r} stores {slot!r} in units of a second moment, "
-                        f"which fusedopt.{type(self).__name__} does not keep"
-                    )
-        check_master_weight_bits(group["master_weight_bits"])
-        if not isinstance(group["maximize"], bool):
-            raise ValueError(f"Invalid maximize: {group['maximize']!r} (expected True or False)")
+        check_group_options(self, group)
         self.check_hyperparameters(group)
 
     def check_hyperparameters(self, group: dict) -> None:
@@ -261,86 +246,28 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def codecs(self, p: torch.Tensor, group: dict) -> dict[str, MomentCodec]:
         """Slot name -> codec for parameter ``p`` under ``group``."""
-        bits, fmt, numel = group["state_bits"], group.get("state_format"), group["min_compress_numel"]
-        nonnegative = self.nonnegative_slots
-        # a sharded parameter's format is chosen from its global shape (it does not depend on the
-        # number of ranks), its codec made for the local shard
-        codecs = {
-            slot: codec_for(bits, p.shape, numel, signed=slot not in nonnegative, state_format=fmt)
-            for slot in self.state_slots(group)
-        }
-        if is_sharded(p):
-            shape = local(p).shape
-            codecs = {slot: codec_named(c.name, slot not in nonnegative, shape) for slot, c in codecs.items()}
-        return codecs
+        return slot_codecs(p, group, self.state_slots(group), self.nonnegative_slots)
 
     def position(self, p: torch.Tensor) -> tuple[dict, int]:
         """The group holding ``p`` and ``p``'s index in the optimizer (a hash input)."""
-        group_index, index = self._position[p]
-        return self.param_groups[group_index], index
+        return self._store.position(p)
 
     def param_index(self, p: torch.Tensor) -> int:
         """``p``'s index in the optimizer: a hash input, it never changes or repeats."""
-        return self._position[p][1]
+        return self._store.param_index(p)
 
     def element_offset(self, p: torch.Tensor) -> int:
         """The global index of the first element of ``p``'s local shard (0 unless ``p`` is sharded)."""
-        if not is_sharded(p):
-            return 0
-        offset = self._offsets.get(p)
-        if offset is None:
-            offset = self._offsets[p] = element_offset(p)
-        return offset
-
-    def shard_groups(self, p: torch.Tensor) -> tuple:
-        """The process groups over which ``p``'s gradient is split in shards (empty: each rank has all of it)."""
-        if not is_sharded(p):
-            return ()
-        groups = self._shard_groups.get(p)
-        if groups is None:
-            groups = self._shard_groups[p] = shard_groups(p)
-        return groups
+        return self._store.element_offset(p)
 
     def ensure_state(self, p: torch.Tensor) -> dict:
         """The state of ``p``, created (step 0, zero moments) on first use (of its local shard's
         shape for a sharded parameter)."""
-        state = self.state[p]
-        if not state:
-            group, _ = self.position(p)
-            lp = local(p)
-            state["step"] = torch.zeros((), dtype=torch.float32, device=lp.device)
-            entries = {}  # tensors of one dtype share an allocation (state_memory.py says why)
-            for slot, codec in self.codecs(p, group).items():
-                # a zero state is one value repeated (a format may store a padded block for one element)
-                unit = codec.zeros(torch.Size([1]), lp.device)
-                for suffix, (dtype, shape) in codec.layout(lp.shape).items():
-                    entries[slot + suffix] = (dtype, shape, unit[suffix].reshape(-1)[0])
-            shared = {}
-            for key, (dtype, shape) in correction_layout(lp, group["master_weight_bits"]).items():
-                view = self._corrections.view(p, dtype, shape, self._correction_members)
-                if view is not None:
-                    shared[key] = view.zero_()
-                else:
-                    entries[key] = (dtype, shape, None)  # zeros
-            state.update(pack(entries, lp.device))
-            state.update(shared)
-        return state
-
-    def _correction_members(self, groups: list[dict] | None = None):
-        """(parameter, dtype, shape) of every parameter whose group keeps a master-weight correction."""
-        for group in self.param_groups if groups is None else groups:
-            for q in group["params"]:
-                for dtype, shape in correction_layout(local(q), group["master_weight_bits"]).values():
-                    yield q, dtype, shape
+        return self._store.ensure(p)
 
     def share_correction(self, p: torch.Tensor, state: dict, groups: list[dict]) -> None:
-        """Move a loaded state's correction into ``p``'s shared view (checkpoint loading, at commit,
-        under the loaded ``groups``: their master_weight_bits decide the dtypes)."""
-        value = state.get(MASTER_CORRECTION)
-        if value is not None:
-            view = self._corrections.view(p, value.dtype, value.shape, lambda: self._correction_members(groups))
-            if view is not None and view is not value:
-                state[MASTER_CORRECTION] = view.copy_(value)
+        """Move a loaded state's correction into ``p``'s shared view (checkpoint loading, at commit)."""
+        self._store.share_correction(p, state, groups)
 
     def master_weight(self, p: torch.Tensor) -> torch.Tensor:
         """The full-precision master of parameter ``p`` as a new fp32 tensor.
@@ -351,11 +278,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """
         self.flush_updates()
         self.sync_groups()
-        if not isinstance(p, torch.Tensor) or p not in self._position:
-            raise ValueError("master_weight(p): p is not a parameter of this optimizer")
-        group, _ = self.position(p)
-        master = master_value(local(p), self.state.get(p), group["master_weight_bits"])
-        return as_sharded(p, master) if is_sharded(p) else master
+        return self._store.master_weight(p)
 
     # --- observing updates (the memory profiler attributes allocations with this) ----------
 
@@ -380,9 +303,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         """The global L2 norm of the gradients of the last update, before clipping (a device tensor;
         None without ``max_grad_norm``). With ``fused=True`` it is the norm of the gradients released
         so far in this backward, exact once backward has finished (and kept after ``step()``)."""
-        if self._releasing() and self._released_clipping is not None:
-            return self._released_clipping.norm()
-        return self._grad_norm
+        return self.gradient_pipeline.norm(self._releasing())
+
+    @property
+    def _released_clipping(self):
+        """The history of clipping under release (the tests read it)."""
+        return self.gradient_pipeline.clipping
 
     @property
     def grad_scaler(self) -> torch.amp.GradScaler | None:
@@ -394,14 +320,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         check_grad_scaler(scaler)
         self._grad_scaler = scaler
 
-    def _check_sharded(self, params) -> None:
-        """Refuse an algorithm that cannot update a shard on its own (``shardable``)."""
-        if not self.shardable and any(is_sharded(p) for p in params):
-            raise ValueError(
-                f"fusedopt.{type(self).__name__} does not support sharded (FSDP2) parameters yet: its update "
-                "needs statistics of the whole tensor (rows, columns, norms), and a rank holds only its shard"
-            )
-
     def _releasing(self) -> bool:
         return self._release is not None and self._release.attached
 
@@ -410,112 +328,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         release is about to update from: ``batch`` holds each parameter with its gradient (and
         accumulated buffer; local tensors: a sharded parameter's shard), in the order released.
         Returns each one's clipping coefficient for its update (``grad_scale``; None: none)."""
-        scaler = self.grad_scaler
-        if scaler is not None and not scaler.is_enabled():
-            scaler = None
-        if scaler is None and self._released_clipping is None:
-            return [None] * len(batch)
-        if scaler is not None:
-            by_device: dict[torch.device, list[torch.Tensor]] = {}
-            for _, grads in batch:
-                by_device.setdefault(grads[0].device, []).extend(grads)
-            for grads in by_device.values():
-                self._released_unscaling.unscale_(scaler, grads)
-        return self._clip_released(batch, note_nonfinite=scaler is not None)
-
-    def _clip_released(
-        self, batch: list[tuple[torch.Tensor, list[torch.Tensor]]], *, note_nonfinite: bool, whole: bool = False
-    ) -> list:
-        """Clip released (unscaled) gradients as ``ReleaseClipping`` estimates, in batches of one
-        device; returns each one's coefficient (``prepare_released_gradients``). A sharded
-        parameter's gradient is clipped against its whole gradient's norm (an all-reduce of its
-        squared norm) and, where that is not finite, skipped on every rank (and reported to the
-        scaler when ``note_nonfinite``). Every rank must issue the same all-reduces: release's
-        batches follow each rank's own shard sizes, so there they go parameter by parameter;
-        ``whole`` (step()'s rest of the window, the same parameters on every rank) batches them as
-        it batches whole gradients, with one all-reduce per batch."""
-        clipping = self._released_clipping
-        pending: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
-        pending_groups: tuple = ()
-        scales: list = []
-
-        def clip_pending():
-            if not pending:
-                return
-            indices, grads = [self.param_index(p) for p, _ in pending], [g for _, g in pending]
-            coefficient, sq = None, None
-            if pending_groups:
-                sq = sum_over_shards(torch.stack([squared_norm(g) for g in grads]).double(), pending_groups)
-                if note_nonfinite:
-                    self._released_unscaling.note_nonfinite(~torch.isfinite(sq).all())
-            if clipping is not None:
-                coefficient = clipping.clip(indices, grads, sq)
-            elif sq is not None:  # loss scaling alone: a gradient not finite on any rank is skipped on all
-                for entry, finite in zip(grads, torch.isfinite(sq).unbind()):
-                    torch._foreach_mul_(entry, torch.where(finite, 1.0, torch.nan))
-            scales.extend([coefficient] * len(pending))
-            pending.clear()
-
-        for p, grads in batch:
-            groups = self.shard_groups(p)
-            if pending and (pending[0][1][0].device != grads[0].device or groups != pending_groups):
-                clip_pending()
-            pending.append((p, grads))
-            pending_groups = groups
-            if groups and not whole:  # in release order, one by one
-                clip_pending()
-        clip_pending()
-        return scales
-
-    def _unscale_and_clip(self, updates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> list:
-        """step()'s gradients (parameter, gradient, accumulated buffer), in place: unscaled by a
-        GradScaler's ``grad_scale`` when ``scaler.step(opt)`` called, then clipped. Returns each
-        update's clipping coefficient (``grad_scale``; None: none), which the update applies."""
-        releasing = self._releasing()
-        grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step for this call only
-        if releasing and grad_scale is not None and self.grad_scaler is None and self._release.hooks_ran():
-            raise RuntimeError(
-                "a torch.amp.GradScaler stepped this fused=True optimizer, which does not know it: gradient release "
-                "already updated parameters inside backward from the scaled gradients. Pass grad_scaler=scaler to "
-                "the optimizer (or set opt.grad_scaler = scaler) before the first backward"
-            )
-        if (
-            releasing
-            and self.grad_scaler is not None
-            and not hasattr(self, "grad_scale")
-            and updates
-            and self._release.hooks_ran()  # (not torch.distributed.checkpoint's zero-gradient step)
-        ):
-            raise RuntimeError(
-                "step() of a fused=True optimizer with a grad_scaler was called directly while gradients wait for "
-                "it: call scaler.step(optimizer), which hands step() the scale to unscale them with"
-            )
-        if grad_scale is not None:
-            inv_scale = inverse(grad_scale)
-            found_inf = torch.zeros((), dtype=torch.float32, device=inv_scale.device)  # the scaler has checked
-            for _, grad, accum in updates:
-                grads = [local(g) for g in (grad, accum) if g is not None]
-                unscale_(grads, inv_scale.to(grads[0].device), found_inf)
-        scales = [None] * len(updates)
-        if releasing and (self._released_clipping is not None or grad_scale is not None):
-            # the rest of the window, as release treated the rest
-            rest = [(p, [local(g) for g in (grad, accum) if g is not None]) for p, grad, accum in updates]
-            scales = self._clip_released(rest, note_nonfinite=grad_scale is not None, whole=True)
-        if releasing and self.grad_scaler is not None:
-            self._released_unscaling.report(self.grad_scaler, self)
-        if self.max_grad_norm is not None and updates and not releasing:
-            # exactly torch.nn.utils.clip_grad_norm_ over every gradient of this step (no host sync)
-            tensors = [g for _, grad, accum in updates for g in (grad, accum) if g is not None]
-            self._grad_norm = total_norm(tensors)
-            norm = self._grad_norm.full_tensor() if is_sharded(self._grad_norm) else self._grad_norm  # over the ranks
-            coefficient = exact_coefficient(norm, self.max_grad_norm)
-            on_device = {coefficient.device: coefficient}
-            for i, (_, grad, _) in enumerate(updates):
-                device = local(grad).device
-                if device not in on_device:
-                    on_device[device] = coefficient.to(device)
-                scales[i] = on_device[device]
-        return scales
+        return self.gradient_pipeline.prepare(batch, releasing=True)
 
     # --- the update ------------------------------------------------------------------------
 
@@ -526,19 +339,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         update, gradient release each one before it counts the gradient. Beyond the gradient's shape,
         nothing is looked at while ``p``'s prepared launch still holds (it was built for this state,
         parameter and group structure)."""
-        if is_sharded(p) or is_sharded(grad):
-            if is_sharded(grad):  # (a plain one: the optimizer's accumulation buffer of the local shard)
-                check_sharded_gradient(p, grad)
-            check_gradient(local(p), local(grad), accum, type(self).__name__)
-        else:
-            check_gradient(p, grad, accum, type(self).__name__)
-        group_index = self._position[p][0]
-        dispatch = self._dispatch
-        settings = dispatch._window.get(group_index) or dispatch.settings(group_index)
-        checked = dispatch.check_prepared(p, grad, accum, settings)
-        if checked.launch is None:
-            self._check_state(p, self.param_groups[group_index])
-        return checked
+        return self._dispatch.check(p, grad, accum)
 
     def update_param(
         self,
@@ -579,36 +380,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Whether gradient release should hold ``p``'s update for a bucket (``dispatch.py``)."""
         return self._dispatch.can_hold(p)
 
-    def _check_state(self, p: torch.Tensor, group: dict) -> None:
-        """Refuse state that does not fit ``p`` and its group as they are now: every tensor their
-        settings need, of its dtype and shape, and no master correction they do not keep. The
-        state was made for them as they were: ``p.data`` of another shape or dtype, or a group's
-        ``state_bits``, ``state_format``, ``min_compress_numel``, ``master_weight_bits`` (or SGD's
-        momentum) set since, would read it wrongly."""
-        state = self.state.get(p)
-        if not state:
-            return  # created from the group's settings at the first update
-        lp = local(p)  # a sharded parameter's state covers its local shard
-        needed = {
-            slot + suffix: layout
-            for slot, codec in self.codecs(p, group).items()
-            for suffix, layout in codec.layout(lp.shape).items()
-        }
-        needed.update(correction_layout(lp, group["master_weight_bits"]))
-        problems = [_state_problem(key, state.get(key), *layout) for key, layout in needed.items()]
-        if MASTER_CORRECTION in state and MASTER_CORRECTION not in needed:
-            bits = group["master_weight_bits"]
-            problems.append(f"holds a master_correction that master_weight_bits={bits} does not keep")
-        problem = next((problem for problem in problems if problem is not None), None)
-        if problem is not None:
-            raise ValueError(
-                f"the optimizer state of a {p.dtype} parameter of shape {tuple(p.shape)} {problem}: it was made for "
-                "the parameter and its group as they were. The parameter's shape or dtype, or its group's "
-                "state_bits, state_format, min_compress_numel, master_weight_bits or momentum, changed since. Change "
-                "the group's settings through state_dict() / load_state_dict(), which converts the state (edit the "
-                "saved group); for a parameter of another shape or dtype, build a new optimizer"
-            )
-
     @torch.no_grad()
     def step(self, closure=None):
         """Update every parameter that still holds a gradient; run ``closure`` first if given.
@@ -638,7 +409,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             if grad is None:
                 grad, accum = accum, None
             updates.append((p, grad, accum))
-        scales = self._unscale_and_clip(updates)
+        grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step for this call only
+        hooks_ran = releasing and self._release.hooks_ran()
+        check_scaler_step(self.grad_scaler, grad_scale, hasattr(self, "grad_scale"), bool(updates), hooks_ran)
+        batch = [(p, [g for g in (grad, accum) if g is not None]) for p, grad, accum in updates]
+        scales = self.gradient_pipeline.prepare(batch, releasing=releasing, in_step=True, grad_scale=grad_scale)
         for (p, grad, accum), (_, launch), scale in zip(updates, checked, scales):
             self._dispatch.queue(p, grad, accum, launch, scale)
             if releasing:
@@ -647,8 +422,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._dispatch.new_window()
         if self._release is not None:
             self._release.new_window()
-        if self._released_clipping is not None:
-            self._released_clipping.new_window()
+        self.gradient_pipeline.new_window()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -686,18 +460,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Load a fusedopt or torch.optim checkpoint; state keeps its saved dtypes (see checkpoint.py)."""
         self.flush_updates()
         self.sync_groups()
-        checkpoint.load_state_dict(self, state_dict)
+        hooks = (self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks)
+        checkpoint.load_state_dict(self, state_dict, *hooks)
         self._dispatch.forget()  # prepared launches hold the replaced state tensors
         self._dispatch.new_window()
-
-
-def _state_problem(key: str, value: torch.Tensor | None, dtype: torch.dtype, shape: torch.Size) -> str | None:
-    """What is wrong with the state entry ``key`` against the (dtype, shape) needed (None: nothing)."""
-    if value is None:
-        return f"has no '{key}'"
-    if value.dtype != dtype or value.shape != shape:
-        return f"holds '{key}' as {value.dtype} {tuple(value.shape)}, not {dtype} {tuple(shape)}"
-    return None
 
 
 def check_param(p: torch.Tensor) -> None:

@@ -248,6 +248,13 @@ class GradientRelease:
                 optimizer.queue_update(p, grad, None, checked, scale)
             optimizer.flush_updates()
 
+    def updated_since_step(self) -> int:
+        """How many parameters release updated since the last ``step()`` (0 once the optimizer is gone)."""
+        optimizer = self._optimizer()
+        if optimizer is None:
+            return 0
+        return sum(n >= optimizer.accumulation_steps for n in self._counts.values())
+
     def hooks_ran(self) -> bool:
         """Whether a release hook took a gradient since the last ``step()``."""
         return bool(self._counts)

@@ -160,9 +160,4 @@ def backward(*args, **kwargs):
 def _updated_by_release() -> int:
     """How many parameters live releasing optimizers updated since their last ``step()``."""
     releases = {id(r): r for r in (ref() for ref in list(_OWNERS.values())) if r is not None and r.attached}
-    count = 0
-    for release in releases.values():
-        optimizer = release._optimizer()
-        if optimizer is not None:
-            count += sum(n >= optimizer.accumulation_steps for n in release._counts.values())
-    return count
+    return sum(release.updated_since_step() for release in releases.values())

@@ -101,7 +101,8 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_the_optimizer_never_imports_the_kernel_layer():
     modules = _modules()
-    for name in ("fusedopt.optimizer", "fusedopt.release", "fusedopt.checkpoint", "fusedopt.adamw", "fusedopt.sgd"):
+    names = ("optimizer", "state_store", "gradients", "release", "checkpoint", "adamw", "sgd")
+    for name in (f"fusedopt.{name}" for name in names):
         imported = _imports(name, modules[name], modules)
         assert not {m for m in imported if m.startswith("fusedopt.kernels")}, name
 
@@ -242,3 +243,64 @@ def test_an_algorithms_internal_formats_are_not_state_formats():
     assert "fp32-rows" in known_formats() and "fp32-rows" not in registered_formats()
     with pytest.raises(ValueError, match="Invalid state_format: 'fp32-rows'"):
         fusedopt.AdamW([torch.nn.Parameter(torch.zeros(64, 64))], state_format="fp32-rows")
+
+
+# --- narrow interfaces between modules -----------------------------------------------------
+
+
+def _private_names(tree: ast.Module) -> set[str]:
+    """Underscore names a module's classes define: attributes set on ``self``/``cls``, names bound
+    in a class body (methods, class attributes, ``__slots__`` entries)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                names.add(node.attr)
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names.add(item.name)
+                targets = item.targets if isinstance(item, ast.Assign) else [getattr(item, "target", None)]
+                for target in targets:
+                    if isinstance(target, ast.Name):
+                        names.add(target.id)
+                    if isinstance(target, ast.Name) and target.id == "__slots__":
+                        names.update(ast.literal_eval(item.value))
+    return {n for n in names if n.startswith("_") and not n.endswith("__")}
+
+
+def _private_reads(sources: dict[str, str]) -> list[str]:
+    """``X._name`` in one module (X not ``self`` or ``cls``) where ``_name`` is private to a class of
+    another module: one module reaching into another's state instead of asking through a method.
+    (Underscore attributes of torch's objects, ``scaler._scale``, are not fusedopt's to narrow.)"""
+    trees = {name: ast.parse(source) for name, source in sources.items()}
+    defined = {name: _private_names(tree) for name, tree in trees.items()}
+    found = []
+    for name, tree in trees.items():
+        elsewhere = set().union(*(names for other, names in defined.items() if other != name)) - defined[name]
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and node.attr in elsewhere):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_reads_the_private_state_of_another_modules_class():
+    sources = {name: path.read_text() for name, path in _modules().items()}  # the kernels and codecs too
+    assert "fusedopt.optimizer" in sources and "fusedopt.kernels.update" in sources
+    assert "_window" in _private_names(ast.parse(sources["fusedopt.dispatch"]))  # the scan sees the classes' state
+    found = _private_reads(sources)
+    assert not found, "\n".join(found)
+
+
+def test_the_private_read_finder_finds_one():
+    owner = "class Owner:\n    __slots__ = ('_slot',)\n    def __init__(self):\n        self._state = {}\n"
+    reader = "def peek(owner):\n    return owner._state, owner._slot, owner._missing\n"
+    assert _private_reads({"owner.py": owner, "reader.py": reader}) == [
+        "reader.py:2: owner._state",
+        "reader.py:2: owner._slot",
+    ]
+    # a module's own class, and self, are its own business
+    assert _private_reads({"owner.py": owner + "def peek(o):\n    return o._state\n"}) == []

@@ -353,7 +353,7 @@ def test_clipping_in_the_kernel_equals_clipping_before_it_bit_for_bit(monkeypatc
     A run without clipping differs, so the clipping was applied."""
     kwargs = {**case.kwargs, "max_grad_norm": 0.5}
     # one norm for every path (the norm kernel is held to torch's in test_kernels.py)
-    monkeypatch.setattr("fusedopt.optimizer.total_norm", torch.nn.utils.get_total_norm)
+    monkeypatch.setattr("fusedopt.gradients.total_norm", torch.nn.utils.get_total_norm)
     in_kernel = _train(monkeypatch, device, 64, case.cls, kwargs, case.dtype, fused)
     with monkeypatch.context() as m:
         m.setattr("fusedopt.dispatch._takes_grad_scale", lambda launch: False)

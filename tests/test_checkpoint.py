@@ -449,3 +449,27 @@ def test_a_checkpoint_with_nan_in_a_plain_moment_is_refused(state_bits, source):
     with pytest.raises(ValueError, match=r"state 'exp_avg' of .* is corrupt: 1 of its 120 values are NaN"):
         target.load_state_dict(saved)
     assert not target.state  # nothing loaded
+
+
+def test_torch_s_load_state_dict_hooks_run_around_the_load():
+    """``register_load_state_dict_pre_hook`` / ``_post_hook`` work as on a torch.optim optimizer: the
+    pre-hook may replace what is loaded (the caller's dict stays as it was), the post-hook runs after
+    the state is in place."""
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    opt = fusedopt.AdamW([w], lr=1e-2)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    saved = opt.state_dict()
+    q = torch.nn.Parameter(w.detach().clone())
+    fresh = fusedopt.AdamW([q], lr=1e-3)
+    steps_seen = []
+
+    def pre(optimizer, state_dict):
+        assert optimizer is fresh
+        return {**state_dict, "param_groups": [{**g, "lr": 0.5} for g in state_dict["param_groups"]]}
+
+    fresh.register_load_state_dict_pre_hook(pre)
+    fresh.register_load_state_dict_post_hook(lambda optimizer: steps_seen.append(float(optimizer.state[q]["step"])))
+    fresh.load_state_dict(saved)
+    assert fresh.param_groups[0]["lr"] == 0.5 and steps_seen == [1.0]
+    assert saved["param_groups"][0]["lr"] == 1e-2
