@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint, release_notices
 from .clipping import DEFAULT_CLIP_METHOD, ReleaseClipping, check_clip_method, exact_coefficient, squared_norm
-from .codecs import SUPPORTED_STATE_BITS, MomentCodec, codec_for, codec_named, registered_formats
+from .codecs import SUPPORTED_STATE_BITS, MomentCodec, codec_for, codec_named, registered_formats, removed_format_error
 from .dispatch import CheckedUpdate, UpdateDispatcher, check_gradient, total_norm
 from .loss_scaling import ReleasedUnscaling, check_grad_scaler, inverse, unscale_
 from .master import MASTER_CORRECTION, check_master_weight_bits, correction_layout, master_value
@@ -218,6 +218,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"Invalid min_compress_numel: {numel!r} (expected an integer >= 0)")
         state_format = group.setdefault("state_format", None)  # groups saved before it existed lack it
         if state_format is not None and state_format not in registered_formats():
+            removed = removed_format_error(state_format, f"Invalid state_format: {state_format!r}")
+            if removed is not None:
+                raise removed
             raise ValueError(
                 f"Invalid state_format: {state_format!r} (expected None or one of {', '.join(registered_formats())})"
             )
