@@ -22,7 +22,7 @@ the loss with ``fusedopt.chunked_cross_entropy`` (default chunk: 0), given the h
 
 ``--config`` names one of ``CONFIGS`` (fusedopt.AdamW or fusedopt.Adafactor, its keyword arguments
 and peak lr); ``--opt k=v,...`` adds or overrides keyword arguments (``master_weight_bits=None``,
-``state_format=rot4``...).
+``state_format=norm2-root4``...).
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ CONFIGS = {
     "nomaster": (fusedopt.AdamW, dict(ADAMW, master_weight_bits=None), 1e-4),
     "block4": (fusedopt.AdamW, dict(ADAMW, state_bits=4), 1e-4),
     "block4-nomaster": (fusedopt.AdamW, dict(ADAMW, state_bits=4, master_weight_bits=None), 1e-4),
-    "norm2-log4-nomaster": (fusedopt.AdamW, dict(ADAMW, state_format="norm2-log4", master_weight_bits=None), 1e-4),
     "norm2-root4-nomaster": (fusedopt.AdamW, dict(ADAMW, state_format="norm2-root4", master_weight_bits=None), 1e-4),
     # the peak lrs of the Adafactor sweep of quality.py's formats study; weight decay per step equal to AdamW's
     "adafactor": (fusedopt.Adafactor, dict(weight_decay=1e-4 * 0.1 / 0.3), 0.3),

@@ -631,13 +631,17 @@ def fingerprints(device="cuda", algorithms=FP_ALGORITHMS, formats=None, out: str
 
 
 def same_bits(a: dict[str, str], b: dict[str, str]) -> dict[str, list[str]]:
-    """Compare two fingerprint files: keys bit-identical (fingerprints equal), differing, refused in
-    both, refused in one only, and present in one only (a format one of the trees lacks)."""
-    out = {"identical": [], "differ": [], "refused in both": [], "refused in one": [], "in one only": []}
+    """Compare two fingerprint files (``a`` the old tree's, ``b`` the new one's): keys bit-identical
+    (fingerprints equal), differing, refused in both, refused in one only, and present in one file only
+    (a format one of the trees lacks: only in the old one, a removed format)."""
+    out = {"identical": [], "differ": [], "refused in both": [], "refused in one": [], "only in the first": []}
+    out["only in the second"] = []
     for key in dict.fromkeys([*a, *b]):
         x, y = a.get(key), b.get(key)
-        if x is None or y is None:
-            out["in one only"].append(key)
+        if y is None:
+            out["only in the first"].append(key)
+        elif x is None:
+            out["only in the second"].append(key)
         elif x.startswith("refused") and y.startswith("refused"):
             out["refused in both"].append(key)
         elif x.startswith("refused") or y.startswith("refused"):
@@ -680,9 +684,14 @@ def main(argv=None) -> int:
     verdict = same_bits(a, b)
     compared = len(verdict["identical"]) + len(verdict["differ"])
     print(f"bit-identical: {len(verdict['identical'])} of {compared} configurations both trees ran")
-    for what in ("differ", "refused in one", "in one only"):
+    for what in ("differ", "refused in one"):
         for key in verdict[what]:
             print(f"  {what}: {key}")
+    # not compared, and no failure: a configuration one tree lacks (in the first only: a removed format)
+    for what, path in (("only in the first", args.files[0]), ("only in the second", args.files[1])):
+        if verdict[what]:
+            print(f"not compared, {len(verdict[what])} configurations only in {path}:")
+            print("\n".join(f"  {key}" for key in verdict[what]))
     return 1 if verdict["differ"] or verdict["refused in one"] else 0
 
 

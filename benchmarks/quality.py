@@ -83,16 +83,6 @@ CONFIGS = {
     "nomaster": ("fusedopt.AdamW:master_weight_bits=None", "block8, no correction (bf16 + SR)"),
     "block4": ("fusedopt.AdamW:state_bits=4", "block4, 24-bit"),
     "block4-nomaster": ("fusedopt.AdamW:state_bits=4,master_weight_bits=None", "block4, no correction"),
-    "rot8": ("fusedopt.AdamW:state_format='rot8'", "rot8, 24-bit"),
-    "rot4": ("fusedopt.AdamW:state_format='rot4'", "rot4, 24-bit"),
-    "rot2": ("fusedopt.AdamW:state_format='rot2'", "rot2, 24-bit"),
-    "norm2-log4": ("fusedopt.AdamW:state_format='norm2-log4'", "norm2-log4 (0.82 B/param), 24-bit"),
-    "norm2-log4-nomaster": (
-        "fusedopt.AdamW:state_format='norm2-log4',master_weight_bits=None",
-        "norm2-log4, no correction",
-    ),
-    "norm4-log4": ("fusedopt.AdamW:state_format='norm4-log4'", "norm4-log4 (1.07 B/param), 24-bit"),
-    "rot4-log4": ("fusedopt.AdamW:state_format='rot4-log4'", "rot4-log4 (1.05 B/param), 24-bit"),
     "norm2-root4": ("fusedopt.AdamW:state_format='norm2-root4'", "norm2-root4 (0.81 B/param), 24-bit"),
     "norm2-root4-nomaster": (
         "fusedopt.AdamW:state_format='norm2-root4',master_weight_bits=None",

@@ -37,15 +37,15 @@ from collections import defaultdict
 import torch
 
 from . import rng
-from .codecs import MomentCodec, codec_named, decode_moments, known_formats
+from .codecs import MomentCodec, codec_named, decode_moments, known_formats, removed_format_error
 from .codecs.blockwise import BlockCodec
 from .master import MASTER_CORRECTION, convert_correction
 from .sharding import as_sharded, element_offset, is_sharded, local
 from .state_memory import pack_tensors
 
 # 3: each state's codec recorded by name ("codecs"). 2: not recorded; 8-bit moments on
-# shifted-minifloat levels. 1: 8-bit moments on square levels (the codec "block8-square"), converted
-# on load (the codes' layout is the same, so they must not be copied as they are).
+# shifted-minifloat levels. 1: 8-bit moments on square levels (the removed "block8-square", refused
+# on load: the codes' layout is block8's, so they must not be read as block8's).
 FORMAT = 3
 # torch.optim group keys that fusedopt drops when loading a torch checkpoint: implementation
 # switches with no effect on the state. Other keys of a saved group are kept as torch keeps them
@@ -214,6 +214,7 @@ def _from_elements(p: torch.Tensor, saved: dict, names: dict, signed_of, where: 
         if codes is None and scales is None:
             continue
         if name not in known_formats():
+            _refuse_removed(name, slot, where)
             raise ValueError(f"state {slot!r} of {where} was saved in the state format {name!r}, unknown here")
         codec = codec_named(name, signed_of(slot), lp.shape)
         for what, t in (("codes", codes), ("scales", scales)):
@@ -512,6 +513,7 @@ def _saved_codec(
         return None  # not saved at all: the caller says what is missing
     if name is not None:
         if name not in known_formats():
+            _refuse_removed(name, slot, where)
             raise ValueError(
                 f"state {slot!r} of {where} was saved in the state format {name!r}, which this fusedopt does not "
                 f"know (known: {', '.join(known_formats())})"
@@ -527,16 +529,22 @@ def _saved_codec(
         return codec
     if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == shape:
         return _PLAIN
-    for candidate_name in _UNNAMED_BLOCK_FORMATS[1 if saved_format is not None and saved_format <= 1 else 2]:
+    for candidate_name in ("block8", "block4"):
         candidate = codec_named(candidate_name, signed, torch.Size(shape))
         layout = candidate.layout(shape)
         if all(_fits(saved.get(slot + s), dtype, size) for s, (dtype, size) in layout.items()):
+            if candidate_name == "block8" and saved_format is not None and saved_format <= 1:
+                # format 1 stored 8-bit moments on square levels, in block8's layout
+                _refuse_removed("block8-square", slot, where)
             return candidate
     return None
 
 
-# The block formats of checkpoints that did not record codec names (formats 1 and 2), tried by layout.
-_UNNAMED_BLOCK_FORMATS = {1: ("block8-square", "block4"), 2: ("block8", "block4")}
+def _refuse_removed(name: str, slot: str, where: str) -> None:
+    """Raise the removed format's error if ``name`` is one (``fusedopt.codecs.REMOVED_FORMATS``)."""
+    error = removed_format_error(name, f"state {slot!r} of {where} was saved in the state format {name!r}, which")
+    if error is not None:
+        raise error
 
 
 def _describe(t) -> str:

@@ -19,7 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint, release_notices
 from .clipping import DEFAULT_CLIP_METHOD, check_clip_method
-from .codecs import SUPPORTED_STATE_BITS, MomentCodec, codec_named, registered_formats
+from .codecs import SUPPORTED_STATE_BITS, MomentCodec, codec_named, registered_formats, removed_format_error
 from .dispatch import CheckedUpdate, UpdateDispatcher
 from .gradients import GradientPipeline, check_scaler_step
 from .loss_scaling import check_grad_scaler
@@ -90,6 +90,9 @@ def check_group_options(optimizer, group: dict) -> None:
         raise ValueError(f"Invalid min_compress_numel: {numel!r} (expected an integer >= 0)")
     state_format = group.setdefault("state_format", None)  # groups saved before it existed lack it
     if state_format is not None and state_format not in registered_formats():
+        removed = removed_format_error(state_format, f"Invalid state_format: {state_format!r}")
+        if removed is not None:
+            raise removed
         raise ValueError(
             f"Invalid state_format: {state_format!r} (expected None or one of {', '.join(registered_formats())})"
         )

@@ -47,8 +47,7 @@ assert int(_GRAD_DELTA_BIAS) == GRAD_DELTA_BIAS
 
 
 def _pointer_tensors(u: PreparedUpdate) -> tuple:
-    """A member's tensors in table column order: param, correction, m, m scales, v, v scales, v's third
-    storage tensor, step, scratch."""
+    """A member's tensors in table column order: param, correction, m, m scales, v, v scales, step, scratch."""
     return (*u.head, *u.state_tensors)
 
 
@@ -96,7 +95,7 @@ class PreparedBucket:
         rows += [unused] * (BUCKET_TENSORS - len(members))
         with on_default_stream(first.head[0]):  # launches on any stream can then wait for the copy
             self.table = _to_device(torch.tensor(rows, dtype=torch.int64), first.head[0].device)
-        self.head, self.state_tensors, self.fractions = first.head, first.state_tensors, first.fractions
+        self.head, self.state_tensors = first.head, first.state_tensors
         self.step, self.scratch, self.skipped = first.step, first.scratch, first.skipped
         self.ints = first.ints  # the first member's sizes and keys (unused: the table has them)
         config = bucket_config(first.configs[False])
@@ -130,7 +129,7 @@ class PreparedBucket:
             self.check_configs[scaled],
         )
         runtime_args = (
-            *self.head, base, self.head[0], *self.state_tensors, self.table, self.fractions, scale, *self.ints, *deltas,
+            *self.head, base, self.head[0], *self.state_tensors, self.table, scale, *self.ints, *deltas,
             *args,
         )  # fmt: skip
         update_launcher = update._launch_update

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from fusedopt import rng
-from fusedopt.codecs.base import NO_MOMENT, ROTATED
+from fusedopt.codecs.base import NO_MOMENT, Family
 from fusedopt.kernels.hashing import step_hash, tile_bits
 from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig, launch_remembered
 from fusedopt.kernels.master import load_master, store_master
@@ -53,6 +53,7 @@ BLOCK = 1024  # elements per program of the element-wise kernels (a multiple of 
 NUM_WARPS = 4
 REDUCE_TILE = 4096  # elements of a reduction program's tile
 SPLIT_ROWS = 512  # rows of one column-sum program (more programs for tall matrices; partial sums in order)
+_NONE = tl.constexpr(Family.NONE)
 SCALARS = ("lr", "beta2_decay", "eps1", "eps2", "d", "decay", "beta1", "growth_limit", "beta3", "came_eps")
 
 
@@ -346,7 +347,8 @@ def _came_res_kernel(
     came_eps,
     HAS_ACCUM: tl.constexpr,
     MAXIMIZE: tl.constexpr,
-    M_FMT: tl.constexpr,
+    M_FAMILY: tl.constexpr,  # fusedopt.codecs.base.Family
+    M_BITS: tl.constexpr,
     M_SIGNED: tl.constexpr,
     M_POWER: tl.constexpr,
     M_QMAX: tl.constexpr,
@@ -366,8 +368,9 @@ def _came_res_kernel(
     u, _ = _u(g, offs, mask, row_ptr, col_ptr, rowmean_ptr, row_ptr, w, _f32(eps1), n_rows, n_cols, True)
     u_hat = u * scale
     m = load_moment(
-        m_ptr, m_scale_ptr, start, n_elements, n_pairs, M_FMT, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, NB, QBLOCK
-    )
+        m_ptr, m_scale_ptr, start, n_elements, n_pairs, M_FAMILY, M_BITS, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E,
+        NB, QBLOCK,
+    )  # fmt: skip
     m = _lerp(m, u_hat, 1.0 - _f32(beta1))
     d = u_hat - m
     tl.store(res_ptr + offs, d * d + _f32(came_eps), mask=mask)
@@ -409,7 +412,8 @@ def _apply_kernel(
     MAXIMIZE: tl.constexpr,
     FACTORED: tl.constexpr,
     CAME: tl.constexpr,
-    M_FMT: tl.constexpr,
+    M_FAMILY: tl.constexpr,  # fusedopt.codecs.base.Family
+    M_BITS: tl.constexpr,
     M_SIGNED: tl.constexpr,
     M_POWER: tl.constexpr,
     M_QMAX: tl.constexpr,
@@ -437,10 +441,11 @@ def _apply_kernel(
     update = u * scale
     step = tl.load(step_ptr)
     shared = tile_bits(step_hash(key_shared, step), start, NB, QBLOCK)
-    if M_FMT != 0:
+    if M_FAMILY != _NONE:
         m = load_moment(
-            m_ptr, m_scale_ptr, start, n_elements, n_pairs, M_FMT, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, NB, QBLOCK
-        )
+            m_ptr, m_scale_ptr, start, n_elements, n_pairs, M_FAMILY, M_BITS, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E,
+            NB, QBLOCK,
+        )  # fmt: skip
         m = _lerp(m, update, 1.0 - _f32(beta1))
         update = m
         if CAME:  # m / sqrt(S), S the factored confidence statistic
@@ -454,7 +459,8 @@ def _apply_kernel(
             start,
             n_elements,
             n_pairs,
-            M_FMT,
+            M_FAMILY,
+            M_BITS,
             M_SIGNED,
             M_POWER,
             M_QMAX,
@@ -509,7 +515,8 @@ def unsupported(algorithm, job) -> str | None:
     if job.first != 0:
         return "a shard of a parameter (its row and column statistics need the whole tensor)"
     m = job.codecs.get("exp_avg")
-    if m is not None and (m.kernel_format is None or m.kernel_format.fmt > ROTATED):
+    plain = (Family.FP32, Family.BF16, Family.BLOCK)
+    if m is not None and (m.kernel_format is None or m.kernel_format.family not in plain):
         return f"the factored kernels have no branch for the state format {m.name!r} (of 'exp_avg')"
     return None
 
@@ -520,7 +527,7 @@ def _pow2(n: int, cap: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _apply_constexprs(m_fmt, dtype, corr_bits, param_own_draw, factored, came):
-    qblock = m_fmt.block if m_fmt.fmt in (8, 4) else 32
+    qblock = m_fmt.block if m_fmt.family == Family.BLOCK else 32
     return dict(
         MASTER=0 if dtype == torch.float32 else (1 if corr_bits == 0 else 2),
         PARAM_BF16=dtype == torch.bfloat16,
@@ -562,7 +569,7 @@ class PreparedFactored:
         if m_codec is None:
             self.m, self.m_scales = dummy, dummy
         else:
-            self.m = state["exp_avg"] if self.m_fmt.fmt in (32, 16) else state["exp_avg.codes"]
+            self.m = state["exp_avg"] if self.m_fmt.family in (Family.FP32, Family.BF16) else state["exp_avg.codes"]
             self.m_scales = state.get("exp_avg.scales", dummy)
         self.row = state["row_var"] if self.factored else dummy
         self.col = state["col_var"] if self.factored else dummy

@@ -1,16 +1,21 @@
 """Moment storage inside the update kernel: decode to fp32 in registers, encode back.
 
-Device-side twins of the PyTorch codecs (``fusedopt.codecs``, ``fusedopt.codecs.blockwise``):
+Device-side twins of the PyTorch codecs (``fusedopt.codecs``, ``fusedopt.codecs.blockwise``), one
+helper per ``KernelFormat.family`` (``fusedopt.codecs.base.Family``); ``load_moment`` and
+``store_moment`` pick one by the family with ``==`` and refuse to compile for any other:
 
-* ``FMT = 0``: no moment (SGD without momentum).
-* ``FMT = 32``: fp32.  ``FMT = 16``: bf16 with stochastic rounding (the draw's top 16 bits
-  added below the bf16 mantissa, then truncation: the same integer arithmetic as the reference, so no
-  fp32->bf16 conversion is involved and CPU interpreter and GPU agree bit for bit).
-* ``FMT = 8 / 4``: blocks of ``QBLOCK`` elements, one E8M0 byte scale per block, sign-magnitude
-  codes; levels ``q**POWER`` (POWER 1 or 2) or, for ``POWER = -M``, shifted minifloat levels with
-  M mantissa bits (``fusedopt.codecs.blockwise.MinifloatLevels``); 4-bit codes packed two per
-  byte (element ``2i`` in the low nibble). Scales are computed from the block's new values, in
-  the same pass.
+* ``NONE``: no moment (SGD without momentum).
+* ``FP32``.  ``BF16``: stochastic rounding (the draw's top 16 bits added below the bf16 mantissa,
+  then truncation: the same integer arithmetic as the reference, so no fp32->bf16 conversion is
+  involved and CPU interpreter and GPU agree bit for bit).
+* ``BLOCK``: blocks of ``QBLOCK`` elements, one E8M0 byte scale per block, sign-magnitude codes of
+  ``BITS`` = 8 or 4 bits; levels ``q**POWER`` (POWER 1 or 2) or, for ``POWER = -M``, shifted
+  minifloat levels with M mantissa bits (``fusedopt.codecs.blockwise.MinifloatLevels``); 4-bit
+  codes packed two per byte (element ``2i`` in the low nibble). Scales are computed from the
+  block's new values, in the same pass.
+
+The normalised and root-grid families have their own twins (``normalised.py``, ``rootgrid.py``),
+called from the update kernel.
 
 A program owns ``NB`` whole quantisation blocks (``NB * QBLOCK`` consecutive elements), held
 as a [NB, QBLOCK] tile, so no other program touches its blocks or their scales.
@@ -18,6 +23,13 @@ as a [NB, QBLOCK] tile, so no other program touches its blocks or their scales.
 
 import triton
 import triton.language as tl
+
+from fusedopt.codecs.base import Family
+
+_NONE = tl.constexpr(Family.NONE)
+_FP32 = tl.constexpr(Family.FP32)
+_BF16 = tl.constexpr(Family.BF16)
+_BLOCK = tl.constexpr(Family.BLOCK)
 
 
 @triton.jit
@@ -88,7 +100,7 @@ def commit_mask(status, ROWS: tl.constexpr, COLS: tl.constexpr):
 @triton.jit
 def load_nibble_codes(codes_ptr, start, has_block, R: tl.constexpr, BLOCK: tl.constexpr):
     """The int32 codes ``[R, BLOCK]`` of the program's blocks of 4-bit codes, two a byte, element ``2i``
-    in the low nibble (the log and root grids' storage, ``fusedopt.codecs.nibbles``); 0 where a row
+    in the low nibble (the root grid's storage, ``fusedopt.codecs.nibbles``); 0 where a row
     has no block."""
     byte = start // 2 + tl.arange(0, R)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
     packed = tl.load(codes_ptr + byte, mask=has_block[:, None], other=0).to(tl.int32)
@@ -113,11 +125,12 @@ def _pair_offsets(start, NB: tl.constexpr, QBLOCK: tl.constexpr):
 @triton.jit
 def load_moment(
     ptr,  # fp32 / bf16 values, or uint8 codes
-    scale_ptr,  # uint8 E8M0 block scales (FMT 8/4)
+    scale_ptr,  # uint8 E8M0 block scales (BLOCK)
     start,  # first element of this program (int64, multiple of the tile)
     n_elements,
     n_pairs,  # bytes of 4-bit codes: (n_elements + 1) // 2 (an argument, so Triton sees its divisibility)
-    FMT: tl.constexpr,
+    FAMILY: tl.constexpr,  # Family.NONE, FP32, BF16 or BLOCK
+    BITS: tl.constexpr,  # BLOCK: 8 or 4
     SIGNED: tl.constexpr,
     POWER: tl.constexpr,  # levels q**POWER (1 or 2); -M: shifted minifloat, M mantissa bits
     QMAX: tl.constexpr,  # largest magnitude code
@@ -128,38 +141,54 @@ def load_moment(
 ):
     offs = tile_offsets(start, NB, QBLOCK)
     mask = offs < n_elements
-    if FMT == 32:
+    if FAMILY == _FP32:
         x = tl.load(ptr + offs, mask=mask, other=0.0)
-    elif FMT == 16:
+    elif FAMILY == _BF16:
         x = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    elif FMT == 0:
+    elif FAMILY == _NONE:
         x = tl.zeros([NB, QBLOCK], dtype=tl.float32)
+    elif FAMILY == _BLOCK:
+        x = load_block(
+            ptr, scale_ptr, start, n_elements, n_pairs, offs, mask, BITS, SIGNED, POWER, QMAX, K, MIN_E, NB, QBLOCK
+        )
     else:
-        if FMT == 8:
-            codes = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32)
-        else:  # two codes a byte, element 2i in the low nibble: load the bytes, interleave the nibbles
-            pair = _pair_offsets(start, NB, QBLOCK)
-            packed = tl.load(ptr + pair, mask=pair < n_pairs, other=0).to(tl.int32)
-            codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [NB, QBLOCK])
-        blocks = start // QBLOCK + tl.arange(0, NB)
-        n_blocks = (n_elements - 1) // QBLOCK + 1  # ceil without overflow near 2**31 (n_elements >= 1)
-        scales = tl.load(scale_ptr + blocks, mask=blocks < n_blocks, other=127).to(tl.int32)
-        e = tl.minimum(tl.maximum(scales - 127, MIN_E), 127)
-        if POWER > 0:
-            x = _level(_small_int_to_f32(codes & QMAX), POWER) * _pow2(e - K)[:, None]
-        else:  # minifloat levels: 2**M + L(c) is the float with c in its top mantissa/exponent bits
-            M: tl.constexpr = -POWER
-            unit = _pow2(e - K)[:, None]
-            shifted = ((codes & QMAX) << (23 - M)) + ((127 + M) << 23)
-            x = tl.fma(shifted.to(tl.float32, bitcast=True), unit, -(2.0**M) * unit)  # exact: L(c) * unit
-        if SIGNED and FMT == 8:
-            # the sign from the code as int8: its sign extension feeds the or, and the compiler
-            # masks the magnitude before the shift (one fewer instruction per element)
-            sign = codes.to(tl.int8).to(tl.int32) & -0x80000000
-            x = (x.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-        elif SIGNED:
-            # the sign or-ed into the (non-negative) value's bits: one instruction instead of a select
-            x = (x.to(tl.int32, bitcast=True) | (((codes >> (FMT - 1)) & 1) << 31)).to(tl.float32, bitcast=True)
+        tl.static_assert(False, "load_moment has no branch for this moment family")
+    return x
+
+
+@triton.jit
+def load_block(
+    ptr, scale_ptr, start, n_elements, n_pairs, offs, mask,
+    BITS: tl.constexpr, SIGNED: tl.constexpr, POWER: tl.constexpr, QMAX: tl.constexpr, K: tl.constexpr,
+    MIN_E: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr,
+):  # fmt: skip
+    """Decode the program's tile of a ``BLOCK`` moment (``fusedopt.codecs.blockwise.BlockCodec.decode``)."""
+    tl.static_assert((BITS == 8) | (BITS == 4), "block codes are 8 or 4 bits")
+    if BITS == 8:
+        codes = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32)
+    else:  # two codes a byte, element 2i in the low nibble: load the bytes, interleave the nibbles
+        pair = _pair_offsets(start, NB, QBLOCK)
+        packed = tl.load(ptr + pair, mask=pair < n_pairs, other=0).to(tl.int32)
+        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [NB, QBLOCK])
+    blocks = start // QBLOCK + tl.arange(0, NB)
+    n_blocks = (n_elements - 1) // QBLOCK + 1  # ceil without overflow near 2**31 (n_elements >= 1)
+    scales = tl.load(scale_ptr + blocks, mask=blocks < n_blocks, other=127).to(tl.int32)
+    e = tl.minimum(tl.maximum(scales - 127, MIN_E), 127)
+    if POWER > 0:
+        x = _level(_small_int_to_f32(codes & QMAX), POWER) * _pow2(e - K)[:, None]
+    else:  # minifloat levels: 2**M + L(c) is the float with c in its top mantissa/exponent bits
+        M: tl.constexpr = -POWER
+        unit = _pow2(e - K)[:, None]
+        shifted = ((codes & QMAX) << (23 - M)) + ((127 + M) << 23)
+        x = tl.fma(shifted.to(tl.float32, bitcast=True), unit, -(2.0**M) * unit)  # exact: L(c) * unit
+    if SIGNED and BITS == 8:
+        # the sign from the code as int8: its sign extension feeds the or, and the compiler
+        # masks the magnitude before the shift (one fewer instruction per element)
+        sign = codes.to(tl.int8).to(tl.int32) & -0x80000000
+        x = (x.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    elif SIGNED:
+        # the sign or-ed into the (non-negative) value's bits: one instruction instead of a select
+        x = (x.to(tl.int32, bitcast=True) | (((codes >> (BITS - 1)) & 1) << 31)).to(tl.float32, bitcast=True)
     return x
 
 
@@ -172,7 +201,8 @@ def store_moment(
     start,
     n_elements,
     n_pairs,
-    FMT: tl.constexpr,
+    FAMILY: tl.constexpr,  # Family.NONE, FP32, BF16 or BLOCK
+    BITS: tl.constexpr,  # BLOCK: 8 or 4
     SIGNED: tl.constexpr,
     POWER: tl.constexpr,  # levels q**POWER (1 or 2); -M: shifted minifloat, M mantissa bits
     QMAX: tl.constexpr,
@@ -187,67 +217,85 @@ def store_moment(
     offs = tile_offsets(start, NB, QBLOCK)
     commit = commit_mask(status, NB, QBLOCK)
     mask = offs < n_elements
-    if FMT == 32:
+    if FAMILY == _FP32:
         tl.store(ptr + offs, x, mask=mask & commit)
-    elif FMT == 16:
+    elif FAMILY == _BF16:
         pattern = (x.to(tl.int32, bitcast=True) + (rbits >> 16).to(tl.int32)) & -65536
         tl.store(ptr + offs, pattern.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask & commit)
-    elif FMT != 0:
-        # No tl.where(mask, x, 0.0) for the absmax: beyond n_elements the update's masked loads
-        # (gradient 0, codes 0, parameter 0) make every algorithm's new moment exactly +-0 for
-        # finite hyperparameters (0 * x + 0, lerp of zeros), and NaN otherwise (0 * inf), which
-        # the max skips on the GPU: the reference's zero padding either way.
-        mag = tl.abs(x)
-        absmax = tl.max(mag, axis=1)
-        # E(absmax) - 126 + (mantissa > THRESHOLD): adding 0x7FFFFF - THRESHOLD to the (non-negative)
-        # pattern carries into the exponent exactly when the mantissa is above the threshold (the
-        # unsigned shift keeps a NaN's carry: 256 - 126, clamped to 127 as 255's is)
-        if THRESHOLD < 0x7FFFFF:
-            CARRY: tl.constexpr = 0x7FFFFF - THRESHOLD
-        else:  # a top level that is a power of two: never above
-            CARRY: tl.constexpr = 0
-        e = ((absmax.to(tl.uint32, bitcast=True) + CARRY) >> 23).to(tl.int32) - 126
-        e = tl.minimum(tl.maximum(e, MIN_E), 127)
-        blocks = start // QBLOCK + tl.arange(0, NB)
-        n_blocks = (n_elements - 1) // QBLOCK + 1  # ceil without overflow near 2**31 (n_elements >= 1)
-        block_commit = (tl.zeros([NB], tl.int32) + status) == 0
-        tl.store(scale_ptr + blocks, (e + 127).to(tl.uint8), mask=(blocks < n_blocks) & block_commit)
-        if POWER < 0:
-            # Minifloat levels: y = t + 2**M (t = mag / unit, exact) holds the level index in its bits
-            # above the low 23 - M, and the fraction of the way to the next level below them (linear
-            # inside a level interval), so adding the draw there and shifting rounds stochastically,
-            # unbiased, in integer arithmetic. t beyond the top (inf, NaN too) saturates.
-            M: tl.constexpr = -POWER
-            y = tl.fma(mag, _pow2(K - e)[:, None], 2.0**M)
-            fraction_draw = (rbits >> (9 + M)).to(tl.int32)  # floor(u * 2**(23 - M))
-            if SIGNED and FMT == 8:
-                # The same with the code in the top byte, where the value's sign bit joins it in the
-                # add: y's bits clamped to the top level's first saturate as the min below would
-                # (NaN too), so the code stays below 2**31 before the sign is added.
-                y_bits = tl.minimum(y.to(tl.int32, bitcast=True), ((127 + M) << 23) + (QMAX << (23 - M)))
-                BASE: tl.constexpr = ((((127 + M) << 23) << (M + 1)) + 2**31) % 2**32 - 2**31  # 2**M's, wrapped
-                sign = x.to(tl.int32, bitcast=True) & -0x80000000
-                top = (y_bits << (M + 1)) + (rbits >> 8).to(tl.int32) + (sign - BASE)
-                q = (top.to(tl.uint32, bitcast=True) >> 24).to(tl.int32)
-            else:
-                q = tl.minimum((y.to(tl.int32, bitcast=True) - ((127 + M) << 23) + fraction_draw) >> (23 - M), QMAX)
+    elif FAMILY == _BLOCK:
+        store_block(
+            x, rbits, ptr, scale_ptr, start, n_elements, n_pairs, offs, mask, commit, BITS, SIGNED, POWER, QMAX, K,
+            MIN_E, THRESHOLD, TOP, NB, QBLOCK, status,
+        )  # fmt: skip
+    else:
+        tl.static_assert(FAMILY == _NONE, "store_moment has no branch for this moment family")
+
+
+@triton.jit
+def store_block(
+    x, rbits, ptr, scale_ptr, start, n_elements, n_pairs, offs, mask, commit,
+    BITS: tl.constexpr, SIGNED: tl.constexpr, POWER: tl.constexpr, QMAX: tl.constexpr, K: tl.constexpr,
+    MIN_E: tl.constexpr, THRESHOLD: tl.constexpr, TOP: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr,
+    status,
+):  # fmt: skip
+    """Encode the program's tile of a ``BLOCK`` moment (``fusedopt.codecs.blockwise.BlockCodec.encode``):
+    the block scales from the new values, then the codes."""
+    tl.static_assert((BITS == 8) | (BITS == 4), "block codes are 8 or 4 bits")
+    # No tl.where(mask, x, 0.0) for the absmax: beyond n_elements the update's masked loads
+    # (gradient 0, codes 0, parameter 0) make every algorithm's new moment exactly +-0 for
+    # finite hyperparameters (0 * x + 0, lerp of zeros), and NaN otherwise (0 * inf), which
+    # the max skips on the GPU: the reference's zero padding either way.
+    mag = tl.abs(x)
+    absmax = tl.max(mag, axis=1)
+    # E(absmax) - 126 + (mantissa > THRESHOLD): adding 0x7FFFFF - THRESHOLD to the (non-negative)
+    # pattern carries into the exponent exactly when the mantissa is above the threshold (the
+    # unsigned shift keeps a NaN's carry: 256 - 126, clamped to 127 as 255's is)
+    if THRESHOLD < 0x7FFFFF:
+        CARRY: tl.constexpr = 0x7FFFFF - THRESHOLD
+    else:  # a top level that is a power of two: never above
+        CARRY: tl.constexpr = 0
+    e = ((absmax.to(tl.uint32, bitcast=True) + CARRY) >> 23).to(tl.int32) - 126
+    e = tl.minimum(tl.maximum(e, MIN_E), 127)
+    blocks = start // QBLOCK + tl.arange(0, NB)
+    n_blocks = (n_elements - 1) // QBLOCK + 1  # ceil without overflow near 2**31 (n_elements >= 1)
+    block_commit = (tl.zeros([NB], tl.int32) + status) == 0
+    tl.store(scale_ptr + blocks, (e + 127).to(tl.uint8), mask=(blocks < n_blocks) & block_commit)
+    if POWER < 0:
+        # Minifloat levels: y = t + 2**M (t = mag / unit, exact) holds the level index in its bits
+        # above the low 23 - M, and the fraction of the way to the next level below them (linear
+        # inside a level interval), so adding the draw there and shifting rounds stochastically,
+        # unbiased, in integer arithmetic. t beyond the top (inf, NaN too) saturates.
+        M: tl.constexpr = -POWER
+        y = tl.fma(mag, _pow2(K - e)[:, None], 2.0**M)
+        fraction_draw = (rbits >> (9 + M)).to(tl.int32)  # floor(u * 2**(23 - M))
+        if SIGNED and BITS == 8:
+            # The same with the code in the top byte, where the value's sign bit joins it in the
+            # add: y's bits clamped to the top level's first saturate as the min below would
+            # (NaN too), so the code stays below 2**31 before the sign is added.
+            y_bits = tl.minimum(y.to(tl.int32, bitcast=True), ((127 + M) << 23) + (QMAX << (23 - M)))
+            BASE: tl.constexpr = ((((127 + M) << 23) << (M + 1)) + 2**31) % 2**32 - 2**31  # 2**M's, wrapped
+            sign = x.to(tl.int32, bitcast=True) & -0x80000000
+            top = (y_bits << (M + 1)) + (rbits >> 8).to(tl.int32) + (sign - BASE)
+            q = (top.to(tl.uint32, bitcast=True) >> 24).to(tl.int32)
         else:
-            q = _quantize_power(mag * _pow2(K - e)[:, None], rbits, POWER, TOP)
-        if SIGNED and FMT == 8 and POWER < 0:
-            pass  # the sign is in q already
-        elif SIGNED:  # the value's own sign bit (a negative value rounded to zero is stored as -0)
-            q = q | ((x.to(tl.int32, bitcast=True) >> 31) & (1 << (FMT - 1)))
-        else:
-            # q = 1 where q = 0 < x, as max(q, min(bits(x), 1)): bits(x) > 0 iff x > 0 as an int32
-            # (a negative NaN's bits are negative; a positive NaN or inf has q = QMAX already)
-            q = tl.maximum(q, tl.minimum(x.to(tl.int32, bitcast=True), 1))
-        if FMT == 8:
-            tl.store(ptr + offs, q.to(tl.uint8), mask=mask & commit)
-        else:
-            low_nibble, high_nibble = tl.split(tl.reshape(q, [NB, QBLOCK // 2, 2]))
-            pair = _pair_offsets(start, NB, QBLOCK)
-            pair_mask = (pair < n_pairs) & commit_mask(status, NB, QBLOCK // 2)
-            tl.store(ptr + pair, (low_nibble | (high_nibble << 4)).to(tl.uint8), mask=pair_mask)
+            q = tl.minimum((y.to(tl.int32, bitcast=True) - ((127 + M) << 23) + fraction_draw) >> (23 - M), QMAX)
+    else:
+        q = _quantize_power(mag * _pow2(K - e)[:, None], rbits, POWER, TOP)
+    if SIGNED and BITS == 8 and POWER < 0:
+        pass  # the sign is in q already
+    elif SIGNED:  # the value's own sign bit (a negative value rounded to zero is stored as -0)
+        q = q | ((x.to(tl.int32, bitcast=True) >> 31) & (1 << (BITS - 1)))
+    else:
+        # q = 1 where q = 0 < x, as max(q, min(bits(x), 1)): bits(x) > 0 iff x > 0 as an int32
+        # (a negative NaN's bits are negative; a positive NaN or inf has q = QMAX already)
+        q = tl.maximum(q, tl.minimum(x.to(tl.int32, bitcast=True), 1))
+    if BITS == 8:
+        tl.store(ptr + offs, q.to(tl.uint8), mask=mask & commit)
+    else:
+        low_nibble, high_nibble = tl.split(tl.reshape(q, [NB, QBLOCK // 2, 2]))
+        pair = _pair_offsets(start, NB, QBLOCK)
+        pair_mask = (pair < n_pairs) & commit_mask(status, NB, QBLOCK // 2)
+        tl.store(ptr + pair, (low_nibble | (high_nibble << 4)).to(tl.uint8), mask=pair_mask)
 
 
 @triton.jit

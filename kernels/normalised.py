@@ -1,7 +1,7 @@
-"""Normalised first moments inside the update kernel (the codecs ``norm2`` and ``norm4``).
+"""Normalised first moments inside the update kernel (the codec ``norm2``).
 
 Device twin of ``fusedopt.codecs.normalised`` (its docstring defines the format): ``m`` stored in
-units of ``r = sqrt(v)``, ``v`` the frame as decoded (the log-grid second moment, ``loggrid.py``):
+units of ``r = sqrt(v)``, ``v`` the frame as decoded (the root-grid second moment, ``rootgrid.py``):
 the one before the update for the decode, the one just stored for the encode. The update's tile is
 viewed as ``[R, 64]``, one block per row. The same operations in the same order as the reference,
 so the interpreter agrees with it bit for bit: IEEE divisions and square roots (``div_rn``,
@@ -50,18 +50,17 @@ def block_rms(q, R: tl.constexpr):
 def load_normalised(codes_ptr, scales_ptr, r, start, n_elements, BITS: tl.constexpr, R: tl.constexpr):
     """Decode the program's ``R`` blocks to ``m`` ``[R, 64]``; ``r``: the square root of the decoded
     frame (0 past the tensor's end)."""
+    tl.static_assert(BITS == 2, "normalised codes are 2 bits")
     blocks, has_block = block_rows(start, n_elements, BLOCK, R)
     scales = tl.load(scales_ptr + blocks, mask=has_block, other=0.0).to(tl.float32)
     packed = tl.load(codes_ptr + _byte_offsets(start, BITS, R), mask=has_block[:, None], other=0).to(tl.int32)
-    if BITS == 4:  # element 2i in the low nibble
-        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [R, BLOCK])
-    else:  # element 4i + j at bits 2j
-        f0 = packed & 3
-        f1 = (packed >> 2) & 3
-        f2 = (packed >> 4) & 3
-        f3 = packed >> 6
-        codes = tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), [R, BLOCK])
-    TOP: tl.constexpr = 3 if BITS == 2 else 15  # 2**BITS - 1
+    # element 4i + j at bits 2j
+    f0 = packed & 3
+    f1 = (packed >> 2) & 3
+    f2 = (packed >> 4) & 3
+    f3 = packed >> 6
+    codes = tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), [R, BLOCK])
+    TOP: tl.constexpr = 3  # 2**BITS - 1
     q = (2.0 * codes.to(tl.float32) - TOP) * tl.div_rn(scales, TOP * 1.0)[:, None]
     return q * r
 
@@ -77,17 +76,17 @@ def store_normalised(
     n_elements,
     status,  # the check kernel's status: non-zero stores nothing
     BITS: tl.constexpr,
-    CLIP: tl.constexpr,  # the half-range's cap in block rms (an fp32 value); 0: the block's absmax
+    CLIP: tl.constexpr,  # the half-range's cap in block rms (an fp32 value)
     R: tl.constexpr,
 ):
     """``NormalisedCodec.encode``: q = m / r, the block's half-range rounded up to bf16, the codes
     rounded stochastically between the two levels around q."""
-    TOP: tl.constexpr = 3 if BITS == 2 else 15  # 2**BITS - 1
+    tl.static_assert(BITS == 2, "normalised codes are 2 bits")
+    tl.static_assert(CLIP > 0, "the half-range's cap must be positive")
+    TOP: tl.constexpr = 3  # 2**BITS - 1
     q = tl.where(r > 0, tl.div_rn(x, r), 0.0)
     q = tl.where(q != q, 0.0, tl.minimum(tl.maximum(q, -_BIG), _BIG))  # nan_to_num, saturated
-    half = tl.max(tl.abs(q), axis=1)
-    if CLIP > 0:
-        half = tl.minimum(half, block_rms(q, R) * CLIP)
+    half = tl.minimum(tl.max(tl.abs(q), axis=1), block_rms(q, R) * CLIP)
     # rounded up to bf16: the smallest bf16 pattern not below half's (half >= 0, finite)
     unit = ((half.to(tl.int32, bitcast=True) + 0xFFFF) & -65536).to(tl.float32, bitcast=True)
     t = (q * tl.div_rn(1.0, tl.maximum(unit, _TINY))[:, None] + 1.0) * (TOP / 2)
@@ -97,14 +96,10 @@ def store_normalised(
     blocks, has_block = block_rows(start, n_elements, BLOCK, R)
     block_commit = (tl.zeros([R], tl.int32) + status) == 0
     tl.store(scales_ptr + blocks, unit.to(tl.bfloat16), mask=has_block & block_commit)  # exact: a bf16 value
-    if BITS == 4:
-        even, odd = tl.split(tl.reshape(codes, [R, BLOCK // 2, 2]))
-        packed = even | (odd << 4)
-    else:
-        f02, f13 = tl.split(tl.reshape(codes, [R, BLOCK // 4, 2, 2]))
-        f0, f2 = tl.split(f02)
-        f1, f3 = tl.split(f13)
-        packed = f0 | (f1 << 2) | (f2 << 4) | (f3 << 6)
+    f02, f13 = tl.split(tl.reshape(codes, [R, BLOCK // 4, 2, 2]))
+    f0, f2 = tl.split(f02)
+    f1, f3 = tl.split(f13)
+    packed = f0 | (f1 << 2) | (f2 << 4) | (f3 << 6)
     PER_ROW: tl.constexpr = BLOCK * BITS // 8
     commit = has_block[:, None] & commit_mask(status, R, PER_ROW)
     tl.store(codes_ptr + _byte_offsets(start, BITS, R), packed.to(tl.uint8), mask=commit)

@@ -33,21 +33,19 @@ import triton
 import triton.language as tl
 
 from fusedopt import rng
-from fusedopt.codecs.base import LOG_GRID, NO_MOMENT, NORMALISED, ROOT_GRID, ROTATED, KernelFormat, format_family
-from fusedopt.codecs.loggrid import FRACTIONS
-from fusedopt.kernels.hashing import element_bits, spread_bits, spread_uniform, step_hash, tile_bits
+from fusedopt.codecs.base import NO_MOMENT, Family, KernelFormat
+from fusedopt.kernels.hashing import spread_bits, spread_uniform, step_hash, tile_bits
 from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig, launch_remembered
-from fusedopt.kernels.loggrid import levels, load_log_grid, store_log_grid
 from fusedopt.kernels.master import load_master, store_master
 from fusedopt.kernels.moments import commit_mask, load_moment, store_moment, tile_offsets
 from fusedopt.kernels.normalised import load_normalised, store_normalised
 from fusedopt.kernels.rootgrid import load_root_grid, store_root_grid
-from fusedopt.kernels.rotated import load_rotated, store_rotated
 from fusedopt.master import MASTER_CORRECTION
-from fusedopt.streams import on_default_stream
 
 # The algorithm branches of _update_kernel (ALGO): an algorithm's file names its branch as kernel_id.
-KERNEL_IDS = {0: "AdamW", 1: "SGD", 2: "Lion"}
+ADAMW, SGD, LION = 0, 1, 2
+KERNEL_IDS = {ADAMW: "AdamW", SGD: "SGD", LION: "Lion"}
+_ADAMW, _SGD, _LION = tl.constexpr(ADAMW), tl.constexpr(SGD), tl.constexpr(LION)
 # Elements per update program (a multiple of every quantisation block) and warps: 16 elements per
 # thread, so each thread's fixed work (hash row keys, scalars, scale handling) spreads over more
 # elements; chosen by A/B runs of benchmarks/step_ab.py --variants (at commit 7d4d420) against other
@@ -70,11 +68,11 @@ GRAD_DELTA_BIAS = 1 << 62
 # tensor, the member's sizes and hash keys, and the first update and check program of the
 # launch that is the member's (a table has BUCKET_TENSORS rows: unused ones start at NO_START)
 (
-    COL_PARAM, COL_CORR, COL_M, COL_M_SCALE, COL_V, COL_V_SCALE, COL_V_AUX, COL_STEP, COL_SCRATCH,
+    COL_PARAM, COL_CORR, COL_M, COL_M_SCALE, COL_V, COL_V_SCALE, COL_STEP, COL_SCRATCH,
     COL_N, COL_N_PAIRS, COL_KEY_SHARED, COL_KEY_PARAM, COL_CHECK_PROGRAMS, COL_UPDATE_START, COL_CHECK_START,
     COL_FIRST,
-) = (tl.constexpr(i) for i in range(17))  # fmt: skip
-TABLE_COLS = 17
+) = (tl.constexpr(i) for i in range(16))  # fmt: skip
+TABLE_COLS = 16
 NO_START = 1 << 62
 _BUCKET_ROWS = tl.constexpr(BUCKET_TENSORS)
 _TABLE_COLS = tl.constexpr(TABLE_COLS)
@@ -84,12 +82,11 @@ _GRAD_DELTA_BIAS = tl.constexpr(GRAD_DELTA_BIAS)
 # draws), biased as the gradient deltas so Triton always types it int64
 INDEX_BIAS = 1 << 62
 _INDEX_BIAS = tl.constexpr(INDEX_BIAS)
-# a moment's FMT of a format with its own device twin: family + bits (fusedopt.codecs.base)
-_ROTATED = tl.constexpr(ROTATED)
-_LOG_GRID = tl.constexpr(LOG_GRID)
-_NORMALISED = tl.constexpr(NORMALISED)
-_ROOT_GRID = tl.constexpr(ROOT_GRID)
-_LOG_BLOCK = tl.constexpr(128)  # the log and root grids' blocks, and the normalised codes' (kernels/loggrid.py, ...)
+# a moment's FAMILY (fusedopt.codecs.base.Family); the plain ones are kernels/moments.py's
+_NONE = tl.constexpr(Family.NONE)
+_NORMALISED = tl.constexpr(Family.NORMALISED)
+_ROOT_GRID = tl.constexpr(Family.ROOT_GRID)
+_ROOT_BLOCK = tl.constexpr(128)  # the root grid's blocks (kernels/rootgrid.py) and the normalised codes'
 _NORM_BLOCK = tl.constexpr(64)
 
 
@@ -274,11 +271,9 @@ def _update_kernel(
     m_scale_ptr,  # its block scales (8/4-bit)
     v_ptr,  # AdamW second moment
     v_scale_ptr,
-    v_aux_ptr,  # a third storage tensor of v: the log grid's spacings
     step_ptr,  # step count, already advanced by the check kernel
     scratch_ptr,  # the check kernel's words: [2] non-zero: the gradient was not finite
     table_ptr,  # BUCKET: int64 rows of the members' deltas, sizes, keys and first programs
-    fractions_ptr,  # the log grid's 32 fp32 fractions 2**(-j/32) (fusedopt.codecs.loggrid.FRACTIONS)
     grad_scale_ptr,  # SCALE_GRAD: fp32 0-d coefficient of the gradients (clipping)
     n_elements,
     n_pairs,  # (n_elements + 1) // 2: bytes of 4-bit codes
@@ -310,9 +305,7 @@ def _update_kernel(
     weight_decay,  # SGD's coupled decay
     lerp_weight,  # 1 - beta1 (AdamW, Lion); 1 - dampening (SGD)
     one_minus_beta2,
-    m_decay,  # the EMA decays of the moments (rotated, log grid), and their square roots (the decay of
-    m_decay_root,  # a nonnegative moment stored as its square root)
-    v_decay,
+    v_decay,  # the second moment's EMA decay (root grid), and its square root (the unit's decay)
     v_decay_root,
     ALGO: tl.constexpr,
     MASTER: tl.constexpr,
@@ -323,7 +316,8 @@ def _update_kernel(
     HAS_ACCUM: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     NESTEROV: tl.constexpr,
-    M_FMT: tl.constexpr,
+    M_FAMILY: tl.constexpr,  # fusedopt.codecs.base.Family
+    M_BITS: tl.constexpr,
     M_SIGNED: tl.constexpr,
     M_POWER: tl.constexpr,
     M_QMAX: tl.constexpr,
@@ -331,9 +325,9 @@ def _update_kernel(
     M_MIN_E: tl.constexpr,
     M_THR: tl.constexpr,
     M_TOP: tl.constexpr,
-    M_INV_RESCALE: tl.constexpr,
     M_CLIP: tl.constexpr,  # normalised codes: KernelFormat.clip
-    V_FMT: tl.constexpr,
+    V_FAMILY: tl.constexpr,
+    V_BITS: tl.constexpr,
     V_SIGNED: tl.constexpr,
     V_POWER: tl.constexpr,
     V_QMAX: tl.constexpr,
@@ -341,7 +335,6 @@ def _update_kernel(
     V_MIN_E: tl.constexpr,
     V_THR: tl.constexpr,
     V_TOP: tl.constexpr,
-    V_INV_RESCALE: tl.constexpr,
     NB: tl.constexpr,  # quantisation blocks per program
     QBLOCK: tl.constexpr,  # elements per quantisation block (the tile's row)
     INDEX_64: tl.constexpr,  # element offsets need 64 bits
@@ -359,7 +352,6 @@ def _update_kernel(
         m_scale_ptr = _rebase(m_scale_ptr, row, COL_M_SCALE)
         v_ptr = _rebase(v_ptr, row, COL_V)
         v_scale_ptr = _rebase(v_scale_ptr, row, COL_V_SCALE)
-        v_aux_ptr = _rebase(v_aux_ptr, row, COL_V_AUX)
         step_ptr = _rebase(step_ptr, row, COL_STEP)
         scratch_ptr = _rebase(scratch_ptr, row, COL_SCRATCH)
         n_elements = tl.multiple_of(tl.load(row + COL_N).to(tl.int32), 16)
@@ -404,43 +396,33 @@ def _update_kernel(
         g = -g
     step = tl.load(step_ptr)
     p = load_master(param_ptr, corr_ptr, offs, mask, MASTER, PARAM_BF16, CORR_BITS)
-    LOG_ROWS: tl.constexpr = NB * QBLOCK // _LOG_BLOCK  # the tile in rows of one log-grid block
+    ROOT_ROWS: tl.constexpr = NB * QBLOCK // _ROOT_BLOCK  # the tile in rows of one root-grid block
     NORM_ROWS: tl.constexpr = NB * QBLOCK // _NORM_BLOCK
-    if M_FMT > _ROTATED and M_FMT < _LOG_GRID:  # the codes, scales and storage-domain values stay for the encode
-        m_codes, m_scales, m_t, m = load_rotated(m_ptr, m_scale_ptr, start, n_elements, M_SIGNED, M_FMT - _ROTATED, NB)
-    elif M_FMT < _ROTATED:
+    if M_FAMILY != _NORMALISED:  # (a normalised m is decoded below, in units of v as decoded)
         m = load_moment(
-            m_ptr, m_scale_ptr, start, n_elements, n_pairs, M_FMT, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, NB, QBLOCK
-        )
-    if V_FMT > _ROTATED and V_FMT < _LOG_GRID:
-        v_codes, v_scales, v_t, v = load_rotated(v_ptr, v_scale_ptr, start, n_elements, V_SIGNED, V_FMT - _ROTATED, NB)
-    elif V_FMT > _LOG_GRID and V_FMT < _NORMALISED:  # the codes, tops, spacings and values stay for the encode
-        v_codes, v_tops, v_steps, v_values = load_log_grid(
-            v_ptr, v_scale_ptr, v_aux_ptr, fractions_ptr, start, n_elements, LOG_ROWS
-        )
-        v = tl.reshape(v_values, [NB, QBLOCK])
-    elif V_FMT > _ROOT_GRID:  # the codes, units and roots stay for the encode (and m's decode)
-        v_codes, v_units, v_roots = load_root_grid(v_ptr, v_scale_ptr, start, n_elements, LOG_ROWS)
+            m_ptr, m_scale_ptr, start, n_elements, n_pairs, M_FAMILY, M_BITS, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E,
+            NB, QBLOCK,
+        )  # fmt: skip
+    if V_FAMILY == _ROOT_GRID:  # the codes, units and roots stay for the encode (and m's decode)
+        v_codes, v_units, v_roots = load_root_grid(v_ptr, v_scale_ptr, start, n_elements, ROOT_ROWS)
         v_values = v_roots * v_roots
         v = tl.reshape(v_values, [NB, QBLOCK])
     else:
         v = load_moment(
-            v_ptr, v_scale_ptr, start, n_elements, n_pairs, V_FMT, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, NB, QBLOCK
-        )
-    if M_FMT > _NORMALISED and M_FMT < _ROOT_GRID:  # m in units of sqrt(v) as decoded (0 past the end)
-        if V_FMT > _ROOT_GRID:  # sqrt(v) is the stored root (RootGridCodec.roots)
-            root = tl.reshape(tl.where(mask, tl.reshape(v_roots, [NB, QBLOCK]), 0.0), [NORM_ROWS, _NORM_BLOCK])
-        else:
-            root = tl.reshape(tl.where(mask, tl.sqrt_rn(v), 0.0), [NORM_ROWS, _NORM_BLOCK])
-        m = tl.reshape(
-            load_normalised(m_ptr, m_scale_ptr, root, start, n_elements, M_FMT - _NORMALISED, NORM_ROWS), [NB, QBLOCK]
-        )
+            v_ptr, v_scale_ptr, start, n_elements, n_pairs, V_FAMILY, V_BITS, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E,
+            NB, QBLOCK,
+        )  # fmt: skip
+    if M_FAMILY == _NORMALISED:  # m in units of sqrt(v) as decoded (0 past the end)
+        tl.static_assert(V_FAMILY == _ROOT_GRID, "a normalised first moment needs a root-grid second moment")
+        # sqrt(v) is the stored root (RootGridCodec.roots)
+        root = tl.reshape(tl.where(mask, tl.reshape(v_roots, [NB, QBLOCK]), 0.0), [NORM_ROWS, _NORM_BLOCK])
+        m = tl.reshape(load_normalised(m_ptr, m_scale_ptr, root, start, n_elements, M_BITS, NORM_ROWS), [NB, QBLOCK])
     step_size = tl.load(scratch_ptr + 3).to(tl.float32, bitcast=True)  # AdamW's bias corrections
     inv_bias_correction2_sqrt = tl.load(scratch_ptr + 4).to(tl.float32, bitcast=True)
     # Issue every load before any arithmetic: the compiler would otherwise sink some next to
     # their first use, and each program would wait for memory more than once.
     tl.debug_barrier()
-    if ALGO == 0:  # AdamW, as torch.optim.AdamW orders it
+    if ALGO == _ADAMW:  # as torch.optim.AdamW orders it
         # torch.lerp: fma(w, g - m, m), or g - (g - m) * (1 - w) for w >= 0.5
         if lerp_weight < 0.5:
             m = tl.fma(lerp_weight, g - m, m)
@@ -450,63 +432,39 @@ def _update_kernel(
         p = p * decay
         denom = tl.sqrt_rn(v) * inv_bias_correction2_sqrt + eps
         p = p - tl.div_rn(m, denom) * step_size
-    elif ALGO == 1:  # SGD, as torch.optim.SGD (torch.add(x, y, alpha=a) is fma(a, y, x))
+    elif ALGO == _SGD:  # as torch.optim.SGD (torch.add(x, y, alpha=a) is fma(a, y, x))
         d = tl.fma(weight_decay, p, g)
-        if M_FMT != 0:
+        if M_FAMILY != _NONE:
             m = tl.where(step == 1.0, d, tl.fma(lerp_weight, d, m * beta1))
             if NESTEROV:
                 d = tl.fma(beta1, m, d)
             else:
                 d = m
         p = tl.fma(-lr, d, p)
-    else:  # Lion
+    elif ALGO == _LION:
         c = m * beta1 + g * lerp_weight
         direction = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
         p = tl.fma(-lr, direction, p * decay)
         m = tl.fma(one_minus_beta2, g, m * beta2)
+    else:
+        tl.static_assert(False, "the update kernel has no branch for this ALGO")
     # One hash per element feeds every rounding (fields as in fusedopt.rng: moment i takes
     # 12 bits from the top down, a bf16 + int8 parameter the low 8); each reads its top bits.
     shared = tile_bits(step_hash(key_shared, step), hash_start, NB, QBLOCK)
-    if (M_FMT > _ROTATED and M_FMT < _LOG_GRID) or (V_FMT > _ROTATED and V_FMT < _LOG_GRID):
-        if start + NB * QBLOCK > n_elements:
-            # the last program: a rotated block's padding coordinate i >= n draws element i mod n's
-            # word (the reference's rule; in range, element_bits is tile_bits' word)
-            source = tl.where(offs < n_elements, offs, offs % n_elements)
-            shared = element_bits(step_hash(key_shared, step), source + (hash_start - start))
-    if V_FMT > _ROOT_GRID:  # first: a normalised first moment is stored in units of v as stored
+    if V_FAMILY == _ROOT_GRID:  # first: a normalised first moment is stored in units of v as stored
         v_draws = tl.where(mask, spread_bits(((shared << 12) >> 20) << 20, offs), 0)
         stored_roots = store_root_grid(
-            tl.reshape(v, [LOG_ROWS, _LOG_BLOCK]), v_codes, v_units, v_values, _as_f32(v_decay), _as_f32(v_decay_root),
-            tl.reshape(v_draws, [LOG_ROWS, _LOG_BLOCK]), tl.reshape(offs, [LOG_ROWS, _LOG_BLOCK]), v_ptr, v_scale_ptr,
-            start, n_elements, status, LOG_ROWS,
+            tl.reshape(v, [ROOT_ROWS, _ROOT_BLOCK]), v_codes, v_units, v_values, _as_f32(v_decay),
+            _as_f32(v_decay_root), tl.reshape(v_draws, [ROOT_ROWS, _ROOT_BLOCK]),
+            tl.reshape(offs, [ROOT_ROWS, _ROOT_BLOCK]), v_ptr, v_scale_ptr, start, n_elements, status, ROOT_ROWS,
         )  # fmt: skip
-    elif V_FMT > _LOG_GRID and V_FMT < _NORMALISED:  # first too, for the same reason
-        v_u = tl.where(mask, spread_uniform(((shared << 12) >> 20) << 20, offs), 0.0)
-        v_codes, v_tops, v_steps = store_log_grid(
-            tl.reshape(v, [LOG_ROWS, _LOG_BLOCK]), v_codes, v_tops, v_steps, v_values, _as_f32(v_decay),
-            tl.reshape(v_u, [LOG_ROWS, _LOG_BLOCK]), tl.reshape(offs, [LOG_ROWS, _LOG_BLOCK]), v_ptr, v_scale_ptr,
-            v_aux_ptr, fractions_ptr, start, n_elements, status, LOG_ROWS,
-        )  # fmt: skip
-    if M_FMT > _ROTATED and M_FMT < _LOG_GRID:
-        if M_SIGNED:
-            m_storage_decay = _as_f32(m_decay)
-        else:
-            m_storage_decay = _as_f32(m_decay_root)
-        store_rotated(
-            m, m_codes, m_scales, m_t, m_storage_decay, (shared >> 20) << 20, offs, m_ptr, m_scale_ptr, start,
-            n_elements, status, M_SIGNED, M_FMT - _ROTATED, M_QMAX, M_INV_RESCALE, NB,
-        )  # fmt: skip
-    elif M_FMT > _NORMALISED and M_FMT < _ROOT_GRID:
-        if V_FMT > _ROOT_GRID:  # sqrt(v) as just stored
-            root = tl.where(mask, tl.reshape(stored_roots, [NB, QBLOCK]), 0.0)
-        else:
-            frame = tl.reshape(levels(v_codes, v_tops, v_steps, fractions_ptr), [NB, QBLOCK])  # v as just stored
-            root = tl.where(mask, tl.sqrt_rn(frame), 0.0)
+    if M_FAMILY == _NORMALISED:
+        root = tl.where(mask, tl.reshape(stored_roots, [NB, QBLOCK]), 0.0)  # sqrt(v) as just stored
         m_u = tl.where(mask, spread_uniform((shared >> 20) << 20, offs), 0.0)
         store_normalised(
             tl.reshape(m, [NORM_ROWS, _NORM_BLOCK]), tl.reshape(root, [NORM_ROWS, _NORM_BLOCK]),
             tl.reshape(m_u, [NORM_ROWS, _NORM_BLOCK]), m_ptr, m_scale_ptr, start, n_elements, status,
-            M_FMT - _NORMALISED, M_CLIP, NORM_ROWS,
+            M_BITS, M_CLIP, NORM_ROWS,
         )  # fmt: skip
     else:
         store_moment(
@@ -517,7 +475,8 @@ def _update_kernel(
             start,
             n_elements,
             n_pairs,
-            M_FMT,
+            M_FAMILY,
+            M_BITS,
             M_SIGNED,
             M_POWER,
             M_QMAX,
@@ -529,16 +488,7 @@ def _update_kernel(
             QBLOCK,
             status,
         )
-    if V_FMT > _ROTATED and V_FMT < _LOG_GRID:
-        if V_SIGNED:
-            v_storage_decay = _as_f32(v_decay)
-        else:
-            v_storage_decay = _as_f32(v_decay_root)
-        store_rotated(
-            v, v_codes, v_scales, v_t, v_storage_decay, ((shared << 12) >> 20) << 20, offs, v_ptr, v_scale_ptr, start,
-            n_elements, status, V_SIGNED, V_FMT - _ROTATED, V_QMAX, V_INV_RESCALE, NB,
-        )  # fmt: skip
-    elif V_FMT < _ROTATED:
+    if V_FAMILY != _ROOT_GRID:
         store_moment(
             v,
             ((shared << 12) >> 20) << 20,
@@ -547,7 +497,8 @@ def _update_kernel(
             start,
             n_elements,
             n_pairs,
-            V_FMT,
+            V_FAMILY,
+            V_BITS,
             V_SIGNED,
             V_POWER,
             V_QMAX,
@@ -580,7 +531,7 @@ def _update_kernel(
 # runtime arguments: tensors, then ints (the gradient deltas last: always int64, not in the
 # launch key), then floats (see PreparedUpdate)
 CHECK_ARGS = dict(tensors=7, ints=1 + BUCKET_TENSORS, unkeyed_ints=BUCKET_TENSORS)
-UPDATE_ARGS = dict(tensors=14, ints=5 + BUCKET_TENSORS, unkeyed_ints=BUCKET_TENSORS)
+UPDATE_ARGS = dict(tensors=12, ints=5 + BUCKET_TENSORS, unkeyed_ints=BUCKET_TENSORS)
 _launch_check = DirectLauncher(_check_kernel, **CHECK_ARGS)
 _launch_update = DirectLauncher(_update_kernel, **UPDATE_ARGS)
 
@@ -596,7 +547,8 @@ def _split_log2(name: str, beta: float) -> dict:
 @functools.lru_cache(maxsize=256)
 def _moment_args(prefix: str, fmt: KernelFormat) -> dict:
     return {
-        f"{prefix}_FMT": fmt.fmt,
+        f"{prefix}_FAMILY": fmt.family,
+        f"{prefix}_BITS": fmt.bits,
         f"{prefix}_SIGNED": fmt.signed,
         f"{prefix}_POWER": fmt.power,
         f"{prefix}_QMAX": fmt.qmax,
@@ -616,21 +568,21 @@ def unsupported(algorithm, job) -> str | None:
             return f"the fused kernel has no branch for the state format {codec.name!r} (of {slot!r})"
     slots = list(job.codecs)
     for i, (slot, codec) in enumerate(job.codecs.items()):
-        family = format_family(codec.kernel_format.fmt)
-        if family in (ROTATED, LOG_GRID, ROOT_GRID) and slot not in (job.decays or {}):
+        family = codec.kernel_format.family
+        if family == Family.ROOT_GRID and slot not in (job.decays or {}):
             # the format keeps the decay exact on its scales (encode_decayed)
             return (
                 f"the state format {codec.name!r} needs the EMA decay of {slot!r}, which "
                 f"fusedopt.{algorithm.__name__} does not declare (ema_decays)"
             )
-        if family in (LOG_GRID, ROOT_GRID) and i != 1:
+        if family == Family.ROOT_GRID and i != 1:
             return f"the fused kernel reads a {codec.name!r} moment (of {slot!r}) only as the second moment"
-        if family == NORMALISED:
+        if family == Family.NORMALISED:
             frame = (job.frames or {}).get(slot)
             framed = i == 0 and frame in slots[1:]
-            if not (framed and format_family(job.codecs[frame].kernel_format.fmt) in (LOG_GRID, ROOT_GRID)):
+            if not (framed and job.codecs[frame].kernel_format.family == Family.ROOT_GRID):
                 return (
-                    f"the fused kernel stores {codec.name!r} (of {slot!r}) only in units of a log- or root-grid second "
+                    f"the fused kernel stores {codec.name!r} (of {slot!r}) only in units of a root-grid second "
                     "moment of the same parameter"
                 )
     return None
@@ -642,8 +594,8 @@ def launch_job(algorithm, job, scratch: torch.Tensor, scalars: tuple) -> "Prepar
     moments = []
     for slot, codec in job.codecs.items():
         fmt = codec.kernel_format
-        values = state[slot] if fmt.fmt in (32, 16) else state[slot + ".codes"]
-        moments.append((fmt, values, state.get(slot + ".scales"), state.get(slot + ".steps")))
+        values = state[slot] if fmt.family in (Family.FP32, Family.BF16) else state[slot + ".codes"]
+        moments.append((fmt, values, state.get(slot + ".scales")))
     split = job.param.dtype != torch.float32 and job.master_weight_bits
     hyper = job.hyper
     return launch_update(
@@ -672,7 +624,7 @@ def launch_update(
     grad: torch.Tensor,
     accum: torch.Tensor | None,
     correction: torch.Tensor | None,
-    moments: list[tuple[KernelFormat, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]],
+    moments: list[tuple[KernelFormat, torch.Tensor | None, torch.Tensor | None]],
     step: torch.Tensor,
     scratch: torch.Tensor,
     skipped: torch.Tensor,
@@ -682,8 +634,7 @@ def launch_update(
     scalars: tuple[tuple, tuple],
     first: int = 0,
 ) -> "PreparedUpdate":
-    """Update one parameter in place. ``moments``: up to two (format, values, scales, a third storage
-    tensor: the log grid's spacings, of the second moment only); ``keys``:
+    """Update one parameter in place. ``moments``: up to two (format, values or codes, scales); ``keys``:
     host keys of the shared and the parameter's own random word (``fusedopt.rng``); ``flags``:
     (maximize, nesterov); ``scalars``: ``pack_scalars`` of the algorithm's ``kernel_scalars``;
     ``first``: the global index of the parameter's element 0 in the random draws (a shard's offset).
@@ -730,10 +681,8 @@ class PreparedUpdate:
         if kernel_id not in KERNEL_IDS:
             raise ValueError(f"the fused kernel has no branch for kernel_id {kernel_id!r}")
         n = param.numel()
-        absent = (NO_MOMENT, None, None, None)
-        (m_fmt, m_val, m_scales, m_aux), (v_fmt, v_val, v_scales, v_aux) = (moments + [absent] * 2)[:2]
-        if m_aux is not None:
-            raise ValueError("the fused kernel takes a third storage tensor for the second moment only")
+        absent = (NO_MOMENT, None, None)
+        (m_fmt, m_val, m_scales), (v_fmt, v_val, v_scales) = (moments + [absent] * 2)[:2]
         self.algo = algo = kernel_id
         self.bias_corrections = bias_corrections
         self.n = n
@@ -768,16 +717,12 @@ class PreparedUpdate:
             m_scales if m_scales is not None else dummy,
             v_val if v_val is not None else dummy,
             v_scales if v_scales is not None else dummy,
-            v_aux if v_aux is not None else dummy,
             step,
             scratch,
         )
-        self.fractions = dummy  # after the bucket table: the same for every member of a bucket
-        if LOG_GRID in (format_family(m_fmt.fmt), format_family(v_fmt.fmt)):
-            self.fractions = _fractions(param.device)
         self.keys, self.first = keys, first
         self.ints = (n, (n + 1) // 2, *keys, first + INDEX_BIAS)  # sizes and hash keys, before the gradient deltas
-        self.tail = (*self.state_tensors, dummy, self.fractions)  # dummy: no bucket table; then the scale
+        self.tail = (*self.state_tensors, dummy)  # dummy: no bucket table; then the scale
         self.check_tensors = (scratch, step, skipped, dummy)
         self.bucketable: bool | None = None  # whether it can join a bucket (kernels/bucket.py decides once)
         self.check_launches: dict = {}  # resolved direct launches by gradient variant (launch_remembered)
@@ -821,7 +766,7 @@ class PreparedUpdate:
 
 UPDATE_SCALARS = (
     "lr", "beta1", "beta2", "eps", "decay", "weight_decay", "lerp_weight", "one_minus_beta2",
-    "m_decay", "m_decay_root", "v_decay", "v_decay_root",
+    "v_decay", "v_decay_root",
 )  # fmt: skip
 _UPDATE_DEFAULTS = dict(
     beta1=0.0, beta2=0.0, eps=0.0, decay=1.0, weight_decay=0.0, lerp_weight=0.0, one_minus_beta2=0.0
@@ -832,14 +777,15 @@ def pack_scalars(named: dict) -> tuple[tuple, tuple]:
     """The runtime scalars of the update and of the check kernel, in signature order, from an
     algorithm's ``kernel_scalars`` (names of ``UPDATE_SCALARS``, missing ones at their neutral value,
     ``bias_correction_betas`` for the check kernel, and ``moment_decays``: the EMA decay of each moment
-    in slot order, as ``ema_decays`` gives them). All floats: a Python int would be typed int32."""
+    in slot order, as ``ema_decays`` gives them: the kernel takes the second moment's). All floats: a
+    Python int would be typed int32."""
     unknown = set(named) - set(UPDATE_SCALARS) - {"bias_correction_betas", "moment_decays"}
     if unknown:
         raise ValueError(f"kernel scalars the fused kernel does not take: {sorted(unknown)}")
     values = {**_UPDATE_DEFAULTS, **named}
-    # the square roots in fp64 before the one rounding to fp32, as the reference's math.sqrt
-    for prefix, decay in zip(("m", "v"), (*named.get("moment_decays", ()), 0.0, 0.0)):
-        values[f"{prefix}_decay"], values[f"{prefix}_decay_root"] = decay, math.sqrt(decay) if decay >= 0 else 0.0
+    # the square root in fp64 before the one rounding to fp32, as the reference's math.sqrt
+    decay = (*named.get("moment_decays", ()), 0.0, 0.0)[1]
+    values["v_decay"], values["v_decay_root"] = decay, math.sqrt(decay) if decay >= 0 else 0.0
     beta1, beta2 = named.get("bias_correction_betas", (0.5, 0.5))  # 0.5: any valid value, unused
     check = (named["lr"], *_split_log2("log2_beta1", beta1).values(), *_split_log2("log2_beta2", beta2).values())
     return tuple(float(values[name]) for name in UPDATE_SCALARS), tuple(float(x) for x in check)
@@ -871,26 +817,18 @@ def bucket_config(config: LaunchConfig) -> LaunchConfig:
 
 
 def _tile_row(m_fmt: KernelFormat, v_fmt: KernelFormat) -> int:
-    """The tile's row length: the moments' quantisation (or rotation) block. A log-grid or normalised
-    moment's block may divide it instead (their twins view the tile in rows of their own block)."""
-    formats = [f for f in (m_fmt, v_fmt) if f.fmt not in (0, 32, 16)]
+    """The tile's row length: the moments' quantisation block. A root-grid or normalised moment's block
+    may divide it instead (their twins view the tile in rows of their own block)."""
+    formats = [f for f in (m_fmt, v_fmt) if f.family not in (Family.NONE, Family.FP32, Family.BF16)]
     if not formats:
         return 32  # unquantised moments: any tile row length works
     row = max(f.block for f in formats)
     for f in formats:
-        viewed = format_family(f.fmt) in (LOG_GRID, NORMALISED, ROOT_GRID) and row % f.block == 0
+        viewed = f.family in (Family.NORMALISED, Family.ROOT_GRID) and row % f.block == 0
         if f.block != row and not viewed:
             blocks = sorted({g.block for g in formats})
             raise ValueError(f"both moments must use one quantisation block size, got {blocks}")
     return row
-
-
-@functools.cache
-def _fractions(device: torch.device) -> torch.Tensor:
-    """The log grid's table of fractions on ``device`` (made on the default stream, which the update's
-    stream waits for, as for the state)."""
-    with on_default_stream(torch.empty(0, device=device)):
-        return FRACTIONS.to(device)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -912,9 +850,7 @@ def _update_config(
         NESTEROV=nesterov,
         **_moment_args("M", m_fmt),
         **_moment_args("V", v_fmt),
-        M_INV_RESCALE=m_fmt.inverse_rescale,
         M_CLIP=m_fmt.clip,
-        V_INV_RESCALE=v_fmt.inverse_rescale,
         NB=block // qblock,
         QBLOCK=qblock,
         INDEX_64=index_64,

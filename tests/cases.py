@@ -7,8 +7,6 @@ Every parametrized test draws its cases from here, so a new algorithm, a new ``s
   momentum, and with nesterov momentum: SGD without momentum keeps no state). ``ALGORITHM[id]``.
 * ``FORMATS``: one ``StateFormat`` per ``state_bits`` value, read from the codec registry.
   ``FORMAT[bits]``, ``formats(quantized=...)``.
-* ``NAMED_FORMATS``: formats selected only by ``state_format=<name>`` (the rotated codes).
-  ``NAMED_FORMAT[name]``, ``named_format_cases(...)``.
 * ``MASTER_WEIGHT_BITS`` (24, 32, None) and ``DTYPES`` (fp32, bf16, fp16), ``LOW_DTYPES``.
 
 The ``*_cases`` helpers give ``pytest.param`` lists with readable ids ("adamw", "sgd-nesterov",
@@ -33,7 +31,6 @@ import torch
 
 import fusedopt
 from fusedopt.codecs import STATE_BITS_FORMATS, codec_named
-from fusedopt.codecs.rotated import FORMATS as ROTATED_FORMATS
 
 # --- algorithms ---------------------------------------------------------------------------------
 
@@ -106,15 +103,14 @@ class StateFormat:
 
     bits: int
     name: str
-    by_name: bool = False  # selected with state_format=name (not by state_bits)
 
     @property
     def id(self) -> str:
-        return self.name if self.by_name else f"state{self.bits}"
+        return f"state{self.bits}"
 
     @property
     def kwargs(self) -> dict:
-        return {"state_format": self.name} if self.by_name else {"state_bits": self.bits}
+        return {"state_bits": self.bits}
 
     @property
     def has_kernel(self) -> bool:
@@ -132,8 +128,6 @@ class StateFormat:
 
 FORMATS: tuple[StateFormat, ...] = tuple(StateFormat(bits, name) for bits, name in STATE_BITS_FORMATS.items())
 FORMAT: dict[int, StateFormat] = {f.bits: f for f in FORMATS}
-NAMED_FORMATS: tuple[StateFormat, ...] = tuple(StateFormat(bits, name, True) for name, bits in ROTATED_FORMATS.items())
-NAMED_FORMAT: dict[str, StateFormat] = {f.name: f for f in NAMED_FORMATS}
 
 
 def formats(*bits: int, quantized: bool | None = None) -> tuple[StateFormat, ...]:
@@ -167,11 +161,6 @@ def algorithm_cases(*ids: str) -> list:
 def format_cases(*bits: int, quantized: bool | None = None) -> list:
     """``pytest.param(StateFormat)`` for ``formats(*bits, quantized=...)``."""
     return [pytest.param(f, id=f.id) for f in formats(*bits, quantized=quantized)]
-
-
-def named_format_cases(*names: str) -> list:
-    """``pytest.param(StateFormat)`` for the given ``NAMED_FORMATS`` names, or all of them."""
-    return [pytest.param(NAMED_FORMAT[n], id=n) for n in (names or NAMED_FORMAT)]
 
 
 def dtype_cases(*dtypes: torch.dtype) -> list:

@@ -188,6 +188,39 @@ def test_an_unknown_state_format_is_refused():
         fusedopt.AdamW([w], state_format="block9")
 
 
+@pytest.mark.parametrize("name", ["rot8", "rot4", "rot2", "rot4-log4", "norm2-log4", "norm4-log4", "block8-square"])
+def test_a_removed_state_format_is_refused_saying_so(name):
+    """A format earlier versions offered: the error says it was removed, why, and which formats exist."""
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    with pytest.raises(ValueError) as error:
+        fusedopt.AdamW([w], state_format=name)
+    message = str(error.value)
+    assert message.startswith(f"Invalid state_format: '{name}' was removed from fusedopt (")
+    assert "the state formats now are fp32, bf16, block8, block4, norm2-root4" in message
+
+
+def test_the_built_in_formats_and_the_names_a_checkpoint_may_record():
+    """Five state formats; a checkpoint may also name norm2-root4's moments and Adafactor's statistics.
+    In a fresh process: this module registers a plugin format."""
+    import subprocess
+    import sys
+
+    code = "from fusedopt.codecs import known_formats, registered_formats; print(registered_formats(), known_formats())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    registered, known = out.split(") (")
+    assert registered == "('fp32', 'bf16', 'block8', 'block4', 'norm2-root4'"
+    internal = "'root4', 'norm2', 'norm2-root4', 'fp32-rows', 'fp32-cols', 'fp32-scalar')\n"
+    assert known == "'fp32', 'bf16', 'block8', 'block4', " + internal
+
+
+def test_a_removed_formats_name_is_not_reused():
+    from fusedopt.codecs import REMOVED_FORMATS, register_codec
+
+    assert {"rot4", "log4", "norm4", "block8-square"} <= set(REMOVED_FORMATS)
+    with pytest.raises(ValueError, match="'rot4' belonged to a removed format"):
+        register_codec("rot4", lambda signed, shape: codec_for(8, shape, 0))
+
+
 def test_forcing_the_kernel_on_a_format_without_a_kernel_branch_is_a_clear_error(monkeypatch, device):
     monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
     w = torch.nn.Parameter(torch.randn(48, 80, device=device))

@@ -327,12 +327,10 @@ def test_export_sgd_and_refuse_lion():
         fusedopt.Lion(a.parameters(), state_bits=32).torch_state_dict()
 
 
-def test_format_one_checkpoint_with_square_level_codes_is_converted_not_misread():
-    """Checkpoint format 1 stored 8-bit moments on q**2 levels, in the same layout as today's
-    minifloat codes: copying them would silently change every moment. They are decoded with the
-    old levels and re-encoded (a lossy-conversion warning), so the moments survive."""
-    from fusedopt.codecs.blockwise import block_codec
-
+def test_format_one_checkpoint_with_square_level_codes_is_refused_not_misread():
+    """Checkpoint format 1 stored 8-bit moments on q**2 levels (the removed format ``block8-square``), in
+    the same layout as today's minifloat codes: copying them would silently change every moment, so
+    such a checkpoint is refused, naming the format. Its 4-bit and fp32 moments alone would load."""
     gen = torch.Generator().manual_seed(3)
     w = torch.nn.Parameter(torch.randn(40, 50, generator=gen))
     opt = fusedopt.AdamW([w], lr=1e-2, state_bits=8, min_compress_numel=0)
@@ -342,33 +340,56 @@ def test_format_one_checkpoint_with_square_level_codes_is_converted_not_misread(
     saved = copy.deepcopy(opt.state_dict())
     saved["fusedopt"]["format"] = 1
     del saved["fusedopt"]["codecs"]  # format 1 did not record codec names
-    entry = saved["state"][0]
-    moments = {}
-    for slot, signed in (("exp_avg", True), ("exp_avg_sq", False)):
-        current = block_codec("block8", signed, w.shape)
-        moments[slot] = current.decode({s: entry[slot + s] for s in current.suffixes})
-        legacy = block_codec("block8-square", signed, w.shape)
-        draw = torch.randint(0, 2**32, w.shape, generator=gen, dtype=torch.int64)
-        old = legacy.encode(moments[slot], lambda d=draw: d)
-        entry.update({slot + s: t for s, t in old.items()})
-        # what a copy would have done: the square-level codes read as minifloat codes
-        misread = current.decode(old)
-        assert (misread - moments[slot]).abs().max() > 0.5 * moments[slot].abs().max()
-
     fresh = fusedopt.AdamW([torch.nn.Parameter(w.detach().clone())], lr=1e-2, state_bits=8, min_compress_numel=0)
-    with pytest.warns(UserWarning, match="converted"):
-        fresh.load_state_dict(saved)
+    with pytest.raises(ValueError, match=r"state 'exp_avg' of .* 'block8-square', which was removed from fusedopt"):
+        fresh.load_state_dict(copy.deepcopy(saved))
+    assert not fresh.state
+    saved["fusedopt"]["format"] = 2  # the same codes as format 2 are minifloat codes: they load
+    fresh.load_state_dict(saved)
     (p,) = fresh.param_groups[0]["params"]
-    for slot, signed in (("exp_avg", True), ("exp_avg_sq", False)):
-        codec = block_codec("block8", signed, w.shape)
-        loaded = codec.decode({s: fresh.state[p][slot + s] for s in codec.suffixes})
-        # two requantisations (to q**2, back to minifloat), each within 2 gaps / top of a block's absmax
-        err = (loaded - moments[slot]).reshape(-1, 40).abs().amax(1) / moments[slot].reshape(-1, 40).abs().amax(1)
-        assert err.max() < 2 * 0.066, (slot, err.max().item())
-    assert fresh.state_dict()["fusedopt"]["format"] == 3
+    assert all(torch.equal(fresh.state[p][k], opt.state[w][k]) for k in opt.state[w])
 
 
-@pytest.mark.parametrize("fmt", ["rot4", "norm2-log4", "rot4-log4", "norm2-root4"])
+def _block4_checkpoint():
+    gen = torch.Generator().manual_seed(11)
+    w = torch.nn.Parameter(torch.randn(40, 50, generator=gen))
+    opt = fusedopt.AdamW([w], lr=1e-2, state_bits=4, min_compress_numel=0)
+    for _ in range(2):
+        w.grad = torch.randn(40, 50, generator=gen)
+        opt.step()
+    return w, opt.state_dict()
+
+
+@pytest.mark.parametrize("slot", ["exp_avg", "exp_avg_sq"])
+@pytest.mark.parametrize("name", ["rot4", "rot2", "log4", "norm4", "block8-square", "norm2-log4"])
+def test_a_checkpoint_naming_a_removed_format_per_moment_is_refused(name, slot):
+    """A moment recorded in a removed format (a per-moment name such as ``log4``, or a whole format's):
+    refused with an error that names it and says it was removed, what exists now and how to convert."""
+    w, saved = _block4_checkpoint()
+    saved = copy.deepcopy(saved)
+    saved["fusedopt"]["codecs"][0][slot] = name
+    other = fusedopt.AdamW([torch.nn.Parameter(w.detach().clone())], lr=1e-2, state_bits=4, min_compress_numel=0)
+    with pytest.raises(ValueError) as error:
+        other.load_state_dict(saved)
+    message = str(error.value)
+    assert f"state '{slot}' of parameter 0 (shape (40, 50)) was saved in the state format '{name}'" in message
+    assert "was removed from fusedopt" in message
+    assert "fp32, bf16, block8, block4, norm2-root4" in message and "older fusedopt" in message
+    assert not other.state
+
+
+@pytest.mark.parametrize("name", ["rot4", "norm2-log4", "norm4-log4", "rot4-log4", "block8-square", "rot8"])
+def test_a_checkpoint_whose_group_names_a_removed_format_is_refused(name):
+    w, saved = _block4_checkpoint()
+    saved = copy.deepcopy(saved)
+    saved["param_groups"][0]["state_format"] = name
+    other = fusedopt.AdamW([torch.nn.Parameter(w.detach().clone())], lr=1e-2, state_bits=4, min_compress_numel=0)
+    with pytest.raises(ValueError, match=rf"Invalid state_format: '{name}' was removed from fusedopt \("):
+        other.load_state_dict(saved)
+    assert not other.state and other.param_groups[0]["state_format"] is None
+
+
+@pytest.mark.parametrize("fmt", ["norm2-root4"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
 @pytest.mark.parametrize("into", ["same", "converted"])
 def test_a_checkpoint_with_a_corrupt_block_scale_is_refused_and_leaves_the_optimizer_intact(fmt, bad, into):
@@ -386,7 +407,7 @@ def test_a_checkpoint_with_a_corrupt_block_scale_is_refused_and_leaves_the_optim
         scales[3] = bad
         other = fmt
         if into == "converted":  # the loading optimizer's format, not the saved one: each moment re-encoded
-            other = "norm4-log4"
+            other = None
             del saved["param_groups"][0]["state_format"]
         q = torch.nn.Parameter(p.detach().clone())
         target = fusedopt.AdamW([q], lr=1e-3, state_format=other, min_compress_numel=0)

@@ -417,7 +417,7 @@ def test_step_speed_times_every_configuration_against_the_baseline(tmp_path):
     assert step_speed.layer_shapes(1, True)[0] == (32000, 2048) and len(step_speed.layer_shapes(4, False)) == 37
 
 
-def test_fingerprints_compare_two_trees_bit_for_bit():
+def test_fingerprints_compare_two_trees_bit_for_bit(tmp_path, capsys):
     grid = {
         key: (name, options)
         for key, name, options, _, _ in harness.fingerprint_grid(("adamw", "adafactor"), ("block8", "norm2-root4"))
@@ -435,12 +435,23 @@ def test_fingerprints_compare_two_trees_bit_for_bit():
     )
     assert one != harness.fingerprint("adamw", dict(state_bits=8, master_weight_bits=24), torch.bfloat16, False, "cpu")
     a = {"x": "1", "y": "2", "z": "refused: ValueError", "old": "3", "w": "4"}
-    b = {"x": "1", "y": "9", "z": "refused: ValueError", "w": "refused: ValueError"}
+    b = {"x": "1", "y": "9", "z": "refused: ValueError", "w": "refused: ValueError", "new": "5"}
     verdict = harness.same_bits(a, b)
     assert verdict == {
         "identical": ["x"],
         "differ": ["y"],
         "refused in both": ["z"],
         "refused in one": ["w"],
-        "in one only": ["old"],
+        "only in the first": ["old"],
+        "only in the second": ["new"],
     }
+    # a configuration only the old tree has (a removed format) is reported, not a failure
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps({"x": "1", "adamw format=rot4 master=24 bfloat16 fused=False": "3"}))
+    new.write_text(json.dumps({"x": "1"}))
+    assert harness.main(["same", str(old), str(new)]) == 0
+    out = capsys.readouterr().out
+    assert "bit-identical: 1 of 1" in out
+    assert f"1 configurations only in {old}:\n  adamw format=rot4 master=24 bfloat16 fused=False" in out
+    new.write_text(json.dumps({"x": "2"}))
+    assert harness.main(["same", str(old), str(new)]) == 1 and "differ: x" in capsys.readouterr().out

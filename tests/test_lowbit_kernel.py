@@ -1,10 +1,9 @@
-"""The fused kernel's branch for the paired low-bit formats (``norm2-log4``, ``norm4-log4``,
-``rot4-log4``, ``norm2-root4``: ``kernels/loggrid.py``, ``kernels/rootgrid.py``,
+"""The fused kernel's branch for the paired low-bit format ``norm2-root4`` (``kernels/rootgrid.py``,
 ``kernels/normalised.py``) against the PyTorch reference.
 
 On the CPU the kernel runs in Triton's interpreter (conftest.py), where it repeats the reference's
 operations in the reference's order, so every stored bit must agree: parameters, master
-corrections, codes, scales, spacings, step counts. On a GPU this file runs the compiled kernel and
+corrections, codes, scales, step counts. On a GPU this file runs the compiled kernel and
 asserts the same; ``tests/gpu/test_state_formats_on_cuda.py`` holds CUDA to the CPU reference with the
 bounds of a compiled kernel.
 """
@@ -20,13 +19,12 @@ from helpers import step_with
 import fusedopt
 from fusedopt import rng
 from fusedopt.codecs import PAIRED_FORMATS, codec_named
-from fusedopt.codecs.loggrid import FRACTIONS, LogGridCodec
 from fusedopt.codecs.normalised import block_rms
 from fusedopt.codecs.rootgrid import TOP, RootGridCodec, root_decay
-from fusedopt.kernels import loggrid, normalised, rootgrid, update
+from fusedopt.kernels import normalised, rootgrid, update
 
-# The interpreter computes every lane, masked or not (a log2 of zero, a 0 / 0 in a lane whose result
-# is discarded): numpy warns about those.
+# The interpreter computes every lane, masked or not (a 0 / 0 in a lane whose result is discarded):
+# numpy warns about those.
 pytestmark = [
     pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
     pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
@@ -101,19 +99,15 @@ def test_the_kernel_stores_the_references_bits(monkeypatch, device, fmt, shape):
     ref = _train("reference", device, monkeypatch, fmt, [shape])
     got = _train("triton", device, monkeypatch, fmt, [shape])
     assert ref[1][0]["exp_avg_sq.codes"].any() and ref[1][0]["exp_avg_sq.scales"].any()
-    if codec_named(fmt, False, torch.Size(shape)).name == "log4":
-        assert got[1][0]["exp_avg_sq.steps"].any()
     _assert_identical(ref, got)
 
 
 CASES = [
     pytest.param(fmt, dtype, master, fused, id=f"{fmt}-{str(dtype)[6:]}-{master}-{mode}")
-    for fmt in ("norm2-log4", "norm2-root4")
+    for fmt in PAIRED
     for dtype in (torch.bfloat16, torch.float16)
     for master in (24, None)
     for fused, mode in ((False, "step"), (True, "release"))
-] + [
-    pytest.param(fmt, torch.bfloat16, 24, True, id=f"{fmt}-bfloat16-24-release") for fmt in ("norm4-log4", "rot4-log4")
 ]
 
 
@@ -129,7 +123,7 @@ def test_low_precision_parameters_corrections_and_release(monkeypatch, device, f
     _assert_identical(ref, got)
 
 
-@pytest.mark.parametrize("fmt", ["norm2-log4", "rot4-log4", "norm2-root4"])
+@pytest.mark.parametrize("fmt", PAIRED)
 def test_buckets_and_shards(monkeypatch, device, fmt):
     """Parameters launched as buckets from the second step (sizes a bucket takes, and one it does not),
     and as shards at global offsets (draws from the global index; past 2**31, or not a multiple of the
@@ -150,7 +144,7 @@ def test_buckets_and_shards(monkeypatch, device, fmt):
         _assert_identical(ref, got)
 
 
-@pytest.mark.parametrize("fmt", ["norm2-log4", "rot4-log4", "norm2-root4"])
+@pytest.mark.parametrize("fmt", PAIRED)
 def test_a_non_finite_gradient_leaves_everything_untouched(monkeypatch, device, fmt):
     shape = (40, 80)
     good = _gradients([shape], 3, 5)  # step 2's gradient leaves every grid: its blocks would be refitted
@@ -163,8 +157,6 @@ def test_a_non_finite_gradient_leaves_everything_untouched(monkeypatch, device, 
     opt = fusedopt.AdamW([w], lr=1e-2, state_format=fmt, min_compress_numel=0, master_weight_bits=None)
     w.grad = good[0][0].to(device)
     opt.step()
-    if "exp_avg_sq.steps" in opt.state[w]:  # the log grid
-        assert opt.state[w]["exp_avg_sq.steps"].max() < 18  # narrow grids, which the bad steps would widen
     snapshot = w.detach().clone(), {k: v.clone() for k, v in opt.state[w].items()}
     for g in (bad, worse):
         w.grad = g.to(device)
@@ -180,26 +172,13 @@ def test_a_non_finite_gradient_leaves_everything_untouched(monkeypatch, device, 
     _assert_identical(ref, got)
 
 
-@pytest.mark.parametrize("algo,kwargs", [(fusedopt.Lion, {}), (fusedopt.SGD, {"momentum": 0.9})], ids=["lion", "sgd"])
-def test_lion_and_sgd_keep_one_moment_in_the_rotated_kernel(monkeypatch, device, algo, kwargs):
-    """One moment, signed: ``rot4-log4`` gives them ``rot4`` (its kernel branch); the log grid is unused."""
-    ref = _train("reference", device, monkeypatch, "rot4-log4", [(37, 41)], algo=algo, **kwargs)
-    got = _train("triton", device, monkeypatch, "rot4-log4", [(37, 41)], algo=algo, **kwargs)
-    (slot,) = got[2].state_slots(got[2].param_groups[0])
-    assert set(got[1][0]) == {"step", f"{slot}.codes", f"{slot}.scales"}
-    for r, g in zip(ref[0], got[0]):
-        assert torch.equal(r, g)
-    for key, value in ref[1][0].items():
-        assert torch.equal(value, got[1][0][key]), key
-
-
 def test_the_kernel_refuses_layouts_it_has_no_branch_for():
-    """What the branch needs, named: the log grid as the second moment with its EMA decay, normalised
+    """What the branch needs, named: the root grid as the second moment with its EMA decay, normalised
     codes framed by it, blocks that divide the tile's row."""
     shape = torch.Size([64, 64])
-    norm, log, block4 = (
+    norm, root, block4 = (
         codec_named("norm2", True, shape),
-        codec_named("log4", False, shape),
+        codec_named("root4", False, shape),
         codec_named("block4", True, shape),
     )
     AdamW = fusedopt.AdamW
@@ -209,84 +188,32 @@ def test_the_kernel_refuses_layouts_it_has_no_branch_for():
     def reason(codecs, decays=decays, frames=frames):
         return update.unsupported(AdamW, SimpleNamespace(codecs=codecs, decays=decays, frames=frames))
 
-    assert reason({"exp_avg": norm, "exp_avg_sq": log}) is None
-    assert "needs the EMA decay of 'exp_avg_sq'" in reason({"exp_avg": norm, "exp_avg_sq": log}, decays={})
-    assert "only as the second moment" in reason({"exp_avg_sq": log, "exp_avg": block4}, frames={})
-    assert "in units of a log- or root-grid second moment" in reason({"exp_avg": norm, "exp_avg_sq": log}, frames={})
-    assert "in units of a log- or root-grid second moment" in reason({"exp_avg": norm, "exp_avg_sq": block4})
+    assert reason({"exp_avg": norm, "exp_avg_sq": root}) is None
+    assert "needs the EMA decay of 'exp_avg_sq'" in reason({"exp_avg": norm, "exp_avg_sq": root}, decays={})
+    assert "only as the second moment" in reason({"exp_avg_sq": root, "exp_avg": block4}, frames={})
+    assert "in units of a root-grid second moment" in reason({"exp_avg": norm, "exp_avg_sq": root}, frames={})
+    assert "in units of a root-grid second moment" in reason({"exp_avg": norm, "exp_avg_sq": block4})
     with pytest.raises(ValueError, match="one quantisation block size"):
-        update._tile_row(block4.kernel_format, log.kernel_format)
-    assert update._tile_row(norm.kernel_format, log.kernel_format) == 128
+        update._tile_row(block4.kernel_format, root.kernel_format)
+    assert update._tile_row(norm.kernel_format, root.kernel_format) == 128
 
 
 @triton.jit
-def _helpers_kernel(q_ptr, rms_ptr, codes_ptr, tops_ptr, steps_ptr, fractions_ptr, values_ptr, R: tl.constexpr):
+def _rms_kernel(q_ptr, rms_ptr, R: tl.constexpr):
     rows = tl.arange(0, R)
     q = tl.load(q_ptr + rows[:, None] * 64 + tl.arange(0, 64)[None, :])
     tl.store(rms_ptr + rows, normalised.block_rms(q, R))
-    at = rows[:, None] * 128 + tl.arange(0, 128)[None, :]
-    tops, steps = tl.load(tops_ptr + rows), tl.load(steps_ptr + rows)
-    tl.store(values_ptr + at, loggrid.levels(tl.load(codes_ptr + at), tops, steps, fractions_ptr))
 
 
-def test_the_device_helpers_round_as_the_reference(device):
-    """A block's rms (a sum whose order matters: rows of alike magnitudes, and rows over 40 binades) and
-    the log grid's levels
-    (every code, 0 and 16 included, spacings up to 255, tops down to where levels are subnormal)."""
+def test_the_kernels_block_rms_is_the_references(device):
+    """A block's rms, a sum whose order matters: rows of alike magnitudes, and rows over 40 binades."""
     gen = torch.Generator().manual_seed(4)
     rows = 64
     q = torch.randn(rows, 64, generator=gen)
     q[::2] *= torch.exp2(torch.randint(-20, 20, (rows // 2, 64), generator=gen).float())
-    codes = torch.randint(0, 17, (rows, 128), generator=gen, dtype=torch.int32)
-    tops = torch.rand(rows, generator=gen) * torch.exp2(torch.randint(-120, 100, (rows,), generator=gen).float())
-    steps = torch.randint(0, 256, (rows,), generator=gen, dtype=torch.int32)
-    rms, values = torch.empty(rows, device=device), torch.empty(rows, 128, device=device)
-    args = [t.to(device) for t in (q, codes, tops, steps, FRACTIONS)]
-    _helpers_kernel[(1,)](args[0], rms, *args[1:4], args[4], values, R=rows, enable_fp_fusion=False)  # as update.py
+    rms = torch.empty(rows, device=device)
+    _rms_kernel[(1,)](q.to(device), rms, R=rows, enable_fp_fusion=False)  # as update.py
     assert torch.equal(rms.cpu(), block_rms(q))
-    expected = LogGridCodec.levels(codes, tops, steps.to(torch.uint8))
-    assert (expected > 0).any() and (expected[expected > 0] < 2.0**-126).any()  # subnormal levels too
-    assert torch.equal(values.cpu(), expected)
-
-
-@triton.jit
-def _round_kernel(y_ptr, tops_ptr, steps_ptr, u_ptr, fractions_ptr, codes_ptr, R: tl.constexpr):
-    program = tl.program_id(0)
-    rows = program * R + tl.arange(0, R)
-    at = rows[:, None] * 128 + tl.arange(0, 128)[None, :]
-    tops, steps = tl.load(tops_ptr + rows), tl.load(steps_ptr + rows)
-    codes = loggrid._round_to_grid(tl.load(y_ptr + at), tops, steps, tl.load(u_ptr + at), fractions_ptr)
-    tl.store(codes_ptr + at, codes)
-
-
-@pytest.mark.parametrize("scale", ["normal", "subnormal"])
-def test_the_kernels_level_search_finds_the_references_level(device, scale):
-    """The kernel's level search and stochastic decision give the reference's codes for values on, one ulp
-    either side of, between, above and below the levels, zeros, every spacing up to 255 (0 included), and
-    tops down to where levels and values are subnormal."""
-    gen = torch.Generator().manual_seed(5)
-    rows = 64
-    exponents = (
-        torch.randint(-40, 40, (rows,), generator=gen)
-        if scale == "normal"
-        else torch.randint(-149, -110, (rows,), generator=gen)
-    )
-    tops = (1 + torch.rand(rows, generator=gen)) * torch.exp2(exponents.float())
-    steps = torch.randint(0, 256, (rows,), generator=gen, dtype=torch.int32)
-    steps[:8] = torch.arange(8)  # the narrowest spacings, 0 included
-    codes = torch.randint(1, 17, (rows, 128), generator=gen, dtype=torch.int32)
-    y = LogGridCodec.levels(codes, tops, steps.to(torch.uint8))  # on a level (and the level above the top)
-    y[:, 32:64] *= 1 + 2.0**-23  # one ulp above
-    y[:, 64:96] *= 1 - 2.0**-24  # one ulp below
-    y[:, 96:120] *= torch.exp2(torch.rand(rows, 24, generator=gen) * 10 - 8)  # anywhere, beyond both ends too
-    y[:, 120:] = 0
-    u = torch.rand(rows, 128, generator=gen)
-    expected = LogGridCodec(torch.Size([rows * 128]), "v").round_to_grid(y, tops, steps.to(torch.uint8), u)
-    got = torch.empty(rows, 128, dtype=torch.int32, device=device)
-    args = [t.to(device) for t in (y, tops, steps, u, FRACTIONS)]
-    _round_kernel[(rows // 8,)](*args, got, R=8, enable_fp_fusion=False)  # as update.py launches
-    assert torch.equal(expected > 0, y > 0) and (y[:, :120] > 0).float().mean() > 0.4  # subnormal levels can be 0
-    assert torch.equal(got.cpu(), expected)
 
 
 @triton.jit
@@ -366,47 +293,62 @@ def test_a_moment_above_the_saturation_keeps_parity(monkeypatch, device):
 
 
 @triton.jit
-def _normalised_store_kernel(x_ptr, r_ptr, u_ptr, codes_ptr, scales_ptr, n, BITS: tl.constexpr, R: tl.constexpr):
+def _normalised_store_kernel(x_ptr, r_ptr, u_ptr, codes_ptr, scales_ptr, n, CLIP: tl.constexpr, R: tl.constexpr):
     at = tl.arange(0, R)[:, None] * 64 + tl.arange(0, 64)[None, :]
     x, r, u = tl.load(x_ptr + at), tl.load(r_ptr + at), tl.load(u_ptr + at)
-    normalised.store_normalised(x, r, u, codes_ptr, scales_ptr, 0, n, 0, BITS, 0.0, R)
+    normalised.store_normalised(x, r, u, codes_ptr, scales_ptr, 0, n, 0, 2, CLIP, R)
 
 
 def test_the_normalised_encode_multiplies_by_the_blocks_reciprocal(device):
     """The kernel rounds ``q * (1 / scale)`` as the reference does, not ``q / scale``: values placed where
     the two differ by an ulp and the element's draw lands between them take the reference's codes."""
     gen = torch.Generator().manual_seed(6)
-    rows, top = 8, 15  # norm4: 15 gaps, the half-range is the block's absmax
+    rows = 8
     n = rows * 64
+    codec = codec_named("norm2", True, torch.Size([n]))
+    top, ones = codec.top, torch.ones(n)  # 3 gaps; a frame of ones: the codes are q's own
     words = torch.randint(0, 2**32, (n,), generator=gen, dtype=torch.int64)
     u = fusedopt.rng.spread_uniform(words, torch.arange(n)).view(rows, 64)
-    unit = torch.tensor([1.6875, 1.1875, 1.3125, 1.8125, 1.5625, 1.4375, 1.9375, 1.0625]).unsqueeze(1)  # bf16
-    unit = unit * torch.exp2(torch.arange(-8, 8, 2).float()).unsqueeze(1)
+    # 16 anchors of each block (|q| = a, above the clipped half-range) keep its scale in place while the
+    # other 48 elements are placed relative to it; placing them moves the scale a little, so place,
+    # re-take the scales (the clipped half-range rounded up to bf16) and repeat until they stay
+    a = torch.exp2(torch.arange(-8, 8, 2).float()).unsqueeze(1)
+    anchors = torch.arange(64) < 16
+    sign = torch.randn(rows, 64, generator=gen).sign()
+    target = torch.randint(1, top, (rows, 64), generator=gen).float()
 
-    def codes(q, reciprocal, u=u, unit=unit):
+    def codes(q, reciprocal, u=u, unit=None):
         ratio = q * (1.0 / unit) if reciprocal else q / unit
         t = ((ratio + 1) * (top / 2)).clamp(0, top)
         return torch.floor(t + u).clamp(max=top)
 
-    # for each element, the first of 4001 neighbouring values (in ulps) of a random level crossing
-    # where the division and the reciprocal round to different codes
-    target = torch.randint(1, top, (rows, 64), generator=gen).float()
-    q0 = ((target - u) / (top / 2) - 1) * unit
-    ulps = torch.arange(-2000, 2001, dtype=torch.int32)
-    candidates = (q0.view(torch.int32).unsqueeze(-1) + ulps).view(torch.float32)
-    u3, unit3 = u.unsqueeze(-1), unit.unsqueeze(-1)
-    split = codes(candidates, True, u3, unit3) != codes(candidates, False, u3, unit3)
-    first = torch.where(split.any(-1), split.int().argmax(-1), 2000)
-    q = candidates.gather(-1, first.unsqueeze(-1)).squeeze(-1).clamp(-unit, unit)
-    q[:, 0] = unit.squeeze(1)  # the block's absmax: its scale is `unit`
-    assert (codes(q, True) != codes(q, False)).sum() > n // 8  # the test can tell the two apart
+    def place(unit):
+        """For each element, the first of 4001 neighbouring values (in ulps) of a random level crossing
+        where the division and the reciprocal round to different codes."""
+        q0 = ((target - u) / (top / 2) - 1) * unit
+        ulps = torch.arange(-2000, 2001, dtype=torch.int32)
+        candidates = (q0.view(torch.int32).unsqueeze(-1) + ulps).view(torch.float32)
+        u3, unit3 = u.unsqueeze(-1), unit.unsqueeze(-1)
+        split = codes(candidates, True, u3, unit3) != codes(candidates, False, u3, unit3)
+        first = torch.where(split.any(-1), split.int().argmax(-1), 2000)
+        q = candidates.gather(-1, first.unsqueeze(-1)).squeeze(-1)
+        return torch.where(anchors, sign * a, q)
 
-    codec = codec_named("norm4", True, torch.Size([n]))
-    expected = codec.encode(q.reshape(-1), lambda: words, torch.ones(n))
+    unit = a
+    for _ in range(20):
+        q = place(unit)
+        unit, previous = codec.encode(q.reshape(-1), lambda: words, frame=ones)[".scales"].float().unsqueeze(1), unit
+        if torch.equal(unit, previous):
+            break
+    assert torch.equal(unit, previous) and (unit < a).all()  # the scales held, clipped below the anchors
+    assert (codes(q, True, unit=unit) != codes(q, False, unit=unit)).sum() > n // 8  # the test can tell them apart
+
+    expected = codec.encode(q.reshape(-1), lambda: words, frame=ones)
+    assert torch.equal(expected[".scales"].float(), unit.squeeze(1))
     got_codes = torch.empty_like(expected[".codes"], device=device)
     got_scales = torch.empty_like(expected[".scales"], device=device)
     x, r, uu = (t.to(device).contiguous() for t in (q, torch.ones(rows, 64), u))
-    _normalised_store_kernel[(1,)](x, r, uu, got_codes, got_scales, n, BITS=4, R=rows, enable_fp_fusion=False)
-    assert torch.equal(expected[".scales"].float(), unit.squeeze(1))
+    clip = codec.kernel_format.clip
+    _normalised_store_kernel[(1,)](x, r, uu, got_codes, got_scales, n, CLIP=clip, R=rows, enable_fp_fusion=False)
     assert torch.equal(got_scales.cpu(), expected[".scales"])
     assert torch.equal(got_codes.cpu(), expected[".codes"])

@@ -79,8 +79,6 @@ def test_quality_of_the_candidates():
     quality = {f: r.quality for (f, fused), r in rows.items() if not fused}
     assert quality[("norm2-root4", 24)] == "-0.65% (sd 0.48, 6 seeds)"
     assert quality[("norm2-root4", None)] == "-0.43% (sd 0.52, 6 seeds)"
-    assert QUALITY[("norm2-log4", 24)] == "-0.29% (sd 0.27, 6 seeds)"  # a format users may still pick
-    assert ("norm2-log4", 24) not in quality  # not a candidate: norm2-root4 is smaller and faster
     assert quality[(8, 24)] == "-0.03% (sd 0.09, 6 seeds)"
     assert quality[(4, 24)] == "+0.36% (sd 0.27, 6 seeds)"
     assert quality[(4, None)] == "+0.48% (sd 0.48, 6 seeds)"

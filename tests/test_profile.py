@@ -787,24 +787,24 @@ def test_plan_rows_name_their_state_format(capsys):
     words; the recommendation speaks of a configuration in the table's words."""
     configs = [
         "fusedopt:fused=True",
-        "fusedopt:fused=True,state_format='norm2-log4'",
-        "fusedopt:fused=True,state_format='rot4'",
+        "fusedopt:fused=True,state_format='norm2-root4'",
+        "fusedopt:fused=True,state_format='block4'",
         "fusedopt:state_bits=4,state_format='block8'",
-        "fusedopt:state_format='rot4'",
+        "fusedopt:state_format='block4'",
     ]
     rows = plan(None, 24.0, configs, model="1b")
     assert [r.description for r in rows] == [
         "fusedopt AdamW, 8-bit state, 24-bit master, fused=True",
-        "fusedopt AdamW, norm2-log4 state, 24-bit master, fused=True, slower optimizer step",
-        "fusedopt AdamW, rot4 state, 24-bit master, fused=True",
+        "fusedopt AdamW, norm2-root4 state, 24-bit master, fused=True, slower optimizer step",
+        "fusedopt AdamW, block4 state, 24-bit master, fused=True",
         "fusedopt AdamW, block8 state, 24-bit master",  # named by its format, not by the overridden bits
-        "fusedopt AdamW, rot4 state, 24-bit master",  # not the default: its other options are
+        "fusedopt AdamW, block4 state, 24-bit master",  # not the default: its other options are
     ]
     assert len({r.per_param.at_peak for r in rows[:3]}) == 3  # three formats, three costs
-    adafactor = ["fusedopt.Adafactor:beta1=0.9", "fusedopt.Adafactor:beta1=0.9,state_format='rot4'"]
-    block8, rot4 = plan(None, 24.0, adafactor, model="1b")
-    assert "rot4" not in block8.description and "state_format='rot4'" in rot4.description
-    assert rot4.per_param.state < block8.per_param.state
+    adafactor = ["fusedopt.Adafactor:beta1=0.9", "fusedopt.Adafactor:beta1=0.9,state_format='block4'"]
+    block8, block4 = plan(None, 24.0, adafactor, model="1b")
+    assert "block4" not in block8.description and "state_format='block4'" in block4.description
+    assert block4.per_param.state < block8.per_param.state
     text = _plan_output(capsys, "--model", "1b", "--gpu-memory", "24", "--config", "fusedopt")
     name = "fusedopt AdamW, 8-bit state, 24-bit master (default)"
     assert any(line.startswith(name + " ") for line in text.splitlines())  # the table's row

@@ -1,10 +1,11 @@
 """State formats (codecs): how each moment of the optimizer state is stored.
 
-One file per format (``fp32.py``, ``bf16.py``, ``blockwise.py``, ``rotated.py``, ``loggrid.py``,
-``rootgrid.py``, ``normalised.py``), each implementing ``MomentCodec`` (``base.py``). This module is the registry
-above them: formats by checkpoint name, ``state_bits`` -> format, the state formats that pair a
-codec for the first moment with another for the second (``PAIRED_FORMATS``), and ``codec_for``,
-which picks the codec of one moment. A new format is one file plus ``register_codec(name, factory)``.
+One file per format (``fp32.py``, ``bf16.py``, ``blockwise.py``, ``rootgrid.py``, ``normalised.py``), each
+implementing ``MomentCodec`` (``base.py``). This module is the registry above them: formats by
+checkpoint name, ``state_bits`` -> format, the state format that pairs a codec for the first moment
+with another for the second (``PAIRED_FORMATS``), the names of removed formats (``REMOVED_FORMATS``,
+refused with a message saying so), and ``codec_for``, which picks the codec of one moment. A new
+format is one file plus ``register_codec(name, factory)``.
 """
 
 from __future__ import annotations
@@ -19,14 +20,10 @@ from .bf16 import BF16
 from .blockwise import FORMATS as BLOCK_FORMATS
 from .blockwise import block_codec
 from .fp32 import FP32
-from .loggrid import FORMATS as LOG_GRID_FORMATS
-from .loggrid import log_grid_codec
 from .normalised import FORMATS as NORMALISED_FORMATS
 from .normalised import normalised_codec
 from .rootgrid import FORMATS as ROOT_GRID_FORMATS
 from .rootgrid import root_grid_codec
-from .rotated import FORMATS as ROTATED_FORMATS
-from .rotated import rotated_codec
 
 __all__ = [
     "BF16",
@@ -35,6 +32,7 @@ __all__ = [
     "BitsFn",
     "KernelFormat",
     "MomentCodec",
+    "REMOVED_FORMATS",
     "STATE_BITS_FORMATS",
     "SUPPORTED_STATE_BITS",
     "codec_for",
@@ -44,6 +42,7 @@ __all__ = [
     "register_codec",
     "known_formats",
     "registered_formats",
+    "removed_format_error",
 ]
 
 # A factory builds a format's codec for one moment: factory(signed, shape). ``signed=False`` marks a
@@ -53,11 +52,42 @@ _REGISTRY: dict[str, CodecFactory] = {}
 _INTERNAL: set[str] = set()  # formats an algorithm uses for its own statistics, not state_format values
 
 
+# Formats earlier versions of fusedopt wrote (state_format values, and the per-moment names checkpoints
+# record), each with why it was removed. A name here is never reused for another format.
+REMOVED_FORMATS = {
+    "rot8": "the rotated formats trained no better than block4 at over twice its step time",
+    "rot4": "the rotated formats trained no better than block4 at over twice its step time",
+    "rot2": "the rotated formats trained no better than block4 at over twice its step time",
+    "rot4-log4": "it trained worse than norm2-root4, in more bytes, at twice its step time",
+    "norm2-log4": "norm2-root4 keeps as few bytes and trained as well at half its step time",
+    "norm4-log4": "it trained worse than the default, in more bytes than norm2-root4",
+    "block8-square": "block8's minifloat levels replaced its square levels",
+    "log4": "the second moment of norm2-log4, norm4-log4 and rot4-log4, removed",
+    "norm4": "the first moment of norm4-log4, removed",
+}
+
+
+def removed_format_error(name: str, subject: str | None = None) -> ValueError | None:
+    """The error for the removed format ``name`` (None: not a removed one). ``subject`` names what
+    refers to it, ending where "was removed" follows (default: "the state format 'name'")."""
+    why = REMOVED_FORMATS.get(name)
+    if why is None:
+        return None
+    subject = subject or f"the state format {name!r}"
+    return ValueError(
+        f"{subject} was removed from fusedopt ({why}); the state formats now are "
+        f"{', '.join(registered_formats())}. A checkpoint in it loads only with an older fusedopt that has "
+        "it: load it there into an optimizer with one of these formats (which converts the state) and save it again."
+    )
+
+
 def register_codec(name: str, factory: CodecFactory, *, selectable: bool = True) -> None:
     """Make the format ``name`` available to checkpoint loading and (``selectable``) to
     ``state_format=name``."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"a codec name must be a non-empty string, got {name!r}")
+    if name in REMOVED_FORMATS:
+        raise ValueError(f"the state format name {name!r} belonged to a removed format and is not reused")
     if name in _REGISTRY and _REGISTRY[name] is not factory:
         raise ValueError(f"a state format named {name!r} is registered already")
     _REGISTRY[name] = factory
@@ -81,6 +111,9 @@ def codec_named(name: str, signed: bool, shape: torch.Size) -> MomentCodec:
     """The codec of format ``name`` for one moment of ``shape``."""
     factory = _REGISTRY.get(name)
     if factory is None:
+        removed = removed_format_error(name)
+        if removed is not None:
+            raise removed
         raise ValueError(f"unknown state format {name!r} (registered: {', '.join(_REGISTRY)})")
     return factory(signed, torch.Size(shape))
 
@@ -89,25 +122,16 @@ register_codec("fp32", lambda signed, shape: FP32)
 register_codec("bf16", lambda signed, shape: BF16)
 for _name in BLOCK_FORMATS:
     register_codec(_name, functools.partial(block_codec, _name))
-for _name in ROTATED_FORMATS:
-    register_codec(_name, functools.partial(rotated_codec, _name))
-# Codecs of one kind of moment only (log4: nonnegative; norm2 / norm4: signed, framed): checkpoints
-# name them per moment; users select them through the paired formats below.
-for _name in LOG_GRID_FORMATS:
-    register_codec(_name, functools.partial(log_grid_codec, _name), selectable=False)
+# Codecs of one kind of moment only (root4: nonnegative; norm2: signed, framed): checkpoints name
+# them per moment; users select them through the paired format below.
 for _name in ROOT_GRID_FORMATS:
     register_codec(_name, functools.partial(root_grid_codec, _name), selectable=False)
 for _name in NORMALISED_FORMATS:
     register_codec(_name, functools.partial(normalised_codec, _name), selectable=False)
 
-# Paired formats: name -> (the codec of signed moments, that of nonnegative ones). Bytes per
-# parameter for AdamW's two moments: norm2-root4 0.8125, norm2-log4 0.82, rot4-log4 1.05, norm4-log4 1.07.
-PAIRED_FORMATS = {
-    "norm2-log4": ("norm2", "log4"),
-    "norm4-log4": ("norm4", "log4"),
-    "rot4-log4": ("rot4", "log4"),
-    "norm2-root4": ("norm2", "root4"),
-}
+# Paired formats: name -> (the codec of signed moments, that of nonnegative ones). norm2-root4 keeps
+# 0.8125 bytes per parameter for AdamW's two moments.
+PAIRED_FORMATS = {"norm2-root4": ("norm2", "root4")}
 
 
 def _paired(signed_name: str, unsigned_name: str, signed: bool, shape: torch.Size) -> MomentCodec:

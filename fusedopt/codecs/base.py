@@ -17,6 +17,18 @@ import torch
 BitsFn = Callable[[], torch.Tensor]
 
 
+class Family:
+    """``KernelFormat.family``: how the fused kernel stores a moment. Kernels compare a family with
+    ``==`` and fail to compile for one they have no branch for."""
+
+    NONE = 0  # no moment (SGD without momentum)
+    FP32 = 1
+    BF16 = 2  # stochastic rounding
+    BLOCK = 3  # E8M0-scaled blocks of codes (fusedopt.codecs.blockwise)
+    NORMALISED = 4  # codes in units of the frame's square root (fusedopt.codecs.normalised)
+    ROOT_GRID = 5  # minifloat codes of a nonnegative moment's square root (fusedopt.codecs.rootgrid)
+
+
 @dataclass(frozen=True, eq=False)
 class KernelFormat:
     """How the fused kernel reads and writes a moment (its compile-time switches).
@@ -25,7 +37,8 @@ class KernelFormat:
     on it, so hashing must not walk the fields on every launch.
     """
 
-    fmt: int  # 0 none, 32 fp32, 16 bf16, 8 / 4 block codes, ROTATED / LOG_GRID / NORMALISED / ROOT_GRID + bits
+    family: int  # a Family value
+    bits: int = 0  # bits per code (BLOCK: 8 or 4; NORMALISED: 2; ROOT_GRID: 4)
     signed: bool = True
     power: int = 1  # levels q**power; negative: minifloat levels with -power mantissa bits
     qmax: int = 0
@@ -34,21 +47,10 @@ class KernelFormat:
     threshold: int = 0
     top: int = 0
     block: int = 32
-    inverse_rescale: float = 0.0  # rotated codes: RotatedCodec.inverse_rescale
-    clip: float = 0.0  # normalised codes: the half-range's cap in block rms, an fp32 value (0: the absmax)
+    clip: float = 0.0  # normalised codes: the half-range's cap in block rms, an fp32 value
 
 
-NO_MOMENT = KernelFormat(0)
-# KernelFormat.fmt of the formats with their own device twin: family + bits
-ROTATED = 100  # rotated codes (fusedopt.codecs.rotated)
-LOG_GRID = 200  # log-grid codes of a nonnegative moment (fusedopt.codecs.loggrid)
-NORMALISED = 300  # codes in units of the frame's square root (fusedopt.codecs.normalised)
-ROOT_GRID = 400  # minifloat codes of a nonnegative moment's square root (fusedopt.codecs.rootgrid)
-
-
-def format_family(fmt: int) -> int:
-    """``ROTATED``, ``LOG_GRID``, ``NORMALISED`` or ``ROOT_GRID`` for a ``KernelFormat.fmt`` of theirs, else 0."""
-    return fmt - fmt % 100
+NO_MOMENT = KernelFormat(Family.NONE)
 
 
 class MomentCodec:

@@ -10,13 +10,13 @@ import torch
 
 from fusedopt.rounding import round_stochastic
 
-from .base import KernelFormat, MomentCodec
+from .base import Family, KernelFormat, MomentCodec
 
 
 class Bf16Codec(MomentCodec):
     name = "bf16"
     state_bits = 16
-    kernel_format = KernelFormat(16)
+    kernel_format = KernelFormat(Family.BF16)
 
     def zeros(self, shape, device):
         return {"": torch.zeros(shape, dtype=torch.bfloat16, device=device)}

@@ -34,9 +34,7 @@ Format of one moment tensor of ``n`` elements, taken flattened in row-major orde
 
 AdamW keeps 2.125 bytes per element for both moments at 8 bits, 1.125 at 4 bits.
 ``docs/codecs.md`` gives the measurements behind these choices (against linear levels,
-cube-root and minifloat levels, fp32 scales, blocks of 8 to 128). Checkpoints of format 1 stored
-8-bit moments on square levels (the codec ``block8-square``); the shifted minifloat tracks the
-moments as well and its kernel encode is cheaper (benchmarks/RESULTS.md).
+cube-root and minifloat levels, fp32 scales, blocks of 8 to 128).
 
 Encode, element by element (what the Triton kernel repeats in registers):
 
@@ -76,7 +74,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .base import BitsFn, KernelFormat, MomentCodec
+from .base import BitsFn, Family, KernelFormat, MomentCodec
 
 BLOCK = 16
 _SCALE_BIAS = 127
@@ -202,6 +200,7 @@ class BlockCodec(MomentCodec):
         else:
             return None
         return KernelFormat(
+            Family.BLOCK,
             self.state_bits,
             signed=self.signed,
             power=power,
@@ -305,7 +304,6 @@ class BlockCodec(MomentCodec):
 FORMATS = {
     "block8": (8, MinifloatLevels(127, 4), MinifloatLevels(255, 4)),
     "block4": (4, PowerLevels(7, 2), PowerLevels(15, 2)),
-    "block8-square": (8, PowerLevels(127, 2), PowerLevels(255, 2)),  # checkpoints of format 1
 }
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from .base import KernelFormat, MomentCodec
+from .base import Family, KernelFormat, MomentCodec
 
 
 class Fp32Codec(MomentCodec):
     name = "fp32"
     state_bits = 32
-    kernel_format = KernelFormat(32)
+    kernel_format = KernelFormat(Family.FP32)
 
     def zeros(self, shape, device):
         return {"": torch.zeros(shape, dtype=torch.float32, device=device)}

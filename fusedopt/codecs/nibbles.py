@@ -1,5 +1,5 @@
-"""Blocks of 4-bit codes of a nonnegative moment: the storage the log grid (``loggrid.py``) and the root
-grid (``rootgrid.py``) share. Each format adds its per-block tensors, its levels and its rounding.
+"""Blocks of 4-bit codes of a nonnegative moment: the storage of the root grid (``rootgrid.py``), which
+adds its per-block tensors, its levels and its rounding.
 
 * **Blocks** of ``BLOCK`` = 128 elements of the moment flattened in row-major order; the last one is
   padded with zeros.

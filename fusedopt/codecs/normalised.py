@@ -1,6 +1,6 @@
-"""Normalised first moments: the codecs ``norm2`` and ``norm4`` of a signed moment stored in units
-of the square root of its frame (``MomentCodec.frame``; AdamW: ``m / sqrt(v)``), used by the
-state formats ``norm2-log4``, ``norm4-log4`` and ``norm2-root4`` (``codecs/__init__.py``).
+"""Normalised first moments: the codec ``norm2`` of a signed moment stored in units of the square
+root of its frame (``MomentCodec.frame``; AdamW: ``m / sqrt(v)``), used by the state format
+``norm2-root4`` (``codecs/__init__.py``).
 
 Adam applies ``m`` through ``m / (sqrt(v) + eps)``. A block scale on ``m`` itself gives every
 element of a block the same absolute error, which becomes a large error in the update of an
@@ -16,8 +16,8 @@ Format of one moment tensor of ``n`` elements, taken flattened in row-major orde
   rounded). Where ``f = 0`` (an element that never had a gradient) ``m`` is stored and decoded as 0.
 * **Blocks** of ``BLOCK`` = 64 elements; the last one is padded.
 * **Scales** (``<slot>.scales``, bf16, shape ``(blocks,)``): the half-range of the block's levels,
-  rounded up to bf16: its largest ``|q|`` (norm4), or at most ``CLIP`` = 1.2 times the root mean
-  square of its 64 ``q`` (norm2; larger ``|q|`` are clipped to it).
+  rounded up to bf16: its largest ``|q|``, at most ``CLIP`` = 1.2 times the root mean square of its
+  64 ``q`` (larger ``|q|`` are clipped to it).
 * **Codes** (``<slot>.codes``, uint8): ``bits``-bit indices ``c`` in ``[0, L]``, ``L = 2**bits - 1``,
   ``8 / bits`` per byte, element ``i`` of a byte at bits ``bits * i`` upwards. Shape
   ``(64 * blocks * bits / 8,)``.
@@ -34,11 +34,11 @@ levels spanning the block's absmax that noise is larger than ``m`` itself, and c
 half-range at 1.2 rms (gaps of 0.8 rms) was the best trade of clipping bias against rounding noise
 of the spacings measured (``benchmarks/norm_spacing.py`` at commit 7d4d420, benchmarks/RESULTS.md).
 
-Bytes per element: ``bits / 8 + 2 / 64``: 0.281 (norm2, 2.25 bits), 0.531 (norm4).
+Bytes per element: ``2 / 8 + 2 / 64`` = 0.281 (2.25 bits).
 
 The fused update kernel (``fusedopt/kernels/normalised.py``) repeats these operations in the same
-order, with the log-grid or root-grid second moment as the frame (the root grid's decoded roots are
-the frame's square roots exactly, so the kernel takes them without a square root);
+order, with the root-grid second moment as the frame (its decoded roots are the frame's square
+roots exactly, so the kernel takes them without a square root);
 ``tests/test_lowbit_kernel.py`` holds it to this reference bit for bit in Triton's interpreter,
 ``tests/gpu/test_state_formats_on_cuda.py`` on the GPU.
 """
@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 from fusedopt import rng
 
-from .base import NORMALISED, BitsFn, KernelFormat, MomentCodec
+from .base import BitsFn, Family, KernelFormat, MomentCodec
 
 BLOCK = 64
 _BIG = 2.0**60  # q is saturated here (inf: here, NaN: 0)
@@ -78,17 +78,17 @@ class NormalisedCodec(MomentCodec):
     suffixes = (".codes", ".scales")
     frame = True
 
-    def __init__(self, bits: int, clip: float | None, shape: torch.Size, name: str):
-        if bits not in (2, 4):
-            raise ValueError(f"normalised codes of {bits} bits are not supported (2 or 4)")
+    def __init__(self, bits: int, clip: float, shape: torch.Size, name: str):
+        if bits != 2 or not clip > 0:
+            raise ValueError(f"normalised codes of {bits} bits, clip {clip!r} are not supported (2 bits, a clip > 0)")
         self.name, self.state_bits, self.clip = name, bits, clip
         self.shape = torch.Size(shape)
         self.numel = self.shape.numel()
         self.blocks = max(1, -(-self.numel // BLOCK))
         self.top = (1 << bits) - 1  # L
         # the kernel multiplies by the clip as torch does here: rounded to fp32 first
-        fp32_clip = 0.0 if clip is None else float(torch.tensor(clip, dtype=torch.float32))
-        self.kernel_format = KernelFormat(NORMALISED + bits, qmax=self.top, block=BLOCK, clip=fp32_clip)
+        fp32_clip = float(torch.tensor(clip, dtype=torch.float32))
+        self.kernel_format = KernelFormat(Family.NORMALISED, bits, qmax=self.top, block=BLOCK, clip=fp32_clip)
 
     # --- layout ------------------------------------------------------------------------------
 
@@ -142,9 +142,7 @@ class NormalisedCodec(MomentCodec):
         r = self._root(frame)
         x = F.pad(x.reshape(-1).float(), (0, self.blocks * BLOCK - self.numel)).view(self.blocks, BLOCK)
         q = torch.where(r > 0, x / r, 0.0).nan_to_num(0.0, _BIG, -_BIG).clamp(-_BIG, _BIG)
-        half = q.abs().amax(dim=1)
-        if self.clip is not None:
-            half = torch.minimum(half, self.clip * block_rms(q))
+        half = torch.minimum(q.abs().amax(dim=1), self.clip * block_rms(q))
         scales = half.to(torch.bfloat16)
         scales = torch.where(scales.float() < half, scales.view(torch.int16).add(1).view(torch.bfloat16), scales)
         words = bits().reshape(-1)
@@ -161,8 +159,8 @@ class NormalisedCodec(MomentCodec):
         return f"NormalisedCodec(bits={self.state_bits}, clip={self.clip})"
 
 
-# name -> (bits, clip: the half-range at most this many block rms; None: the block's absmax)
-FORMATS = {"norm2": (2, 1.2), "norm4": (4, None)}
+# name -> (bits, clip: the half-range at most this many block rms)
+FORMATS = {"norm2": (2, 1.2)}
 
 
 @functools.cache

@@ -1,10 +1,9 @@
 """Root-grid second moments: the codec ``root4`` of nonnegative moments (Adam's ``v``), used by the
 state format ``norm2-root4`` (``codecs/__init__.py``).
 
-A cheaper twin of the log grid (``loggrid.py``): it keeps what makes a 4-bit ``v`` track its EMA
-(the decay exact on the block scale, only increments rounded) but its levels are a minifloat's, so
-the level below a value and the stochastic decision are a few integer operations instead of a
-search over level values, and the square root Adam takes of ``v`` is what is stored.
+What makes a 4-bit ``v`` track its EMA: the decay exact on the block scale, only increments rounded.
+The levels are a minifloat's, so the level below a value and the stochastic decision are a few
+integer operations, and the square root Adam takes of ``v`` is what is stored.
 
 Format of one moment tensor of ``n`` elements, taken flattened in row-major order:
 
@@ -34,7 +33,7 @@ where their old value sits on a level, so rounding noise enters in proportion to
 block with a root above its decayed top level (or whose unit decayed to 0) is encoded afresh.
 
 Draws: the moment's 12-bit field of the update's shared hash word for element ``i``, mixed with
-``i`` into 24 bits (``rng.spread_uniform``), as the log grid's.
+``i`` into 24 bits (``rng.spread_uniform``).
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ import math
 
 import torch
 
-from .base import ROOT_GRID, KernelFormat
+from .base import Family, KernelFormat
 from .blockwise import MinifloatLevels
 from .nibbles import BLOCK, NibbleBlockCodec
 
@@ -67,7 +66,7 @@ class RootGridCodec(NibbleBlockCodec):
 
     suffixes = (".codes", ".scales")
     block_tensors = {".scales": torch.float32}
-    kernel_format = KernelFormat(ROOT_GRID + 4, signed=False, block=BLOCK)
+    kernel_format = KernelFormat(Family.ROOT_GRID, 4, signed=False, block=BLOCK)
 
     # --- decode ------------------------------------------------------------------------------
 

@@ -102,13 +102,6 @@ LINEUP: tuple[Entry, ...] = (
         fusedopt_step_bytes(4, None),
     ),
     _fo("FO4NR", "state_bits=4,master_weight_bits=None,fused=True", "fusedopt 4-bit state, no correction, fused=True"),
-    _fo("FOROT4R", "state_format='rot4',fused=True", "fusedopt rot4 state, 24-bit master, fused=True"),
-    _fo("FONL4R", "state_format='norm2-log4',fused=True", "fusedopt norm2-log4 state, 24-bit master, fused=True"),
-    _fo(
-        "FONL4NR",
-        "state_format='norm2-log4',master_weight_bits=None,fused=True",
-        "fusedopt norm2-log4 state, no correction, fused=True",
-    ),
     _fo("FONR4R", "state_format='norm2-root4',fused=True", "fusedopt norm2-root4 state, 24-bit master, fused=True"),
     _fo(
         "FONR4NR",

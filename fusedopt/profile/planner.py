@@ -271,8 +271,6 @@ def loss_head_bytes(vocab: int, tokens: int, chunked_loss: int | None = None) ->
 QUALITY = {
     (32, 32): "+0.00% (fp32 AdamW's update: the reference)",
     (8, 24): "-0.03% (sd 0.09, 6 seeds)",
-    ("norm2-log4", 24): "-0.29% (sd 0.27, 6 seeds)",
-    ("norm2-log4", None): "-0.48% (sd 0.37, 5 seeds)",
     ("norm2-root4", 24): "-0.65% (sd 0.48, 6 seeds)",
     ("norm2-root4", None): "-0.43% (sd 0.52, 6 seeds)",
     (4, 24): "+0.36% (sd 0.27, 6 seeds)",
@@ -282,8 +280,7 @@ NOT_MEASURED = "not measured"
 QUALITY_SOURCE = "quality: held-out loss against fp32 AdamW, mean over paired seeds, benchmarks/quality.py"
 # Candidate formats, (state format, master_weight_bits), in order of preference: more state bits, then more
 # master bits (32, 24, no correction); below the default's formats the paired norm2-root4, which stores both
-# moments in less memory than block4 and measured better, then block4. (norm2-log4 is not a candidate:
-# norm2-root4 keeps fewer bytes, measured as well and steps about twice as fast.)
+# moments in less memory than block4 and measured better, then block4.
 CANDIDATE_FORMATS = (
     *((bits, master) for bits in (32, 16, 8) for master in (32, 24, None)),
     ("norm2-root4", 24),
@@ -294,7 +291,7 @@ CANDIDATE_FORMATS = (
 # The options that make a fusedopt configuration its own format, as the rows describe it.
 _FORMAT_OPTIONS = ("state_bits", "state_format", "master_weight_bits", "fused")
 # What a format costs besides memory, said in its rows.
-FORMAT_CAVEATS = {"norm2-root4": "slower optimizer step", "norm2-log4": "slower optimizer step"}
+FORMAT_CAVEATS = {"norm2-root4": "slower optimizer step"}
 _BITS_OF_FORMAT = {name: bits for bits, name in STATE_BITS_FORMATS.items()}
 
 

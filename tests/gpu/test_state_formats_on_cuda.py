@@ -1,29 +1,23 @@
-"""The state formats with a fused-kernel branch of their own on CUDA: the rotated ``rot8``, ``rot4``,
-``rot2`` and the paired ``norm2-log4``, ``norm4-log4``, ``rot4-log4``, ``norm2-root4`` (run on the
-H200: ``pytest -m gpu tests/gpu/test_state_formats_on_cuda.py -s``).
+"""The state format with a fused-kernel branch of its own on CUDA: the paired ``norm2-root4`` (run on
+the H200: ``pytest -m gpu tests/gpu/test_state_formats_on_cuda.py -s``).
 
-Their kernel branches (``fusedopt/kernels/rotated.py``, ``loggrid.py``, ``rootgrid.py``,
-``normalised.py``) are what ``auto`` runs on CUDA; these tests hold them to the PyTorch reference:
+Its kernel branches (``fusedopt/kernels/rootgrid.py``, ``normalised.py``) are what ``auto`` runs on
+CUDA; these tests hold them to the PyTorch reference:
 
-* the kernel on CUDA against the reference on the CPU, over several steps (AdamW in every format;
-  Lion and SGD with momentum in the formats whose first moment needs no frame): parameters within
-  one unit in the last place (fp32: 1e-6 + 1e-5 |p|) on at least 99.9% of elements; per moment, a
-  block's scale tensors (log grid: top and spacing; root grid: unit) differ in at most 1% of blocks
-  (where a refit or re-rounding decision flipped), and in blocks whose scales agree the codes are equal or
-  neighbouring on all but 0.1% of elements (a moment stored in units of its frame, the normalised
-  first moment, is compared where the frame's code agrees too). The kernel does the reference's
-  IEEE operations in its order, so they are expected to agree bit for bit; the test prints how many
-  elements differ;
+* the kernel on CUDA against the reference on the CPU, over several steps (AdamW; Lion and SGD keep
+  no second moment to frame the first): parameters within one unit in the last place (fp32: 1e-6 +
+  1e-5 |p|) on at least 99.9% of elements; per moment, a block's scale tensors (root grid: unit)
+  differ in at most 1% of blocks (where a refit decision flipped), and in blocks whose scales agree
+  the codes are equal or neighbouring on all but 0.1% of elements (a moment stored in units of its
+  frame, the normalised first moment, is compared where the frame's code agrees too). The kernel
+  does the reference's IEEE operations in its order, so they are expected to agree bit for bit; the
+  test prints how many elements differ;
 * bucketed launches equal one launch per parameter on CUDA, bit for bit;
-* ``auto`` runs the kernel on CUDA in every format, and in the paired formats it is faster than the
-  reference there;
-* ``FUSEDOPT_BACKEND=reference`` on CUDA rounds the rotated formats as on the CPU.
+* ``auto`` runs the kernel on CUDA, and it is faster than the reference there.
 
-Tiers (tests/gpu/README.md): the fast tier holds every format once against the reference
-(``FAST_KERNEL_CASES``: fp32, bf16 and fp16 each through step and release), Lion and SGD once each,
-the buckets of every layout family (rotated; normalised or rotated with the log grid; normalised with
-the root grid), ``auto`` in every format and the reference's rounding; the rest of those grids and the
-timing against the reference (4096 x 4096) are ``gpu_long``.
+Tiers (tests/gpu/README.md): the fast tier holds the format once against the reference
+(``FAST_KERNEL_CASES``), its buckets once and ``auto``; the rest of those grids and the timing
+against the reference (4096 x 4096) are ``gpu_long``.
 """
 
 import time
@@ -34,46 +28,23 @@ from helpers import beyond_parity, step_with
 
 import fusedopt
 from fusedopt.codecs import PAIRED_FORMATS
-from fusedopt.codecs.loggrid import LogGridCodec
 from fusedopt.codecs.normalised import NormalisedCodec
 from fusedopt.codecs.rootgrid import RootGridCodec
-from fusedopt.codecs.rotated import RotatedCodec
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-ROTATED_FORMATS = ["rot8", "rot4", "rot2"]
-FORMATS = ROTATED_FORMATS + list(PAIRED_FORMATS)
-# Lion and SGD keep no second moment, so not the formats that store the first in its units
-FRAMELESS_FORMATS = ROTATED_FORMATS + ["rot4-log4"]
-ALGORITHMS = {
-    "adamw": (fusedopt.AdamW, {}),
-    "lion": (fusedopt.Lion, {}),
-    "sgd-momentum": (fusedopt.SGD, {"momentum": 0.9}),
-}
-# (dtype, master_weight_bits) each format is held to the reference in; the rotated formats' bf16
-# without a correction is held in the interpreter (tests/test_kernels.py): one compile less per format
-PRECISIONS = {
-    fmt: [(torch.float32, None), (torch.bfloat16, 24)] + ([(torch.float16, None)] if fmt in PAIRED_FORMATS else [])
-    for fmt in FORMATS
-}
+FORMATS = list(PAIRED_FORMATS)
+ALGORITHMS = {"adamw": (fusedopt.AdamW, {})}
+# (dtype, master_weight_bits) each format is held to the reference in
+PRECISIONS = {fmt: [(torch.float32, None), (torch.bfloat16, 24), (torch.float16, None)] for fmt in FORMATS}
 # each format's case in the fast tier: (dtype, master_weight_bits, fused); a new format needs one here
-FAST_KERNEL_CASES = {
-    "rot8": (torch.bfloat16, 24, False),
-    "rot4": (torch.float32, None, True),
-    "rot2": (torch.bfloat16, 24, True),
-    "norm2-log4": (torch.float16, None, False),
-    "norm4-log4": (torch.bfloat16, 24, True),
-    "rot4-log4": (torch.float16, None, True),
-    "norm2-root4": (torch.float32, None, False),
-}
-FAST_FRAMELESS_CASES = {("rot8", "lion"), ("rot4-log4", "sgd-momentum")}
-FAST_BUCKET_CASES = {("rot4", True), ("norm2-log4", False), ("rot4-log4", True), ("norm2-root4", False)}
+FAST_KERNEL_CASES = {"norm2-root4": (torch.float32, None, False)}
+FAST_BUCKET_CASES = {("norm2-root4", False)}
 assert FAST_KERNEL_CASES.keys() == set(FORMATS), "every state format needs its case in the fast tier"
 assert all((dtype, master) in PRECISIONS[fmt] for fmt, (dtype, master, _) in FAST_KERNEL_CASES.items())
-assert all(fmt in FRAMELESS_FORMATS for fmt, _ in FAST_FRAMELESS_CASES)
 MODES = {False: "step", True: "release"}
 
 
@@ -94,17 +65,12 @@ KERNEL_CASES = [
     for dtype, master in PRECISIONS[fmt]
     for fused in MODES
 ]
-FRAMELESS_CASES = [
-    pytest.param(fmt, algo, id=f"{fmt}-{algo}", marks=_tier((fmt, algo) in FAST_FRAMELESS_CASES))
-    for algo in ("lion", "sgd-momentum")
-    for fmt in FRAMELESS_FORMATS
-]
 BUCKET_CASES = [
     pytest.param(fmt, fused, id=f"{fmt}-{MODES[fused]}", marks=_tier((fmt, fused) in FAST_BUCKET_CASES))
     for fused in MODES
     for fmt in FORMATS
 ]
-CODEC_FAMILIES = {"rot": RotatedCodec, "norm": NormalisedCodec, "log": LogGridCodec, "root": RootGridCodec}
+CODEC_FAMILIES = {"norm": NormalisedCodec, "root": RootGridCodec}
 
 
 def _train(device, backend, monkeypatch, fmt, shapes, *, dtype=torch.bfloat16, master=24, fused=False,
@@ -126,14 +92,14 @@ def _train(device, backend, monkeypatch, fmt, shapes, *, dtype=torch.bfloat16, m
 
 
 def _assert_the_formats_codec(fmt: str, codec, nonnegative: bool) -> None:
-    """``codec`` is the one ``fmt`` gives a signed or a nonnegative moment (a rotated format: itself)."""
-    name = PAIRED_FORMATS.get(fmt, (fmt, fmt))[nonnegative]
+    """``codec`` is the one ``fmt`` gives a signed or a nonnegative moment."""
+    name = PAIRED_FORMATS[fmt][nonnegative]
     assert codec.name == name and isinstance(codec, CODEC_FAMILIES[name.rstrip("0123456789")]), (fmt, codec)
 
 
 def _blocks(codec, state: dict, slot: str):
-    """(the codes, one row per block; the block scale tensors: the log grid's tops and spacings, the root
-    grid's units) of one moment."""
+    """(the codes, one row per block; the block scale tensors: the normalised scales, the root grid's
+    units) of one moment."""
     codes = codec.unpack(state[slot + ".codes"]).reshape(codec.blocks, -1)
     return codes, [state[slot + suffix] for suffix in codec.suffixes if suffix != ".codes"]
 
@@ -195,14 +161,6 @@ def test_the_kernel_on_cuda_matches_the_cpu_reference(monkeypatch, fmt, dtype, m
     _report(f"{fmt} {dtype} master={master} fused={fused}", differing)
 
 
-@pytest.mark.parametrize("fmt,algo", FRAMELESS_CASES)
-def test_lion_and_sgd_momentum_on_cuda_match_the_cpu_reference(monkeypatch, fmt, algo):
-    shapes = [(777, 1001), (3, 5)]
-    ref_ws, ref_opt = _train("cpu", "reference", monkeypatch, fmt, shapes, algo=algo)
-    got_ws, got_opt = _train("cuda", "triton", monkeypatch, fmt, shapes, algo=algo)
-    _report(f"{fmt} {algo}", _assert_close_to_reference(ref_ws, ref_opt, got_ws, got_opt))
-
-
 @pytest.mark.parametrize("fmt,fused", BUCKET_CASES)
 def test_buckets_on_cuda_are_bit_identical_to_one_launch_per_parameter(monkeypatch, fmt, fused):
     shapes = [(32, 48), (8, 50), (16, 16), (37, 41), (64, 40)]  # all but (37, 41) join a bucket
@@ -243,14 +201,3 @@ def test_auto_on_cuda_is_faster_than_the_reference(fmt, monkeypatch):
         f"{fmt}: a step of 4096 x 4096 bf16, kernel {timings['auto']:.3f} ms, reference {timings['reference']:.3f} ms"
     )
     assert timings["auto"] * 2 < timings["reference"]
-
-
-@pytest.mark.parametrize("fmt", ["rot8", "rot4"])
-def test_the_reference_on_cuda_rounds_as_on_the_cpu(fmt, monkeypatch):
-    (cuda,), cuda_opt = _train("cuda", "reference", monkeypatch, fmt, [(48, 80)], steps=1)
-    (cpu,), cpu_opt = _train("cpu", "reference", monkeypatch, fmt, [(48, 80)], steps=1)
-    cuda_state, cpu_state = cuda_opt.state[cuda], cpu_opt.state[cpu]
-    for key in ("exp_avg.codes", "exp_avg_sq.codes"):
-        same = (cuda_state[key].cpu() == cpu_state[key]).float().mean().item()
-        assert same > 0.999, (key, same)
-    torch.testing.assert_close(cuda_state["exp_avg.scales"].cpu(), cpu_state["exp_avg.scales"], rtol=1e-6, atol=0)
