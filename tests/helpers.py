@@ -147,3 +147,21 @@ def code_levels(codes: torch.Tensor, bits: int, signed: bool, numel: int) -> tor
         return c
     sign = 1 << (bits - 1)
     return torch.where((c & sign) != 0, -(c & (sign - 1)), c & (sign - 1))
+
+
+def tracked_step(model: torch.nn.Module, opt, x: torch.Tensor):
+    """One training step of ``model`` (loss: the squared output) under fusedopt's MemoryTracker; its result."""
+    from fusedopt.profile import MemoryTracker
+
+    tracker = MemoryTracker(model, opt)
+    tracker.register_inputs(x)
+    with tracker:
+        with tracker.phase("forward"):
+            loss = model(x).float().pow(2).sum()
+        with tracker.phase("backward"):
+            loss.backward()
+            del loss
+        with tracker.phase("update"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return tracker.result()

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tracked_step
 
 import fusedopt
 from fusedopt.codecs import SUPPORTED_STATE_BITS, registered_formats
 from fusedopt.master import MASTER_CORRECTION
-from fusedopt.profile import MemoryTracker, parse_config
+from fusedopt.profile import parse_config
 from fusedopt.profile.planner import DEFAULT_FORMAT, byte_model, describe, format_of, options_of
 
 # Each algorithm with the options that make it keep its parameter-sized moments.
@@ -135,18 +136,7 @@ def test_the_profilers_categories_are_the_byte_models(config):
     model = torch.nn.Linear(*reversed(SHAPE), bias=False).to(torch.bfloat16)
     opt = parsed.build(model.parameters(), model=model)
     x = torch.randn(4, SHAPE[1], dtype=torch.bfloat16)
-    tracker = MemoryTracker(model, opt)
-    tracker.register_inputs(x)
-    with tracker:
-        with tracker.phase("forward"):
-            loss = model(x).float().pow(2).sum()
-        with tracker.phase("backward"):
-            loss.backward()
-            del loss
-        with tracker.phase("update"):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    held = tracker.result().persistent_breakdown.categories
+    held = tracked_step(model, opt, x).persistent_breakdown.categories
     per = byte_model(parsed.optimizer, parsed.kwargs, torch.bfloat16)
     n = model.weight.numel()
     assert held["corrections"] == per.corrections * n

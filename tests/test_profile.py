@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from helpers import tracked_step
 
 import fusedopt
 from fusedopt.dispatch import bucket_budget
@@ -113,19 +114,8 @@ def test_categories_by_hand():
     model = torch.nn.Linear(512, 1024, bias=False).to(torch.bfloat16)  # 1 MiB of bf16 weight
     opt = _ToyOptimizer(model.parameters())
     x = torch.randn(4, 512, dtype=torch.bfloat16)
-    tracker = MemoryTracker(model, opt)
-    tracker.register_inputs(x)
     n = 512 * 1024
-    with tracker:
-        with tracker.phase("forward"):
-            loss = model(x).float().pow(2).sum()
-        with tracker.phase("backward"):
-            loss.backward()
-            del loss
-        with tracker.phase("update"):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    r = tracker.result()
+    r = tracked_step(model, opt, x)
     persistent = r.persistent_breakdown.categories
     assert persistent["parameters"] == 2 * n
     assert persistent["corrections"] == n
