@@ -25,15 +25,19 @@ def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-_REPO_KERNELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REPO_KERNELS = os.path.join(_REPO, "kernels")
+
+# ``python -m pytest`` puts the repository root on sys.path, where the repo's kernels/ folder would
+# shadow Hugging Face's ``kernels`` package (a dependency of transformers >= 5.25, imported with its
+# Trainer). fusedopt itself is installed (the README's test command), so the root is not needed.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _REPO]
 
 
 @pytest.fixture(autouse=True)
 def _no_top_level_kernels():
-    """``python -m pytest`` puts the repository root on sys.path, where transformers' probe for its
-    optional ``kernels`` package (run once, when its Trainer is imported) imports the repo's kernels/
-    folder under that name. Forget it again: fusedopt's is ``fusedopt.kernels``, and
-    tests/test_packaging.py checks that no top-level ``kernels`` exists."""
+    """Should the repo's kernels/ folder still be imported under the name ``kernels``, forget it after
+    the test: fusedopt's is ``fusedopt.kernels`` (tests/test_packaging.py checks it)."""
     yield
     stray = sys.modules.get("kernels")
     if stray is not None and os.path.dirname(getattr(stray, "__file__", None) or "") == _REPO_KERNELS:
