@@ -593,27 +593,26 @@ def fingerprint_grid(algorithms=FP_ALGORITHMS, formats=None) -> list[tuple[str, 
         except ImportError:  # a tree from before named formats: its state bits only
             registered_formats = tuple
         formats = registered_formats()
+    settings = [
+        (master, dtype, fused)
+        for master in (24, None)
+        for dtype in (torch.bfloat16, torch.float32)
+        for fused in (False, True)
+        if not (dtype == torch.float32 and master is None)
+    ]
     grid = []
     for name in [a for a in algorithms if a != "adafactor"]:
         for bits in (32, 16, 8, 4):
-            for master in (24, None):
-                for dtype in (torch.bfloat16, torch.float32):
-                    for fused in (False, True):
-                        if dtype == torch.float32 and master is None:
-                            continue
-                        key = f"{name} bits={bits} master={master} {str(dtype)[6:]} fused={fused}"
-                        grid.append((key, name, dict(state_bits=bits, master_weight_bits=master), dtype, fused))
+            for master, dtype, fused in settings:
+                key = f"{name} bits={bits} master={master} {str(dtype)[6:]} fused={fused}"
+                grid.append((key, name, dict(state_bits=bits, master_weight_bits=master), dtype, fused))
     for name in algorithms:
         for fmt_name in formats:
             if fmt_name in _BITS_FORMATS and name != "adafactor":
                 continue
-            for master in (24, None):
-                for dtype in (torch.bfloat16, torch.float32):
-                    for fused in (False, True):
-                        if dtype == torch.float32 and master is None:
-                            continue
-                        key = f"{name} format={fmt_name} master={master} {str(dtype)[6:]} fused={fused}"
-                        grid.append((key, name, dict(state_format=fmt_name, master_weight_bits=master), dtype, fused))
+            for master, dtype, fused in settings:
+                key = f"{name} format={fmt_name} master={master} {str(dtype)[6:]} fused={fused}"
+                grid.append((key, name, dict(state_format=fmt_name, master_weight_bits=master), dtype, fused))
     return grid
 
 

@@ -272,7 +272,7 @@ class UpdateDispatcher:
         else:
             check_gradient(p, grad, accum, name)
         group_index = self._store.group_index(p)
-        settings = self._window.get(group_index) or self.settings(group_index)
+        settings = self.settings(group_index)
         checked = self.check_prepared(p, grad, accum, settings)
         if checked.launch is None:
             self._store.check(p, self._opt.param_groups[group_index])
@@ -328,7 +328,7 @@ class UpdateDispatcher:
             self.update(p, grad, accum, checked, grad_scale)
             return
         group_index = self._store.group_index(p)
-        settings = self._window.get(group_index) or self.settings(group_index)
+        settings = self.settings(group_index)
         if not self._add(launch, grad, settings.scalars, group_index, grad_scale):
             # prepared but not bucketable (size, alignment): alone
             if id(launch) in self._waiting:  # a queued update of p runs first
@@ -345,7 +345,7 @@ class UpdateDispatcher:
             self._opt.flush_updates()  # p's queued update runs first
         opt = self._opt
         group_index = self._store.group_index(p)
-        settings = self._window.get(group_index) or self.settings(group_index)
+        settings = self.settings(group_index)
         launch = checked.launch
         with self.observed():
             if launch is not None and _takes_grad_scale(launch):

@@ -26,7 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["RowPiecesEmbedding", "RowPiecesLinear", "split_rows"]
+__all__ = ["RowPiecesEmbedding", "RowPiecesLinear", "piece_rows", "split_rows"]
+
+
+def piece_rows(rows: int, pieces: int) -> list[int]:
+    """The rows of each piece, as ``torch.tensor_split`` divides them: the first ``rows % pieces`` one more."""
+    return [rows // pieces + (i < rows % pieces) for i in range(pieces)]
 
 
 class _RowPieces(nn.Module):
@@ -39,7 +44,7 @@ class _RowPieces(nn.Module):
                 f"split_rows: pieces must be an integer in 1..{weight.shape[0]} (the rows), got {pieces!r}"
             )
         with torch.no_grad():
-            blocks = [block.clone() for block in torch.tensor_split(weight.detach(), pieces, dim=0)]
+            blocks = [block.clone() for block in weight.detach().split(piece_rows(weight.shape[0], pieces))]
         self.pieces = nn.ParameterList(nn.Parameter(b, requires_grad=weight.requires_grad) for b in blocks)
         self.offsets = [0]
         for block in blocks:

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fusedopt.losses import chunked_cross_entropy, default_chunk_size
-from fusedopt.pieces import RowPiecesLinear, split_rows
+from fusedopt.pieces import RowPiecesLinear, piece_rows, split_rows
 
 
 class UserError(Exception):
@@ -557,7 +557,7 @@ class ModelSpec:
         vocab, out = self.vocab_size(), []
         for shape in shapes:  # the embedding and the head: [vocab, hidden] -> split_rows' row blocks
             if len(shape) == 2 and shape[0] == vocab:
-                out += [(len(rows), shape[1]) for rows in torch.arange(vocab).tensor_split(self.vocab_pieces)]
+                out += [(rows, shape[1]) for rows in piece_rows(vocab, self.vocab_pieces)]
             else:
                 out.append(shape)
         return out
