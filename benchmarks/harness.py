@@ -650,6 +650,45 @@ def same_bits(a: dict[str, str], b: dict[str, str]) -> dict[str, list[str]]:
     return out
 
 
+def update_drift(cap: float, steps: int = 300, seed: int = 0) -> list[tuple[float, float, float]]:
+    """How far ``state_format="norm2-root4"`` moves parameters along a known gradient signal, against fp32
+    AdamW: a 64 x 1024 parameter fed gradients ``mu + sigma * noise`` whose signal-to-noise ratio runs from
+    0.01 to 10 across the elements (mixed within every block), ``steps`` steps at lr 1e-3, no weight
+    decay. ``cap``: the first moment's half-range cap in block rms, set for this process (8 = sqrt(64)
+    never binds: a block's absmax is at most sqrt(64) times its rms). Returns, per band of the ratio,
+    (low, high, the format's drift / AdamW's)."""
+    import fusedopt
+    from fusedopt.codecs import normalised
+
+    if cap != normalised.FORMATS["norm2"][1]:  # this process only: the codec with another cap
+        normalised.FORMATS["norm2"] = (2, cap)
+        normalised.normalised_codec.cache_clear()
+        fusedopt.codecs.codec_named.cache_clear()
+        fusedopt.codecs.codec_for.cache_clear()
+    gen = torch.Generator().manual_seed(seed)
+    rows, cols = 64, 1024
+    snr = torch.logspace(-2, 1, rows * cols)[torch.randperm(rows * cols, generator=gen)].reshape(rows, cols)
+    sigma = torch.exp(torch.randn(rows, cols, generator=gen) * 0.5) * 1e-3
+    mu = snr * sigma * torch.randn(rows, cols, generator=gen).sign()
+
+    def run(**options) -> torch.Tensor:
+        p = torch.nn.Parameter(torch.zeros(rows, cols))
+        opt = fusedopt.AdamW([p], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, max_grad_norm=None, **options)
+        noise = torch.Generator().manual_seed(seed + 1)
+        for _ in range(steps):
+            p.grad = mu + sigma * torch.randn(rows, cols, generator=noise)
+            opt.step()
+        return (p.detach() * mu.sign()).reshape(-1)  # the drift along each element's signal
+
+    reference, drift = run(state_bits=32), run(state_format="norm2-root4")
+    edges = [0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.01]
+    out = []
+    for low, high in zip(edges, edges[1:]):
+        band = (snr.reshape(-1) >= low) & (snr.reshape(-1) < high)
+        out.append((low, high, float(drift[band].mean() / reference[band].mean())))
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -660,6 +699,8 @@ def main(argv=None) -> int:
     bits.add_argument("--device", default="cuda")
     bits.add_argument("--algorithms", default=",".join(FP_ALGORITHMS))
     bits.add_argument("--formats", default=None, help="comma-separated state formats (default: every registered one)")
+    drift = sub.add_parser("drift", help="norm2-root4's update drift along a known signal, against fp32 AdamW")
+    drift.add_argument("--cap", type=float, default=2.0, help="half-range cap, block rms (8: none)")
     same = sub.add_parser("same", help="compare two fingerprint files")
     same.add_argument("files", nargs=2)
     args = parser.parse_args(argv)
@@ -678,6 +719,10 @@ def main(argv=None) -> int:
         result = fingerprints(args.device, args.algorithms.split(","), formats, args.out)
         refused = sum(v.startswith("refused") for v in result.values())
         print(f"{len(result)} configurations fingerprinted ({refused} refused by this tree)")
+        return 0
+    if args.command == "drift":
+        for low, high, ratio in update_drift(args.cap):
+            print(f"signal/noise {low:5.2f}-{high:5.2f}: drift {ratio:.3f} of fp32 AdamW's")
         return 0
     a, b = (load(path) for path in args.files)
     verdict = same_bits(a, b)

@@ -32,8 +32,8 @@ decay cannot be kept exact on a scale. Each step's
 rounding noise stays in ``m`` with weight ``b1**k``, about ``1 / (1 - b1**2)`` steps' worth; with 4
 levels spanning the block's absmax that noise is larger than ``m`` itself, so the half-range is
 capped. The cap biases ``|m|``, and with it every update, towards zero: at 1.2 rms (the cap until
-measured across learning rates) updates drifted at 0.54-0.68 of AdamW's, a smaller effective lr that
-trained 13% worse than the default at lr 2.5e-4; at 2.0 rms the drift is 0.92-0.98 of AdamW's and the
+measured across learning rates) updates drifted at 0.54-0.72 of AdamW's, a smaller effective lr that
+trained 13% worse than the default at lr 2.5e-4; at 2.0 rms the drift is 0.87-0.98 of AdamW's and the
 format tracks the default across lrs (benchmarks/RESULTS.md, "norm2-root4 across learning rates").
 
 Bytes per element: ``2 / 8 + 2 / 64`` = 0.281 (2.25 bits).
