@@ -2,6 +2,7 @@
 
 Usage (on a CUDA machine):  python benchmarks/release_overhead.py [--preset 1b] [--steps 5] [--rounds 3]
        [--batch 1] [--out f.json]
+       python benchmarks/release_overhead.py --only "default, fused=True" "clipping, fused=True" --paired 30
 
 The configurations take turns (``--rounds``, each ``--steps`` timed steps, order rotated per
 round; models kept alive). For each: median over timed steps of backward alone and of the whole step
@@ -201,6 +202,18 @@ class Trial:
             for key, value in timer.summary().items():
                 self.update_us[key.removesuffix("_us_per_update")].append(value)
 
+    def one_step(self) -> float:
+        """One step as a training loop runs it (no synchronisation between its phases): ms."""
+        sync = torch.cuda.synchronize if self.device == "cuda" else (lambda: None)
+        ids, labels = random_batch(PRESETS[self.preset].vocab, self.batch, self.seq_len, self.device, self.gen)
+        sync()
+        t0 = time.perf_counter()
+        self.model(ids, labels=labels).backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        sync()
+        return (time.perf_counter() - t0) * 1e3
+
     def result(self) -> dict:
         result = dict(
             name=self.name,
@@ -243,11 +256,15 @@ def _diagnose_step(name, model, opt, preset, batch, seq_len, gen, out_dir) -> No
             torch.cuda.synchronize()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_ms = sum(e.device_time_total for e in kernels) / 1e3
+    print(f"{name}: {len(kernels)} GPU kernels and copies, busy {busy_ms:.1f} ms of the profiled step")
     syncs = sorted({str(w.message).splitlines()[0] for w in caught})
     print(f"{name}: {len(caught)} synchronising calls" + "".join(f"\n  {m}" for m in syncs[:10]))
     os.makedirs(out_dir, exist_ok=True)
     prof.export_chrome_trace(os.path.join(out_dir, name.replace(" ", "_").replace(",", "") + ".json"))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    print(prof.key_averages().table(sort_by="count", row_limit=15))
     _python_profile(name, model, opt, preset, batch, seq_len, gen)
 
 
@@ -269,6 +286,30 @@ def _python_profile(name, model, opt, preset, batch, seq_len, gen) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 
 
+def _paired(trials: list, pairs: int, diagnose=None) -> int:
+    """The first two trials' steps alternate (A B B A A B ...: each pair's order flips, so a drift
+    within a pair cancels over pairs); the ratio of each pair, B / A, and their median and quartiles."""
+    a, b = trials[:2]
+    for trial in (a, b):
+        for _ in range(3):  # compilation, allocator growth
+            trial.one_step()
+    ratios, times = [], {a.name: [], b.name: []}
+    for i in range(pairs):
+        first, second = (a, b) if i % 2 == 0 else (b, a)
+        t = {first.name: first.one_step(), second.name: second.one_step()}
+        for name, ms in t.items():
+            times[name].append(ms)
+        ratios.append(t[b.name] / t[a.name])
+    q = statistics.quantiles(ratios, n=4)
+    for name, ms in times.items():
+        print(f"{name}: median step {statistics.median(ms):.1f} ms (min {min(ms):.1f})")
+    print(f"paired, {b.name} / {a.name}: median {statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f}; "
+          f"{pairs} pairs, micro-batch {a.batch})")  # fmt: skip
+    for trial in trials:
+        trial.close(diagnose)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="1b", choices=sorted(PRESETS))
@@ -283,6 +324,13 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--switch-interval", type=float, help="sys.setswitchinterval(S) first (does the GIL hand-off matter?)"
     )
+    parser.add_argument(
+        "--paired",
+        type=int,
+        metavar="N",
+        help="instead of rounds: N pairs of single steps of the first two configurations, alternating, no "
+        "synchronisation inside a step; the median of the N per-pair ratios",
+    )
     args = parser.parse_args(argv)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
@@ -295,6 +343,8 @@ def main(argv=None) -> int:
     timer = UpdateTimer()  # one patch of update_param; each trial resets it before its timed steps
     trials = [Trial(name, make, args.preset, args.batch, args.seq_len, args.device,
                     timer if not name.startswith("torch") else None) for name, make in configs.items()]  # fmt: skip
+    if args.paired:
+        return _paired(trials, args.paired, args.diagnose)
     # Configurations take turns, in a rotated order each round: the host's speed drifts (other
     # jobs, clocks), and a whole step here is mostly host time.
     for r in range(args.rounds):
