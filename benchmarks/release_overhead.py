@@ -286,25 +286,27 @@ def _python_profile(name, model, opt, preset, batch, seq_len, gen) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 
 
-def _paired(trials: list, pairs: int, diagnose=None) -> int:
-    """The first two trials' steps alternate (A B B A A B ...: each pair's order flips, so a drift
-    within a pair cancels over pairs); the ratio of each pair, B / A, and their median and quartiles."""
-    a, b = trials[:2]
-    for trial in (a, b):
+def _paired(trials: list, rounds: int, diagnose=None) -> int:
+    """Single steps of every trial in turn, ``rounds`` times (the order reversed every other round,
+    so a drift within a round cancels over rounds); each trial's step time, and per round its ratio
+    to the first trial's step: their median and quartiles."""
+    base = trials[0]
+    for trial in trials:
         for _ in range(3):  # compilation, allocator growth
             trial.one_step()
-    ratios, times = [], {a.name: [], b.name: []}
-    for i in range(pairs):
-        first, second = (a, b) if i % 2 == 0 else (b, a)
-        t = {first.name: first.one_step(), second.name: second.one_step()}
-        for name, ms in t.items():
-            times[name].append(ms)
-        ratios.append(t[b.name] / t[a.name])
-    q = statistics.quantiles(ratios, n=4)
-    for name, ms in times.items():
-        print(f"{name}: median step {statistics.median(ms):.1f} ms (min {min(ms):.1f})")
-    print(f"paired, {b.name} / {a.name}: median {statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f}; "
-          f"{pairs} pairs, micro-batch {a.batch})")  # fmt: skip
+    times = {trial.name: [] for trial in trials}
+    for r in range(rounds):
+        for trial in trials if r % 2 == 0 else trials[::-1]:
+            times[trial.name].append(trial.one_step())
+    print(f"{rounds} rounds of single steps, micro-batch {base.batch}; ratio to {base.name!r} within each round")
+    print("| configuration | median step ms | fastest | ratio: median | quartiles |")
+    print("|---|---|---|---|---|")
+    for trial in trials:
+        ms = times[trial.name]
+        ratios = [a / b for a, b in zip(ms, times[base.name])]
+        q = statistics.quantiles(ratios, n=4)
+        print(f"| {trial.name} | {statistics.median(ms):.1f} | {min(ms):.1f} | {statistics.median(ratios):.3f} "
+              f"| {q[0]:.3f}-{q[2]:.3f} |")  # fmt: skip
     for trial in trials:
         trial.close(diagnose)
     return 0
@@ -328,8 +330,8 @@ def main(argv=None) -> int:
         "--paired",
         type=int,
         metavar="N",
-        help="instead of rounds: N pairs of single steps of the first two configurations, alternating, no "
-        "synchronisation inside a step; the median of the N per-pair ratios",
+        help="instead of --rounds/--steps: N rounds of one step of each configuration (in --only's order; no "
+        "synchronisation inside a step), ratios to the first configuration's step of the same round",
     )
     args = parser.parse_args(argv)
     if args.switch_interval is not None:
@@ -344,6 +346,8 @@ def main(argv=None) -> int:
     trials = [Trial(name, make, args.preset, args.batch, args.seq_len, args.device,
                     timer if not name.startswith("torch") else None) for name, make in configs.items()]  # fmt: skip
     if args.paired:
+        if args.only:
+            trials.sort(key=lambda t: next(i for i, word in enumerate(args.only) if word in t.name))
         return _paired(trials, args.paired, args.diagnose)
     # Configurations take turns, in a rotated order each round: the host's speed drifts (other
     # jobs, clocks), and a whole step here is mostly host time.

@@ -8,8 +8,9 @@ and keeps the exact norm of everything it saw for ``opt.grad_norm``. Every numbe
 tensor: no host synchronisation.
 
 Release hands gradients over in batches: the updates held for one bucket, or one parameter updated
-at once. A batch costs a few small kernels however many parameters it holds (the per-parameter
-host time of this bookkeeping, issued from the hooks, was what made clipping slow). The estimate
+at once. A batch costs its norms (one multi-tensor kernel) and one launch of the bookkeeping
+(``kernels/clipping.py``) however many parameters it holds: issued from the hooks, the host time of
+bookkeeping as dozens of small torch ops was what made clipping slow. The estimate
 (``method``), when a batch arrives, from the squared norms ``s_j`` of the gradients seen in this
 backward so far, that batch's included (``seen``), and each parameter's squared norm at its
 previous update ``l_j``:
@@ -82,44 +83,63 @@ def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(total, dtype=torch.float32).square()
 
 
-def squared_norms(entries: list[list[torch.Tensor]]) -> torch.Tensor:
-    """``squared_norm`` of every entry (a gradient, or a gradient and its accumulated buffer), as one
-    float64 vector; the single gradients' norms in one multi-tensor kernel."""
+def batch_norms(entries: list[list[torch.Tensor]]) -> tuple[torch.Tensor, bool]:
+    """The norms of every entry (a gradient, or a gradient and its accumulated buffer) as one fp32
+    vector, and whether they still need squaring: the single gradients' norms come from one
+    multi-tensor kernel (``squared_norm`` of each where a buffer is added)."""
     if all(len(grads) == 1 for grads in entries):
-        norms = torch._foreach_norm([grads[0] for grads in entries], 2, dtype=torch.float32)
-        return torch.stack(norms).square().double()
-    return torch.stack([squared_norm(grads) for grads in entries]).double()
+        return torch.stack(torch._foreach_norm([grads[0] for grads in entries], 2, dtype=torch.float32)), True
+    return torch.stack([squared_norm(grads) for grads in entries]), False
+
+
+# The history's float64 scalars: slots of ``ReleaseClipping``'s ``stats`` buffer (the kernel's too)
+SLOT = {
+    name: i
+    for i, name in enumerate(
+        ("known", "window_known", "seen", "seen_with_history", "seen_last", "total", "last_total")
+        + ("max_norm", "eps", "adagc_ratio", "adagc_decay", "adagc_keep")  # constants, as float64
+    )
+}
+_INDEX_CACHE = 64  # batches whose parameter indices stay on the device
 
 
 class ReleaseClipping:
-    """One-pass clipping of released gradients for one optimizer (see the module docstring)."""
+    """One-pass clipping of released gradients for one optimizer (see the module docstring).
 
-    def __init__(self, max_norm: float, method: str):
+    The history lives in device buffers on the device of the first batch (``stats``: the window's
+    sums, ``SLOT``; ``last``: each parameter's squared norm at its previous update, negative where
+    it has none; ``average``/``updates``: ``adagc``'s), so that a batch costs a fixed few kernels:
+    its norms, and one launch (``kernels/clipping.py``) or the same arithmetic as torch ops
+    (``_reference``) that folds them in and writes the coefficient. ``kernel_for(device)`` says
+    which (``dispatch.release_clip_kernel``; None: always the reference)."""
+
+    def __init__(self, max_norm: float, method: str, kernel_for=None):
         check_clip_method(method)
         self.max_norm = max_norm
         self.method = method
-        self._last: dict[int, torch.Tensor] = {}  # param index -> squared norm at its previous update
-        self._average: dict[int, tuple[torch.Tensor, int]] = {}  # adagc: index -> (average norm, updates)
-        self._flags: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # device -> (False, True)
-        self._known = None  # sum of self._last over every parameter (device scalar)
-        self._window_known = None  # self._known when this backward started
-        self._seen = None  # sum of this backward's finite squared norms
-        self._seen_with_history = None  # the same over parameters that have a previous norm
-        self._seen_last = None  # their previous squared norms, summed
-        self._seen_total = None  # sum of every squared norm seen (non-finite ones too): grad_norm
-        self._last_total = None  # the previous window's _seen_total
+        self._kernel_for = kernel_for
+        self._reset()
+
+    def _reset(self) -> None:
+        self._kernel = None
+        self._device: torch.device | None = None
+        self._stats = self._last = self._average = self._updates = None
+        self._indices: dict[tuple, torch.Tensor] = {}  # a batch's parameter indices, on the device
+        self._clipped: set[int] = set()  # parameters with a previous squared norm
+        self._counts: dict[int, int] = {}  # adagc: parameter index -> updates of its average
+        self._window_open = False  # this window has clipped a batch
+        self._has_total = False  # some window has (norm() has a value)
+        self._has_last_total = False  # a window before the open one has
+        self._has_known = False
 
     def new_window(self) -> None:
         """``step()`` ended an update window."""
-        if self._seen_total is not None:
-            self._last_total = self._seen_total
-        self._seen = self._seen_total = None
+        self._window_open = False
 
     def norm(self) -> torch.Tensor | None:
         """The global norm of the gradients this window has clipped so far (the last window's
         when none yet); exact once every gradient was seen."""
-        total = self._seen_total if self._seen_total is not None else self._last_total
-        return None if total is None else total.sqrt().float()
+        return self._stats[SLOT["total"]].sqrt().float() if self._has_total else None
 
     def clip(
         self, indices: list[int], grads: list[list[torch.Tensor]], sq: torch.Tensor | None = None
@@ -135,62 +155,140 @@ class ReleaseClipping:
         non-finite one makes that parameter's coefficient NaN, so every rank skips it, not only the
         rank whose shard held the non-finite values."""
         skip_nonfinite = sq is not None
-        if sq is None:
-            sq = squared_norms(grads)  # float64 sums: a spike's squares come and go without cancellation
-        finite = torch.isfinite(sq)
-        sq_finite = torch.where(finite, sq, 0.0)
-        if self._seen is None:  # the first gradient of a window
-            zero = torch.zeros((), dtype=torch.float64, device=sq.device)
-            if self._known is None:
-                self._known = zero
-            self._window_known = self._known
-            self._seen = self._seen_with_history = self._seen_last = self._seen_total = zero
-        history = [self._last.get(i) for i in indices]
-        self._seen = self._seen + sq_finite.sum()
-        self._seen_total = self._seen_total + sq.sum()
-        if all(h is None for h in history):
-            new_last = sq_finite
-            self._known = self._known + new_last.sum()
+        if sq is None:  # squared in fp32, summed in float64: a spike's squares come and go without cancellation
+            x, square = batch_norms(grads)
         else:
-            zero = torch.zeros_like(sq[0])
-            last = torch.stack([zero if h is None else h for h in history])
-            if all(h is not None for h in history):
-                seen = sq_finite
-                new_last = torch.where(finite, sq, last)
-            else:
-                known = self._mask([h is not None for h in history], sq.device)
-                seen = torch.where(known, sq_finite, 0.0)
-                new_last = torch.where(known, torch.where(finite, sq, last), sq_finite)
-            self._seen_with_history = self._seen_with_history + seen.sum()
-            self._seen_last = self._seen_last + last.sum()
-            self._known = self._known + (new_last - last).sum()
-        coefficient = (self.max_norm / (self._estimate().sqrt() + EPS)).clamp(max=1.0)
-        if self.method == "adagc":
-            coefficient = self._adagc(indices, sq_finite, finite, coefficient)
-        coefficient = coefficient.float()  # fp32, as clip_grad_norm_'s
-        if skip_nonfinite:
-            coefficient = torch.where(finite, coefficient, torch.nan)
-        for i, value in zip(indices, new_last.unbind()):
-            self._last[i] = value
-        if not skip_nonfinite and coefficient.dim() == 0:
-            return coefficient
-        for entry, c in zip(grads, coefficient.expand(len(grads)).unbind()):
+            x, square = sq, False
+        device = grads[0][0].device
+        self._ensure(device, max(indices) + 1)
+        adagc = self.method == "adagc"
+        per_param = adagc or skip_nonfinite
+        coefficients = torch.empty(len(indices) if per_param else (), dtype=torch.float32, device=self._device)
+        first = not self._window_open
+        args = (x.to(self._device), self._index_tensor(indices), self._stats, self._last, self._average, self._updates)
+        if self._kernel is not None:
+            self._kernel(
+                *args, coefficients, first=first, square=square, adagc=adagc, skip_nonfinite=skip_nonfinite,
+                warmup=ADAGC_WARMUP,
+            )  # fmt: skip
+        else:
+            coefficients.copy_(self._reference(*args, first=first, square=square, skip_nonfinite=skip_nonfinite))
+        if first:  # the kernel kept the last window's total
+            self._has_last_total = self._has_total
+        self._window_open = self._has_total = self._has_known = True
+        self._clipped.update(indices)
+        if adagc:
+            for i in indices:
+                self._counts[i] = self._counts.get(i, 0) + 1
+        coefficients = coefficients.to(device)
+        if not per_param:
+            return coefficients
+        for entry, c in zip(grads, coefficients.unbind()):
             scale_(entry, c)
         return None
+
+    def _ensure(self, device: torch.device, size: int) -> None:
+        """The buffers, on ``device`` at the first batch, with room for ``size`` parameters."""
+        if self._stats is None:
+            self._device = device
+            self._kernel = self._kernel_for(device) if self._kernel_for is not None else None
+            self._stats = torch.zeros(len(SLOT), dtype=torch.float64, device=device)
+            constants = dict(
+                max_norm=self.max_norm, eps=EPS, adagc_ratio=ADAGC_RATIO, adagc_decay=ADAGC_DECAY,
+                adagc_keep=1 - ADAGC_DECAY,
+            )  # fmt: skip
+            self._stats[SLOT["max_norm"] :] = torch.tensor([constants[name] for name in list(SLOT)[SLOT["max_norm"] :]])
+        if self._last is None or self._last.numel() < size:
+            size = max(size, 2 * (0 if self._last is None else self._last.numel()))
+            last = torch.full((size,), -1.0, dtype=torch.float64, device=self._device)
+            average = torch.zeros(size, dtype=torch.float64, device=self._device)
+            updates = torch.zeros(size, dtype=torch.int32, device=self._device)
+            if self._last is not None:
+                n = self._last.numel()
+                last[:n], average[:n], updates[:n] = self._last, self._average, self._updates
+            self._last, self._average, self._updates = last, average, updates
+
+    def _index_tensor(self, indices: list[int]) -> torch.Tensor:
+        """``indices`` as an int64 device tensor, copied without waiting and kept for the next time."""
+        key = tuple(indices)
+        cached = self._indices.get(key)
+        if cached is None:
+            if len(self._indices) >= _INDEX_CACHE:
+                self._indices.clear()
+            cached = torch.tensor(indices, dtype=torch.int64)
+            if self._device.type == "cuda":
+                cached = cached.pin_memory().to(self._device, non_blocking=True)
+            self._indices[key] = cached = cached.to(self._device)
+        return cached
+
+    def _reference(self, x, index, stats, last_all, average_all, updates_all, *, first, square, skip_nonfinite):
+        """The kernel's arithmetic as torch ops (``kernels/clipping.py``): folds a batch into the
+        history and returns its coefficient(s), fp32."""
+        sq = (x.square() if square else x).double()
+        finite = torch.isfinite(sq)
+        sq_finite = torch.where(finite, sq, 0.0)
+        s = {name: stats[i] for name, i in SLOT.items()}
+        known = s["known"].clone()
+        if first:
+            stats[SLOT["last_total"]] = s["total"]
+            stats[SLOT["window_known"]] = known
+            seen = seen_with_history = seen_last = total = torch.zeros_like(known)
+        else:
+            seen, seen_with_history = s["seen"].clone(), s["seen_with_history"].clone()
+            seen_last, total = s["seen_last"].clone(), s["total"].clone()
+        window_known = stats[SLOT["window_known"]].clone()
+        last = last_all[index]
+        has = last >= 0
+        last = torch.where(has, last, 0.0)
+        new_last = torch.where(has, torch.where(finite, sq, last), sq_finite)
+        seen = seen + sq_finite.sum()
+        total = total + sq.sum()
+        seen_with_history = seen_with_history + torch.where(has, sq_finite, 0.0).sum()
+        seen_last = seen_last + last.sum()
+        known = known + (new_last - last).sum()
+        unseen = (window_known - seen_last).clamp(min=0.0)
+        growth = torch.where(seen_last > 0, seen_with_history / torch.where(seen_last > 0, seen_last, 1.0), 1.0)
+        estimate = seen + unseen * growth
+        coefficient = (s["max_norm"] / (estimate.sqrt() + s["eps"])).clamp(max=1.0)
+        coefficients = coefficient.expand_as(sq)
+        if self.method == "adagc":
+            norm = sq_finite.sqrt()
+            updates = updates_all[index]
+            averaged = updates > 0
+            average = torch.where(averaged, average_all[index], 0.0)
+            own = (s["adagc_ratio"] * average / (norm + s["eps"])).clamp(max=1.0)
+            coefficients = torch.where(updates >= ADAGC_WARMUP, torch.minimum(coefficients, own), coefficients)
+            clipped = norm * coefficients
+            decayed = s["adagc_decay"] * average + s["adagc_keep"] * clipped
+            average_all[index] = torch.where(averaged, torch.where(finite, decayed, average), clipped)
+            updates_all[index] = updates + 1
+        last_all[index] = new_last
+        for name, value in (("known", known), ("seen", seen), ("seen_with_history", seen_with_history),
+                            ("seen_last", seen_last), ("total", total)):  # fmt: skip
+            stats[SLOT[name]] = value
+        if self.method != "adagc" and not skip_nonfinite:
+            return coefficient.float()
+        out = coefficients.float()
+        return torch.where(finite, out, torch.nan) if skip_nonfinite else out
 
     def state_dict(self, pids: dict[int, int]) -> dict:
         """The history the estimates use, for a checkpoint (``pids``: parameter index -> saved id)."""
         params = {}
         for index, pid in pids.items():
             entry = {}
-            if index in self._last:
-                entry["norm_sq"] = self._last[index].clone()  # a view of its batch's vector
-            if index in self._average:
-                average, updates = self._average[index]
-                entry["average"], entry["updates"] = average.clone(), updates
+            if index in self._clipped:
+                entry["norm_sq"] = self._last[index].clone()
+            if index in self._counts:
+                entry["average"], entry["updates"] = self._average[index].clone(), self._counts[index]
             if entry:
                 params[pid] = entry
-        return {"method": self.method, "known": self._known, "last_total": self._last_total, "params": params}
+        stats = self._stats
+        known = stats[SLOT["known"]].clone() if self._has_known else None
+        if self._window_open:  # the last closed window's total
+            last_total = stats[SLOT["last_total"]].clone() if self._has_last_total else None
+        else:
+            last_total = stats[SLOT["total"]].clone() if self._has_total else None
+        return {"method": self.method, "known": known, "last_total": last_total, "params": params}
 
     def load_state_dict(self, saved: dict, indices: dict[int, tuple[int, torch.device]]) -> None:
         """Restore ``state_dict()``'s history (``indices``: saved id -> parameter index and device).
@@ -204,50 +302,30 @@ class ReleaseClipping:
                 UserWarning,
                 stacklevel=4,
             )
-        self._last, self._average = {}, {}
-        for pid, entry in saved["params"].items():
-            index, device = indices[pid]
-            if "norm_sq" in entry:
-                self._last[index] = entry["norm_sq"].to(device, torch.float64)
-            if "average" in entry and self.method == method:
-                self._average[index] = (entry["average"].to(device, torch.float64), int(entry["updates"]))
         known, total = saved["known"], saved["last_total"]
-        device = next(iter(indices.values()))[1] if indices else None
-        self._known = None if known is None else known.to(device, torch.float64)
-        self._last_total = None if total is None else total.to(device, torch.float64)
-        self._seen = self._seen_total = None
-
-    def _mask(self, flags: list[bool], device: torch.device) -> torch.Tensor:
-        """``flags`` as a bool device vector, stacked from two cached device scalars (a tensor built
-        from a host list would be a host-to-device copy)."""
-        cached = self._flags.get(device)
-        if cached is None:
-            cached = self._flags[device] = (
-                torch.zeros((), dtype=torch.bool, device=device),
-                torch.ones((), dtype=torch.bool, device=device),
-            )
-        return torch.stack([cached[f] for f in flags])
-
-    def _estimate(self) -> torch.Tensor:
-        unseen = (self._window_known - self._seen_last).clamp(min=0.0)
-        growth = torch.where(self._seen_last > 0, self._seen_with_history / self._seen_last, 1.0)
-        return self._seen + unseen * growth
-
-    def _adagc(self, indices: list[int], sq: torch.Tensor, finite: torch.Tensor, coefficient: torch.Tensor):
-        """Each parameter's coefficient: ``coefficient``, and at most its own average's bound."""
-        norm = sq.sqrt()
-        saved = [self._average.get(i, (None, 0)) for i in indices]
-        device = sq.device
-        averages = torch.stack([torch.zeros_like(sq[0]) if a is None else a for a, _ in saved])
-        coefficients = coefficient.expand_as(norm)
-        warm = [count >= ADAGC_WARMUP for _, count in saved]
-        if any(warm):
-            own = (ADAGC_RATIO * averages / (norm + EPS)).clamp(max=1.0)
-            coefficients = torch.where(self._mask(warm, device), torch.minimum(coefficients, own), coefficients)
-        clipped = norm * coefficients
-        updated = torch.where(finite, ADAGC_DECAY * averages + (1 - ADAGC_DECAY) * clipped, averages)
-        if not all(a is not None for a, _ in saved):
-            updated = torch.where(self._mask([a is not None for a, _ in saved], device), updated, clipped)
-        for i, average, (_, count) in zip(indices, updated.unbind(), saved):
-            self._average[i] = (average, count + 1)
-        return coefficients
+        device = next(iter(indices.values()))[1] if indices else torch.device("cpu")
+        size = max((index for index, _ in indices.values()), default=0) + 1
+        last = torch.full((size,), -1.0, dtype=torch.float64)
+        average = torch.zeros(size, dtype=torch.float64)
+        updates = torch.zeros(size, dtype=torch.int32)
+        clipped, counts = set(), {}
+        for pid, entry in saved["params"].items():
+            index, _ = indices[pid]
+            if "norm_sq" in entry:
+                last[index] = entry["norm_sq"].to("cpu", torch.float64)
+                clipped.add(index)
+            if "average" in entry and self.method == method:
+                average[index] = entry["average"].to("cpu", torch.float64)
+                counts[index] = updates[index] = int(entry["updates"])
+        self._reset()
+        self._ensure(device, size)
+        self._last.copy_(last)
+        self._average.copy_(average)
+        self._updates.copy_(updates)
+        self._clipped, self._counts = clipped, counts
+        if known is not None:
+            self._stats[SLOT["known"]] = known.to(device, torch.float64)
+            self._has_known = True
+        if total is not None:
+            self._stats[SLOT["total"]] = total.to(device, torch.float64)
+            self._has_total = True

@@ -108,6 +108,19 @@ def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.nn.utils.get_total_norm(tensors)
 
 
+def release_clip_kernel(device: torch.device):
+    """The kernel of clipping's bookkeeping under release (``kernels/clipping.py``) where updates
+    on ``device`` run kernels; None: ``ReleaseClipping``'s reference, the same arithmetic as torch ops."""
+    choice = backend_choice()
+    if (choice == "triton" or (choice == "auto" and device.type == "cuda")) and (
+        device.type == "cuda" or _interpreting()
+    ):
+        from .kernels import clipping
+
+        return clipping.release_clip
+    return None
+
+
 def check_gradient(p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None, optimizer_name: str) -> None:
     """Refuse a gradient (or accumulated buffer) the update cannot take, naming the problem. The
     kernel reads as many gradient elements as the parameter has: one of another shape (``p.grad.data

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .clipping import ReleaseClipping, exact_coefficient, squared_norm
-from .dispatch import total_norm
+from .dispatch import release_clip_kernel, total_norm
 from .loss_scaling import ReleasedUnscaling, inverse, unscale_
 from .sharding import is_sharded, local, sum_over_shards
 
@@ -62,7 +62,9 @@ class GradientPipeline:
         self._owner = optimizer  # its options, and its key in the scaler's record (a cycle the GC breaks)
         self._store = store  # param_index and shard_groups of its parameters
         self._clipping = (
-            ReleaseClipping(optimizer.max_grad_norm, optimizer.release_clipping) if optimizer.max_grad_norm else None
+            ReleaseClipping(optimizer.max_grad_norm, optimizer.release_clipping, release_clip_kernel)
+            if optimizer.max_grad_norm
+            else None
         )
         self._unscaling = ReleasedUnscaling()
         self._exact_norm: torch.Tensor | None = None  # exact clipping's last norm (step())
@@ -78,7 +80,7 @@ class GradientPipeline:
         """An empty history for the optimizer's settings as they are now (None: it does not clip)."""
         if self._clipping is None:
             return None
-        return ReleaseClipping(self._owner.max_grad_norm, self._owner.release_clipping)
+        return ReleaseClipping(self._owner.max_grad_norm, self._owner.release_clipping, release_clip_kernel)
 
     def replace_clipping(self, clipping: ReleaseClipping) -> None:
         """Continue from ``clipping``'s history (a loaded checkpoint's)."""

@@ -309,11 +309,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         return self.gradient_pipeline.norm(self._releasing())
 
     @property
-    def _released_clipping(self):
-        """The history of clipping under release (the tests read it)."""
-        return self.gradient_pipeline.clipping
-
-    @property
     def grad_scaler(self) -> torch.amp.GradScaler | None:
         """With ``fused=True``: the GradScaler whose scale the released gradients carry (settable)."""
         return self._grad_scaler

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 TILE = 2048
 TILES = 8
@@ -67,11 +68,10 @@ def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of tensors ``fits`` accepts, as ``get_total_norm`` gives it (its dtype: the tensors'
     promoted dtype)."""
     device = tensors[0].device
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    norms: list = [None] * len(tensors)
-    for indices in by_dtype.values():
+    # torch's own grouping (get_total_norm's), so that the norms are summed in its order
+    grouped = _group_tensors_by_device_and_dtype([tensors], with_indices=True)
+    parts = []  # each group's norms as one vector, rounded to its dtype
+    for _, indices in grouped.values():
         for g in range(0, len(indices), GROUP):
             group = indices[g : g + GROUP]
             base = tensors[group[0]]
@@ -88,9 +88,9 @@ def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
                 _sum_squares_kernel[(total,)](
                     base, table, partials, width, TILE=TILE, TILES=TILES, ROWS=GROUP, num_warps=NUM_WARPS
                 )
-            for i, norm in zip(group, partials.sum(dim=1).sqrt().unbind()):
-                norms[i] = norm.to(tensors[i].dtype)  # as torch._foreach_norm returns it
-    return torch.linalg.vector_norm(torch.stack(norms))
+            parts.append(partials.sum(dim=1).sqrt().to(base.dtype))  # as torch._foreach_norm returns them
+    # cat promotes mixed dtypes as get_total_norm's stack does
+    return torch.linalg.vector_norm(parts[0] if len(parts) == 1 else torch.cat(parts))
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
