@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
+from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig
+
 TILE = 2048
 TILES = 8
 NUM_WARPS = 8
@@ -45,6 +47,10 @@ def _sum_squares_kernel(
         x = tl.load(x_ptr + offs, mask=offs < n_elements, other=0.0).to(tl.float32)
         acc += x * x
     tl.store(partial_ptr + member.to(tl.int64) * programs_per_row + program, tl.sum(acc, axis=0))
+
+
+_LAUNCH = DirectLauncher(_sum_squares_kernel, tensors=3, ints=1)
+_CONFIG = LaunchConfig(dict(TILE=TILE, TILES=TILES, ROWS=GROUP), dict(num_warps=NUM_WARPS))
 
 
 def _programs(n: int) -> int:
@@ -85,9 +91,7 @@ def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
             if total:
                 rows += [[0, 0, _UNUSED]] * (GROUP - len(rows))
                 table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
-                _sum_squares_kernel[(total,)](
-                    base, table, partials, width, TILE=TILE, TILES=TILES, ROWS=GROUP, num_warps=NUM_WARPS
-                )
+                _LAUNCH(total, (base, table, partials, width), _CONFIG)
             parts.append(partials.sum(dim=1).sqrt().to(base.dtype))  # as torch._foreach_norm returns them
     # cat promotes mixed dtypes as get_total_norm's stack does
     return torch.linalg.vector_norm(parts[0] if len(parts) == 1 else torch.cat(parts))

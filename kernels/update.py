@@ -26,6 +26,7 @@ a kernel several times. Block sizes and warps are fixed here.
 
 import functools
 import math
+import os
 import struct
 
 import torch
@@ -46,6 +47,7 @@ from fusedopt.master import MASTER_CORRECTION
 ADAMW, SGD, LION = 0, 1, 2
 KERNEL_IDS = {ADAMW: "AdamW", SGD: "SGD", LION: "Lion"}
 _ADAMW, _SGD, _LION = tl.constexpr(ADAMW), tl.constexpr(SGD), tl.constexpr(LION)
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 # Elements per update program (a multiple of every quantisation block) and warps: 16 elements per
 # thread, so each thread's fixed work (hash row keys, scalars, scale handling) spreads over more
 # elements; chosen by A/B runs of benchmarks/step_ab.py --variants (at commit 7d4d420) against other
@@ -102,13 +104,16 @@ def _as_f32(x):
 @triton.jit
 def _scaled(x, scale):
     """``x * scale`` in fp32, rounded to nearest-even to ``x``'s dtype (returned in fp32): the
-    gradient as clipping in place (``fusedopt.clipping.scale_``) leaves it. The bf16 rounding is
-    integer arithmetic: Triton's CPU interpreter truncates a cast to bf16."""
+    gradient as clipping in place (``fusedopt.clipping.scale_``) leaves it. A GPU rounds to bf16 in
+    one conversion; Triton's CPU interpreter truncates that cast, so there it is integer arithmetic
+    (the same bits)."""
     y = x.to(tl.float32) * scale
-    if x.dtype == tl.bfloat16:
+    if x.dtype == tl.bfloat16 and _INTERPRETED:
         bits = y.to(tl.int32, bitcast=True)
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
         y = tl.where(y != y, y, rounded)
+    elif x.dtype == tl.bfloat16:
+        y = y.to(tl.bfloat16).to(tl.float32)
     elif x.dtype == tl.float16:
         y = y.to(tl.float16).to(tl.float32)
     return y
