@@ -197,7 +197,10 @@ class ReleaseClipping:
                 max_norm=self.max_norm, eps=EPS, adagc_ratio=ADAGC_RATIO, adagc_decay=ADAGC_DECAY,
                 adagc_keep=1 - ADAGC_DECAY,
             )  # fmt: skip
-            self._stats[SLOT["max_norm"] :] = torch.tensor([constants[name] for name in list(SLOT)[SLOT["max_norm"] :]])
+            values = torch.tensor([constants[name] for name in list(SLOT)[SLOT["max_norm"] :]], dtype=torch.float64)
+            if device.type == "cuda":  # copied without waiting (pinned)
+                values = values.pin_memory()
+            self._stats[SLOT["max_norm"] :].copy_(values, non_blocking=True)
         if self._last is None or self._last.numel() < size:
             size = max(size, 2 * (0 if self._last is None else self._last.numel()))
             last = torch.full((size,), -1.0, dtype=torch.float64, device=self._device)

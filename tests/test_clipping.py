@@ -205,13 +205,14 @@ def _clip_sequence(clipper, device, sharded: bool, seed: int = 5):
 @pytest.mark.parametrize("sharded", [False, True])
 def test_release_clipping_kernel_matches_its_reference(monkeypatch, device, method, sharded):
     """The bookkeeping kernel (``kernels/clipping.py``; the interpreter on the CPU) against
-    ``ReleaseClipping``'s torch reference: the same arithmetic, so the coefficients agree to the fp32
-    rounding of a float64 value whose sums were added in another order, and the history to float64's."""
+    ``ReleaseClipping``'s torch reference on the same device: the same arithmetic, so the coefficients
+    agree to the fp32 rounding of a float64 value whose sums were added in another order, and the
+    history to float64's."""
     from fusedopt.dispatch import release_clip_kernel
 
     monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
     got = _clip_sequence(ReleaseClipping(3.0, method, release_clip_kernel), device, sharded)
-    want = _clip_sequence(ReleaseClipping(3.0, method), "cpu", sharded)
+    want = _clip_sequence(ReleaseClipping(3.0, method), device, sharded)
     clipped = 0
     for (c_got, n_got, s_got), (c_want, n_want, s_want) in zip(got, want):
         torch.testing.assert_close(torch.tensor(c_got), torch.tensor(c_want), rtol=2**-23, atol=0, equal_nan=True)

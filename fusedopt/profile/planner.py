@@ -272,7 +272,7 @@ QUALITY = {
     (32, 32): "+0.00% (fp32 AdamW's update: the reference)",
     (8, 24): "-0.03% (sd 0.09, 6 seeds)",
     # measured with the half-range cap at 2.0 against the default, not fp32 AdamW, over an lr sweep
-    ("norm2-root4", None): "vs the default: +0.53% at lr 2.5e-4, -0.30% at 5e-4, better above (4 seeds)",
+    ("norm2-root4", None): "vs the default: +0.27% at lr 2.5e-4, -0.03% at 5e-4, better above (4 seeds)",
     (4, 24): "+0.36% (sd 0.27, 6 seeds)",
     (4, None): "+0.48% (sd 0.48, 6 seeds)",
 }
