@@ -9,6 +9,9 @@
 #   ROUNDS=2 bash benchmarks/tree_ab.sh      (results under $OUT; exit code 1 when a configuration differs)
 # BITS=0 skips the fingerprints, ROUNDS=0 the timing; BITS_ARGS="--algorithms adamw --formats block8,norm2-root4"
 # narrows the fingerprints (all of them compile each format's kernels once per tree: minutes, cold cache).
+# CLIPPING=1 also measures what max_grad_norm adds, per tree in its own process: release_overhead.py --paired
+# (the 1.1B shape, micro-batches BATCHES, CLIP_ROUNDS rounds of single steps; ratios to the unclipped fused=True
+# step of the same round) and clipping_step.py (one fused=False step() over 1.07e9 bf16 elements).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
 for tree in . .ab/old; do [ -e $tree/fusedopt/kernels ] || ln -s ../kernels $tree/fusedopt/kernels; done
@@ -22,6 +25,19 @@ if [ "${BITS:-1}" = 1 ]; then
     PYTHONPATH=$dir python3 benchmarks/harness.py bits --out "$OUT/bits_$tree.json" ${BITS_ARGS:-} || exit 1
   done
   python3 benchmarks/harness.py same "$OUT/bits_old.json" "$OUT/bits_new.json" | tee "$OUT/bits_same.txt" || status=1
+fi
+if [ "${CLIPPING:-0}" = 1 ]; then
+  configs=("default, fused=True" "clipping, fused=True" "torch AdamW (fused=True" "default, fused=False" "clipping, fused=False")
+  for tree in old new; do
+    dir=$([ $tree = new ] && echo . || echo .ab/old)
+    for b in ${BATCHES:-4 1}; do
+      PYTHONPATH=$dir timeout -k 10 240 python3 benchmarks/release_overhead.py --only "${configs[@]}" \
+        --paired ${CLIP_ROUNDS:-30} --batch "$b" > "$OUT/clipping_${tree}_b$b.log" 2>&1
+      grep -E "^\||rounds of" "$OUT/clipping_${tree}_b$b.log" | sed "s/^/$tree b$b clipping: /"
+    done
+    PYTHONPATH=$dir timeout -k 10 240 python3 benchmarks/clipping_step.py > "$OUT/clipping_step_$tree.log" 2>&1
+    grep -E "^\||/" "$OUT/clipping_step_$tree.log" | sed "s/^/$tree clipping step: /"
+  done
 fi
 for round in $(seq 1 "${ROUNDS:-2}"); do
   order=$([ $((round % 2)) = 1 ] && echo "new old" || echo "old new")
