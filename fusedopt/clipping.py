@@ -125,8 +125,6 @@ class ReleaseClipping:
         self._device: torch.device | None = None
         self._stats = self._last = self._average = self._updates = None
         self._indices: dict[tuple, torch.Tensor] = {}  # a batch's parameter indices, on the device
-        self._clipped: set[int] = set()  # parameters with a previous squared norm
-        self._counts: dict[int, int] = {}  # adagc: parameter index -> updates of its average
         self._window_open = False  # this window has clipped a batch
         self._has_total = False  # some window has (norm() has a value)
         self._has_last_total = False  # a window before the open one has
@@ -176,10 +174,6 @@ class ReleaseClipping:
         if first:  # the kernel kept the last window's total
             self._has_last_total = self._has_total
         self._window_open = self._has_total = self._has_known = True
-        self._clipped.update(indices)
-        if adagc:
-            for i in indices:
-                self._counts[i] = self._counts.get(i, 0) + 1
         coefficients = coefficients.to(device)
         if not per_param:
             return coefficients
@@ -275,14 +269,18 @@ class ReleaseClipping:
         return torch.where(finite, out, torch.nan) if skip_nonfinite else out
 
     def state_dict(self, pids: dict[int, int]) -> dict:
-        """The history the estimates use, for a checkpoint (``pids``: parameter index -> saved id)."""
+        """The history the estimates use, for a checkpoint (``pids``: parameter index -> saved id).
+        Reads which parameters have a history from the device (one copy to the host)."""
         params = {}
+        size = 0 if self._last is None else self._last.numel()
+        has_last = (self._last >= 0).tolist() if size else []
+        updates = self._updates.tolist() if size else []
         for index, pid in pids.items():
             entry = {}
-            if index in self._clipped:
+            if index < size and has_last[index]:
                 entry["norm_sq"] = self._last[index].clone()
-            if index in self._counts:
-                entry["average"], entry["updates"] = self._average[index].clone(), self._counts[index]
+            if index < size and updates[index]:
+                entry["average"], entry["updates"] = self._average[index].clone(), updates[index]
             if entry:
                 params[pid] = entry
         stats = self._stats
@@ -311,21 +309,18 @@ class ReleaseClipping:
         last = torch.full((size,), -1.0, dtype=torch.float64)
         average = torch.zeros(size, dtype=torch.float64)
         updates = torch.zeros(size, dtype=torch.int32)
-        clipped, counts = set(), {}
         for pid, entry in saved["params"].items():
             index, _ = indices[pid]
             if "norm_sq" in entry:
                 last[index] = entry["norm_sq"].to("cpu", torch.float64)
-                clipped.add(index)
             if "average" in entry and self.method == method:
                 average[index] = entry["average"].to("cpu", torch.float64)
-                counts[index] = updates[index] = int(entry["updates"])
+                updates[index] = int(entry["updates"])
         self._reset()
         self._ensure(device, size)
         self._last.copy_(last)
         self._average.copy_(average)
         self._updates.copy_(updates)
-        self._clipped, self._counts = clipped, counts
         if known is not None:
             self._stats[SLOT["known"]] = known.to(device, torch.float64)
             self._has_known = True

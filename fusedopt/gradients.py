@@ -61,11 +61,7 @@ class GradientPipeline:
     def __init__(self, optimizer, store):
         self._owner = optimizer  # its options, and its key in the scaler's record (a cycle the GC breaks)
         self._store = store  # param_index and shard_groups of its parameters
-        self._clipping = (
-            ReleaseClipping(optimizer.max_grad_norm, optimizer.release_clipping, release_clip_kernel)
-            if optimizer.max_grad_norm
-            else None
-        )
+        self._clipping = self._fresh_clipping() if optimizer.max_grad_norm else None
         self._unscaling = ReleasedUnscaling()
         self._exact_norm: torch.Tensor | None = None  # exact clipping's last norm (step())
 
@@ -78,8 +74,9 @@ class GradientPipeline:
 
     def new_clipping(self) -> ReleaseClipping | None:
         """An empty history for the optimizer's settings as they are now (None: it does not clip)."""
-        if self._clipping is None:
-            return None
+        return None if self._clipping is None else self._fresh_clipping()
+
+    def _fresh_clipping(self) -> ReleaseClipping:
         return ReleaseClipping(self._owner.max_grad_norm, self._owner.release_clipping, release_clip_kernel)
 
     def replace_clipping(self, clipping: ReleaseClipping) -> None:

@@ -331,12 +331,7 @@ def test_format_one_checkpoint_with_square_level_codes_is_refused_not_misread():
     """Checkpoint format 1 stored 8-bit moments on q**2 levels (the removed format ``block8-square``), in
     the same layout as today's minifloat codes: copying them would silently change every moment, so
     such a checkpoint is refused, naming the format. Its 4-bit and fp32 moments alone would load."""
-    gen = torch.Generator().manual_seed(3)
-    w = torch.nn.Parameter(torch.randn(40, 50, generator=gen))
-    opt = fusedopt.AdamW([w], lr=1e-2, state_bits=8, min_compress_numel=0)
-    for _ in range(3):
-        w.grad = torch.randn(40, 50, generator=gen)
-        opt.step()
+    w, opt = _trained(state_bits=8, seed=3, steps=3)
     saved = copy.deepcopy(opt.state_dict())
     saved["fusedopt"]["format"] = 1
     del saved["fusedopt"]["codecs"]  # format 1 did not record codec names
@@ -350,13 +345,19 @@ def test_format_one_checkpoint_with_square_level_codes_is_refused_not_misread():
     assert all(torch.equal(fresh.state[p][k], opt.state[w][k]) for k in opt.state[w])
 
 
-def _block4_checkpoint():
-    gen = torch.Generator().manual_seed(11)
+def _trained(state_bits: int, seed: int, steps: int):
+    """A 40 x 50 parameter and the AdamW (every tensor compressed) that took ``steps`` random steps."""
+    gen = torch.Generator().manual_seed(seed)
     w = torch.nn.Parameter(torch.randn(40, 50, generator=gen))
-    opt = fusedopt.AdamW([w], lr=1e-2, state_bits=4, min_compress_numel=0)
-    for _ in range(2):
+    opt = fusedopt.AdamW([w], lr=1e-2, state_bits=state_bits, min_compress_numel=0)
+    for _ in range(steps):
         w.grad = torch.randn(40, 50, generator=gen)
         opt.step()
+    return w, opt
+
+
+def _block4_checkpoint():
+    w, opt = _trained(state_bits=4, seed=11, steps=2)
     return w, opt.state_dict()
 
 
