@@ -284,6 +284,8 @@ def _python_profile(name, model, opt, preset, batch, seq_len, gen) -> None:
     profiler.disable()
     print(f"{name}: Python profile of one step (tottime)")
     pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+    print(f"{name}: fusedopt's functions (cumulative)")
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats("fusedopt/", 40)
 
 
 def _paired(trials: list, rounds: int, diagnose=None) -> int:

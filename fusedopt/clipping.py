@@ -153,24 +153,36 @@ class ReleaseClipping:
         non-finite one makes that parameter's coefficient NaN, so every rank skips it, not only the
         rank whose shard held the non-finite values."""
         skip_nonfinite = sq is not None
-        if sq is None:  # squared in fp32, summed in float64: a spike's squares come and go without cancellation
-            x, square = batch_norms(grads)
-        else:
-            x, square = sq, False
         device = grads[0][0].device
         self._ensure(device, max(indices) + 1)
         adagc = self.method == "adagc"
         per_param = adagc or skip_nonfinite
         coefficients = torch.empty(len(indices) if per_param else (), dtype=torch.float32, device=self._device)
         first = not self._window_open
-        args = (x.to(self._device), self._index_tensor(indices), self._stats, self._last, self._average, self._updates)
-        if self._kernel is not None:
-            self._kernel(
-                *args, coefficients, first=first, square=square, adagc=adagc, skip_nonfinite=skip_nonfinite,
-                warmup=ADAGC_WARMUP,
-            )  # fmt: skip
+        history = (self._stats, self._last, self._average, self._updates)
+        singles = [entry[0] for entry in grads if len(entry) == 1]
+        if (
+            self._kernel is not None
+            and sq is None
+            and len(singles) == len(grads)
+            and self._kernel.takes_gradients(singles, self._device)
+        ):  # the norms in the same launch
+            self._kernel.from_gradients(
+                singles, indices, *history, coefficients, first=first, adagc=adagc, warmup=ADAGC_WARMUP
+            )
         else:
-            coefficients.copy_(self._reference(*args, first=first, square=square, skip_nonfinite=skip_nonfinite))
+            if sq is None:  # squared in fp32, summed in float64: a spike's squares come and go without cancellation
+                x, square = batch_norms(grads)
+            else:
+                x, square = sq, False
+            args = (x.to(self._device), self._index_tensor(indices), *history)
+            if self._kernel is not None:
+                self._kernel(
+                    *args, coefficients, first=first, square=square, adagc=adagc, skip_nonfinite=skip_nonfinite,
+                    warmup=ADAGC_WARMUP,
+                )  # fmt: skip
+            else:
+                coefficients.copy_(self._reference(*args, first=first, square=square, skip_nonfinite=skip_nonfinite))
         if first:  # the kernel kept the last window's total
             self._has_last_total = self._has_total
         self._window_open = self._has_total = self._has_known = True

@@ -117,7 +117,7 @@ def release_clip_kernel(device: torch.device):
     ):
         from .kernels import clipping
 
-        return clipping.release_clip
+        return clipping.ReleaseClipKernel()
     return None
 
 

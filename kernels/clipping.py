@@ -9,6 +9,12 @@ writing the history the class keeps in device buffers: ``stats`` (float64 scalar
 negative: none), ``average`` and ``updates`` (``adagc``: each parameter's average clipped norm and
 its count). The arithmetic is ``ReleaseClipping._reference``'s, in float64, its constants read
 from ``stats`` (a Python float in a Triton kernel is fp32).
+
+``ReleaseClipKernel.from_gradients`` also computes the squared norms, in the same launch: a
+batch of single gradients of one dtype, on the buffers' device, needs no norm kernels (their host
+time was most of what clipping still added to a step). Each program sums the squares of one chunk
+of one gradient; the last program to finish (a ticket) adds every gradient's chunk sums in a fixed
+order, so the result does not depend on which program ran when, and then does the bookkeeping.
 """
 
 from __future__ import annotations
@@ -52,10 +58,84 @@ def _release_clip_kernel(
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     if SQUARE:
         x = x * x  # in the norms' dtype (fp32), as torch's square() before double()
-    sq = x.to(tl.float64)
+    index = tl.load(index_ptr + offs, mask=mask, other=0)
+    _fold(
+        x.to(tl.float64), index, offs, mask, stats_ptr, last_ptr, average_ptr, updates_ptr, coef_ptr, first,
+        ADAGC_WARMUP, ADAGC, SKIP_NONFINITE, PER_PARAM, BLOCK,
+    )  # fmt: skip
+
+
+# columns of from_gradients' table, one row per gradient (int64)
+COL_DELTA, COL_N, COL_INDEX, COL_FIRST_PROGRAM = (tl.constexpr(i) for i in range(4))
+TABLE_COLS = 4
+TILE = 2048  # elements per iteration of a program's sum of squares
+TILES = 8  # iterations per program (one chunk)
+PARTIALS_BLOCK = 1024  # chunk sums the last program adds per iteration
+
+
+@triton.jit
+def _release_clip_gradients_kernel(
+    grad_ptr,  # the batch's first gradient; the others at its address plus their row's delta
+    table_ptr,  # int64 [members, TABLE_COLS], then the ticket word
+    partial_ptr,  # int32 [programs]: each program's sum of squares (fp32 bits: written atomically)
+    stats_ptr,
+    last_ptr,
+    average_ptr,
+    updates_ptr,
+    coef_ptr,
+    members,
+    programs,
+    first,
+    ADAGC_WARMUP: tl.constexpr,
+    ADAGC: tl.constexpr,
+    PER_PARAM: tl.constexpr,
+    BLOCK: tl.constexpr,  # >= members
+):
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < members
+    firsts = tl.load(table_ptr + offs * TABLE_COLS + COL_FIRST_PROGRAM, mask=mask, other=programs)
+    member = tl.sum((firsts <= pid).to(tl.int32), axis=0) - 1
+    row = table_ptr + member * TABLE_COLS
+    n = tl.load(row + COL_N)
+    start = (pid - tl.load(row + COL_FIRST_PROGRAM)) * (TILE * TILES)
+    grad_ptr += tl.load(row + COL_DELTA)
+    acc = tl.zeros([TILE], tl.float32)
+    for i in tl.static_range(TILES):
+        chunk = start + i * TILE + tl.arange(0, TILE).to(tl.int64)
+        g = tl.load(grad_ptr + chunk, mask=chunk < n, other=0.0).to(tl.float32)
+        acc += g * g
+    tl.atomic_xchg(partial_ptr + pid, tl.sum(acc, axis=0).to(tl.int32, bitcast=True))
+    ticket_ptr = table_ptr + members * TABLE_COLS
+    ticket = tl.atomic_add(ticket_ptr, 1)  # acq_rel: every chunk sum written before it is visible after it
+    if ticket == programs - 1:  # the last program: every chunk sum is in
+        sq = tl.zeros([BLOCK], tl.float64)
+        for m in range(members):
+            begin = tl.load(table_ptr + m * TABLE_COLS + COL_FIRST_PROGRAM)
+            end = tl.load(table_ptr + (m + 1) * TABLE_COLS + COL_FIRST_PROGRAM, mask=m + 1 < members, other=programs)
+            total = tl.zeros([], tl.float64)
+            for j in range(begin, end, PARTIALS_BLOCK):
+                k = j + tl.arange(0, PARTIALS_BLOCK)
+                partial = tl.load(partial_ptr + k, mask=k < end, other=0, volatile=True).to(tl.float32, bitcast=True)
+                total += tl.sum(partial.to(tl.float64), axis=0)
+            sq = tl.where(offs == m, total, sq)
+        index = tl.load(table_ptr + offs * TABLE_COLS + COL_INDEX, mask=mask, other=0)
+        _fold(
+            sq, index, offs, mask, stats_ptr, last_ptr, average_ptr, updates_ptr, coef_ptr, first, ADAGC_WARMUP,
+            ADAGC, False, PER_PARAM, BLOCK,
+        )  # fmt: skip
+        tl.atomic_xchg(ticket_ptr, 0)
+
+
+@triton.jit
+def _fold(
+    sq, index, offs, mask, stats_ptr, last_ptr, average_ptr, updates_ptr, coef_ptr, first,
+    ADAGC_WARMUP: tl.constexpr, ADAGC: tl.constexpr, SKIP_NONFINITE: tl.constexpr, PER_PARAM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Fold the batch's squared norms ``sq`` (float64) into the history; write its coefficient(s)."""
     finite = tl.abs(sq) < float("inf")  # false for NaN too
     sq_finite = tl.where(finite & mask, sq, 0.0)
-    index = tl.load(index_ptr + offs, mask=mask, other=0)
     # the first batch of a window starts its sums (a select, not a branch: one straight program)
     opening = first != 0
     known = tl.load(stats_ptr + KNOWN)
@@ -110,35 +190,100 @@ def _release_clip_kernel(
 
 
 _LAUNCH = DirectLauncher(_release_clip_kernel, tensors=7, ints=2)
+_LAUNCH_GRADIENTS = DirectLauncher(_release_clip_gradients_kernel, tensors=8, ints=3)
 _CONFIGS: dict = {}
+_TABLE_CACHE = 64  # batches whose gradient tables stay on the device
 
 
-def release_clip(
-    x: torch.Tensor,
-    index: torch.Tensor,
-    stats: torch.Tensor,
-    last: torch.Tensor,
-    average: torch.Tensor,
-    updates: torch.Tensor,
-    coefficients: torch.Tensor,
-    *,
-    first: bool,
-    square: bool,
-    adagc: bool,
-    skip_nonfinite: bool,
-    warmup: int,
-) -> None:
-    """Fold a batch into the history and write its coefficient(s) into ``coefficients`` (fp32: one
-    element, or one per parameter where ``adagc`` or ``skip_nonfinite``)."""
-    n = x.numel()
-    block = max(16, triton.next_power_of_2(n))
-    per_param = adagc or skip_nonfinite
-    key = (warmup, square, adagc, skip_nonfinite, per_param, block)
+def _config(key: tuple, **constexprs) -> LaunchConfig:
     config = _CONFIGS.get(key)
     if config is None:
-        constexprs = dict(
-            ADAGC_WARMUP=warmup, SQUARE=square, ADAGC=adagc, SKIP_NONFINITE=skip_nonfinite, PER_PARAM=per_param,
-            BLOCK=block,
+        config = _CONFIGS[key] = LaunchConfig(constexprs, dict(num_warps=4 if constexprs["BLOCK"] >= 512 else 1))
+    return config
+
+
+class ReleaseClipKernel:
+    """The bookkeeping launches of one ``ReleaseClipping``: ``__call__`` from the batch's norms,
+    ``from_gradients`` from the gradients themselves (keeping each batch's table of gradient
+    offsets, sizes and parameter indices on the device while the gradients stay where they are)."""
+
+    def __init__(self):
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        index: torch.Tensor,
+        stats: torch.Tensor,
+        last: torch.Tensor,
+        average: torch.Tensor,
+        updates: torch.Tensor,
+        coefficients: torch.Tensor,
+        *,
+        first: bool,
+        square: bool,
+        adagc: bool,
+        skip_nonfinite: bool,
+        warmup: int,
+    ) -> None:
+        """Fold a batch into the history and write its coefficient(s) into ``coefficients`` (fp32: one
+        element, or one per parameter where ``adagc`` or ``skip_nonfinite``)."""
+        n = x.numel()
+        block = max(16, triton.next_power_of_2(n))
+        per_param = adagc or skip_nonfinite
+        config = _config(
+            ("norms", warmup, square, adagc, skip_nonfinite, block), ADAGC_WARMUP=warmup, SQUARE=square, ADAGC=adagc,
+            SKIP_NONFINITE=skip_nonfinite, PER_PARAM=per_param, BLOCK=block,
         )  # fmt: skip
-        config = _CONFIGS[key] = LaunchConfig(constexprs, dict(num_warps=4 if block >= 512 else 1))
-    _LAUNCH(1, (x, index, stats, last, average, updates, coefficients, n, int(first)), config)
+        _LAUNCH(1, (x, index, stats, last, average, updates, coefficients, n, int(first)), config)
+
+    @staticmethod
+    def takes_gradients(grads: list[torch.Tensor], device: torch.device) -> bool:
+        """Whether ``from_gradients`` can read these: one dtype, contiguous, on ``device``."""
+        dtype = grads[0].dtype
+        return all(g.dtype == dtype and g.device == device and g.is_contiguous() for g in grads)
+
+    def from_gradients(
+        self,
+        grads: list[torch.Tensor],
+        indices: list[int],
+        stats: torch.Tensor,
+        last: torch.Tensor,
+        average: torch.Tensor,
+        updates: torch.Tensor,
+        coefficients: torch.Tensor,
+        *,
+        first: bool,
+        adagc: bool,
+        warmup: int,
+    ) -> None:
+        """``__call__`` with the squared norms of ``grads`` (``takes_gradients``), summed in the same launch."""
+        table, partials, programs = self._table(grads, indices)
+        members = len(grads)
+        block = max(16, triton.next_power_of_2(members))
+        config = _config(
+            ("gradients", warmup, adagc, block), ADAGC_WARMUP=warmup, ADAGC=adagc, PER_PARAM=adagc, BLOCK=block
+        )
+        args = (grads[0], table, partials, stats, last, average, updates, coefficients, members, programs, int(first))
+        _LAUNCH_GRADIENTS(programs, args, config)
+
+    def _table(self, grads: list[torch.Tensor], indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The batch's table (with its zeroed ticket word), chunk-sum buffer and program count."""
+        key = (grads[0].dtype, *indices, *(g.data_ptr() for g in grads), *(g.numel() for g in grads))
+        cached = self._tables.get(key)
+        if cached is not None:
+            return cached
+        if len(self._tables) >= _TABLE_CACHE:
+            self._tables.clear()
+        base, size = grads[0].data_ptr(), grads[0].element_size()
+        rows, programs = [], 0
+        for g, index in zip(grads, indices):
+            rows += [(g.data_ptr() - base) // size, g.numel(), index, programs]
+            programs += max(1, -(-g.numel() // (TILE * TILES)))
+        table = torch.tensor(rows + [0], dtype=torch.int64)
+        device = grads[0].device
+        if device.type == "cuda":  # copied without waiting (the pinned buffer lives until the copy ran)
+            table = table.pin_memory().to(device, non_blocking=True)
+        partials = torch.empty(programs, dtype=torch.int32, device=device)
+        cached = self._tables[key] = (table.to(device), partials, programs)
+        return cached
