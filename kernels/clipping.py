@@ -67,10 +67,10 @@ def _release_clip_kernel(
 
 # columns of from_gradients' table, one row per gradient (int64)
 COL_DELTA, COL_N, COL_INDEX, COL_FIRST_PROGRAM = (tl.constexpr(i) for i in range(4))
-TABLE_COLS = 4
-TILE = 2048  # elements per iteration of a program's sum of squares
-TILES = 8  # iterations per program (one chunk)
-PARTIALS_BLOCK = 1024  # chunk sums the last program adds per iteration
+TABLE_COLS = tl.constexpr(4)
+TILE = tl.constexpr(2048)  # elements per iteration of a program's sum of squares
+TILES = tl.constexpr(8)  # iterations per program (one chunk)
+PARTIALS_BLOCK = tl.constexpr(1024)  # chunk sums the last program adds per iteration
 
 
 @triton.jit
@@ -193,6 +193,7 @@ _LAUNCH = DirectLauncher(_release_clip_kernel, tensors=7, ints=2)
 _LAUNCH_GRADIENTS = DirectLauncher(_release_clip_gradients_kernel, tensors=8, ints=3)
 _CONFIGS: dict = {}
 _TABLE_CACHE = 64  # batches whose gradient tables stay on the device
+CHUNK = TILE.value * TILES.value  # elements per program
 
 
 def _config(key: tuple, **constexprs) -> LaunchConfig:
@@ -279,7 +280,7 @@ class ReleaseClipKernel:
         rows, programs = [], 0
         for g, index in zip(grads, indices):
             rows += [(g.data_ptr() - base) // size, g.numel(), index, programs]
-            programs += max(1, -(-g.numel() // (TILE * TILES)))
+            programs += max(1, -(-g.numel() // CHUNK))
         table = torch.tensor(rows + [0], dtype=torch.int64)
         device = grads[0].device
         if device.type == "cuda":  # copied without waiting (the pinned buffer lives until the copy ran)
