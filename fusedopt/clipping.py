@@ -32,6 +32,8 @@ import warnings
 
 import torch
 
+from .streams import is_default_stream_current, on_default_stream
+
 CLIP_METHODS = ("scaled", "adagc")
 DEFAULT_CLIP_METHOD = "scaled"
 # Methods measured and removed: each under-clipped the first parameters released in a spike step,
@@ -152,6 +154,19 @@ class ReleaseClipping:
         shards of them (summed over the ranks: every rank then computes the same coefficients). A
         non-finite one makes that parameter's coefficient NaN, so every rank skips it, not only the
         rank whose shard held the non-finite values."""
+        grad = grads[0][0]
+        if not grad.is_cuda or is_default_stream_current(grad.get_device()):
+            return self._clip(indices, grads, sq)
+        # every batch folds into the same history, so on one stream, in the order the hooks ran: a
+        # gradient made ready on a side stream is clipped on the default stream, after it
+        current = torch.cuda.current_stream(grad.device)
+        with on_default_stream(grad, after_current=True):
+            coefficient = self._clip(indices, grads, sq)
+        if coefficient is not None:
+            coefficient.record_stream(current)  # the update reads it there
+        return coefficient
+
+    def _clip(self, indices, grads, sq) -> torch.Tensor | None:
         skip_nonfinite = sq is not None
         device = grads[0][0].device
         self._ensure(device, max(indices) + 1)

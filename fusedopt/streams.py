@@ -25,13 +25,17 @@ def is_default_stream_current(device: int) -> bool:
 
 
 @contextlib.contextmanager
-def on_default_stream(t: torch.Tensor):
+def on_default_stream(t: torch.Tensor, after_current: bool = False):
     """Run the block on the default stream of ``t``'s device; a current side stream then waits for
-    what the block launched. Nothing changes for a CPU tensor or when the default stream is current."""
+    what the block launched. ``after_current``: the block also waits for what the current stream
+    launched before (it reads tensors made there). Nothing changes for a CPU tensor or when the
+    default stream is current."""
     if not t.is_cuda or is_default_stream_current(t.get_device()):
         yield
         return
     current, default = torch.cuda.current_stream(t.device), torch.cuda.default_stream(t.device)
+    if after_current:
+        default.wait_stream(current)
     with torch.cuda.stream(default):
         yield
     current.wait_stream(default)

@@ -41,15 +41,15 @@ class LateGradient(Identity):
         return Identity.backward(ctx, grad)
 
 
-def _loss(params, coefs, side: torch.cuda.Stream | None):
+def _loss(params, coefs, side: torch.cuda.Stream | None, late: bool = True):
     """Parameter 0 is used last (its gradient comes first in backward); with ``side`` its forward
-    runs on that stream, behind a node whose backward is slow."""
+    runs on that stream, behind a node whose backward is slow (``late``)."""
     total = sum((p * c).sum() for p, c in zip(params[1:], coefs[1:]))
     if side is None:
         return total + (params[0] * coefs[0]).sum()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        last = (LateGradient.apply(params[0]) * coefs[0]).sum()
+        last = ((LateGradient if late else Identity).apply(params[0]) * coefs[0]).sum()
     torch.cuda.current_stream().wait_stream(side)
     return total + last
 
@@ -63,18 +63,18 @@ def _unfused_step(opt):
     torch.cuda.synchronize()
 
 
-def _train(fused: bool, monkeypatch, side_forward=False, backward_on_side=False, steps=3):
+def _train(fused: bool, monkeypatch, side_forward=False, backward_on_side=False, steps=3, late=True, **options):
     # 1 MiB: backward reaches parameter 0 first (held), then 3 (4 MiB: drains both, mid-backward),
     # then 2 and 1 (held until the end of backward)
     monkeypatch.setenv("FUSEDOPT_BUCKET_MB", "1")
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n, generator=gen).to("cuda", torch.bfloat16)) for n in SIZES]
     coefs_per_step = [[torch.randn(n, generator=gen).to("cuda", torch.bfloat16) for n in SIZES] for _ in range(steps)]
-    opt = fusedopt.AdamW(params, lr=1e-2, fused=fused)
+    opt = fusedopt.AdamW(params, lr=1e-2, fused=fused, **options)
     side = torch.cuda.Stream()
     seen = []
     for coefs in coefs_per_step:
-        loss = _loss(params, coefs, side if side_forward else None)
+        loss = _loss(params, coefs, side if side_forward else None, late)
         if backward_on_side:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -113,6 +113,23 @@ def test_held_updates_on_the_default_stream(monkeypatch):
 
 def test_a_gradient_made_ready_on_a_side_stream(monkeypatch):
     _assert_same_updates(_train(True, monkeypatch, side_forward=True), _train(False, monkeypatch, side_forward=True))
+
+
+def test_clipping_folds_a_side_streams_gradient_in_the_order_the_hooks_ran(monkeypatch):
+    """Release clipping keeps one history: the batch of parameter 0 (made ready on a side stream,
+    late) must fold into it before the batches the default stream clips after it, as when it is
+    made ready at once; otherwise the later batches' estimates miss it."""
+    options = dict(max_grad_norm=0.5, side_forward=True, steps=4)
+    late = _train(True, monkeypatch, **options)
+    prompt = _train(True, monkeypatch, late=False, **options)
+    _assert_same(late, prompt)
+    unclipped = _train(True, monkeypatch, side_forward=True, steps=4)
+    assert not torch.equal(late[0][1], unclipped[0][1])  # it clips
+
+
+def _assert_same(a, b):
+    for x, y in zip(a[0] + [t for step in a[1] for t in step], b[0] + [t for step in b[1] for t in step]):
+        assert torch.equal(x, y)
 
 
 def test_backward_called_on_a_side_stream(monkeypatch):
