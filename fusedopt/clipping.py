@@ -8,9 +8,9 @@ and keeps the exact norm of everything it saw for ``opt.grad_norm``. Every numbe
 tensor: no host synchronisation.
 
 Release hands gradients over in batches: the updates held for one bucket, or one parameter updated
-at once. A batch costs its norms (one multi-tensor kernel) and one launch of the bookkeeping
-(``kernels/clipping.py``) however many parameters it holds: issued from the hooks, the host time of
-bookkeeping as dozens of small torch ops was what made clipping slow. The estimate
+at once. A batch costs one launch (``kernels/clipping.py``) however many parameters it holds: it
+sums the gradients' squares and does the bookkeeping. Issued from the hooks, host time is what
+clipping costs: as dozens of small torch ops per batch, it made clipping slow. The estimate
 (``method``), when a batch arrives, from the squared norms ``s_j`` of the gradients seen in this
 backward so far, that batch's included (``seen``), and each parameter's squared norm at its
 previous update ``l_j``:
@@ -110,10 +110,11 @@ class ReleaseClipping:
 
     The history lives in device buffers on the device of the first batch (``stats``: the window's
     sums, ``SLOT``; ``last``: each parameter's squared norm at its previous update, negative where
-    it has none; ``average``/``updates``: ``adagc``'s), so that a batch costs a fixed few kernels:
-    its norms, and one launch (``kernels/clipping.py``) or the same arithmetic as torch ops
-    (``_reference``) that folds them in and writes the coefficient. ``kernel_for(device)`` says
-    which (``dispatch.release_clip_kernel``; None: always the reference)."""
+    it has none; ``average``/``updates``: ``adagc``'s), so that a batch costs one launch
+    (``kernels/clipping.py``: the norms where it can read the gradients, then the bookkeeping), or
+    its norms and the same arithmetic as torch ops (``_reference``) that fold them in and write the
+    coefficient. ``kernel_for(device)`` says which (``dispatch.release_clip_kernel``; None: always
+    the reference)."""
 
     def __init__(self, max_norm: float, method: str, kernel_for=None):
         check_clip_method(method)
