@@ -90,6 +90,7 @@ def _release_clip_gradients_kernel(
     ADAGC: tl.constexpr,
     PER_PARAM: tl.constexpr,
     BLOCK: tl.constexpr,  # >= members
+    ALIGNED: tl.constexpr,  # every gradient 16-byte aligned, of a multiple of 16 elements: vector loads
 ):
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -99,7 +100,11 @@ def _release_clip_gradients_kernel(
     row = table_ptr + member * TABLE_COLS
     n = tl.load(row + COL_N)
     start = (pid - tl.load(row + COL_FIRST_PROGRAM)) * (TILE * TILES)
-    grad_ptr += tl.load(row + COL_DELTA)
+    delta = tl.load(row + COL_DELTA)
+    if ALIGNED:
+        n = tl.multiple_of(n, 16)
+        delta = tl.multiple_of(delta, 16)
+    grad_ptr += delta
     acc = tl.zeros([TILE], tl.float32)
     for i in tl.static_range(TILES):
         chunk = start + i * TILE + tl.arange(0, TILE).to(tl.int64)
@@ -259,18 +264,20 @@ class ReleaseClipKernel:
         warmup: int,
     ) -> None:
         """``__call__`` with the squared norms of ``grads`` (``takes_gradients``), summed in the same launch."""
-        table, partials, programs = self._table(grads, indices)
+        table, partials, programs, aligned = self._table(grads, indices)
         members = len(grads)
         block = max(16, triton.next_power_of_2(members))
         config = _config(
-            ("gradients", warmup, adagc, block), ADAGC_WARMUP=warmup, ADAGC=adagc, PER_PARAM=adagc, BLOCK=block
-        )
+            ("gradients", warmup, adagc, block, aligned), ADAGC_WARMUP=warmup, ADAGC=adagc, PER_PARAM=adagc,
+            BLOCK=block, ALIGNED=aligned,
+        )  # fmt: skip
         args = (grads[0], table, partials, stats, last, average, updates, coefficients, members, programs, int(first))
         _LAUNCH_GRADIENTS(programs, args, config)
 
-    def _table(self, grads: list[torch.Tensor], indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The batch's table (with its zeroed ticket word), chunk-sum buffer and program count."""
-        key = (grads[0].dtype, *indices, *(g.data_ptr() for g in grads), *(g.numel() for g in grads))
+    def _table(self, grads: list[torch.Tensor], indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
+        """The batch's table (with its zeroed ticket word), chunk-sum buffer, program count and
+        whether every gradient is 16-byte aligned and a multiple of 16 elements long."""
+        key = (grads[0].dtype, tuple(indices), tuple(g.data_ptr() for g in grads), tuple(g.numel() for g in grads))
         cached = self._tables.get(key)
         if cached is not None:
             return cached
@@ -286,5 +293,6 @@ class ReleaseClipKernel:
         if device.type == "cuda":  # copied without waiting (the pinned buffer lives until the copy ran)
             table = table.pin_memory().to(device, non_blocking=True)
         partials = torch.empty(programs, dtype=torch.int32, device=device)
-        cached = self._tables[key] = (table.to(device), partials, programs)
+        aligned = all(g.data_ptr() % 16 == 0 and g.numel() % 16 == 0 for g in grads)
+        cached = self._tables[key] = (table.to(device), partials, programs, aligned)
         return cached

@@ -170,7 +170,7 @@ def _clip_sequence(clipper, device, sharded: bool, seed: int = 5):
     """Nine windows of batches of one to forty parameters (odd sizes), some indices joining late,
     a spike window, non-finite norms in two batches, accumulated buffers in one, mixed dtypes in
     one, one gradient of 40000 elements (several chunks of the kernel's sums), bf16 and fp16
-    gradients in the last two windows; every
+    gradients of multiples of 16 elements in the last two windows; every
     coefficient (fp32 as clip returns it, or as it is applied in place), norm() and state_dict()
     per window."""
     gen = torch.Generator().manual_seed(seed)
@@ -194,7 +194,8 @@ def _clip_sequence(clipper, device, sharded: bool, seed: int = 5):
             while order:
                 size = min(len(order), int(torch.randint(1, 41, (), generator=gen)))
                 batch, order = order[:size], order[size:]
-                grads = [[spike * torch.randn(int(3 + i % 7), generator=gen, dtype=torch.float64)] for i in batch]
+                sizes = [16 * (1 + i % 7) if w >= 7 else 3 + i % 7 for i in batch]  # w >= 7: vector loads
+                grads = [[spike * torch.randn(n, generator=gen, dtype=torch.float64)] for n in sizes]
                 if w == 2 and not coefficients:
                     grads[0] = [torch.randn(40000, generator=gen, dtype=torch.float64) / 100]
                 grads = [[g[0].to(kinds[k % len(kinds)]).to(device)] for k, g in enumerate(grads)]
