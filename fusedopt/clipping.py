@@ -184,21 +184,23 @@ class ReleaseClipping:
             and self._kernel.takes_gradients(singles, self._device)
         ):  # the norms in the same launch
             self._kernel.from_gradients(
-                singles, indices, *history, coefficients, first=first, adagc=adagc, warmup=ADAGC_WARMUP
+                singles, indices, history, coefficients, first=first, adagc=adagc, warmup=ADAGC_WARMUP
             )
         else:
             if sq is None:  # squared in fp32, summed in float64: a spike's squares come and go without cancellation
                 x, square = batch_norms(grads)
             else:
                 x, square = sq, False
-            args = (x.to(self._device), self._index_tensor(indices), *history)
+            x, index = x.to(self._device), self._index_tensor(indices)
             if self._kernel is not None:
                 self._kernel(
-                    *args, coefficients, first=first, square=square, adagc=adagc, skip_nonfinite=skip_nonfinite,
-                    warmup=ADAGC_WARMUP,
+                    x, index, history, coefficients, first=first, square=square, adagc=adagc,
+                    skip_nonfinite=skip_nonfinite, warmup=ADAGC_WARMUP,
                 )  # fmt: skip
             else:
-                coefficients.copy_(self._reference(*args, first=first, square=square, skip_nonfinite=skip_nonfinite))
+                coefficients.copy_(
+                    self._reference(x, index, *history, first=first, square=square, skip_nonfinite=skip_nonfinite)
+                )
         if first:  # the kernel kept the last window's total
             self._has_last_total = self._has_total
         self._window_open = self._has_total = self._has_known = True

@@ -214,16 +214,13 @@ class ReleaseClipKernel:
     offsets, sizes and parameter indices on the device while the gradients stay where they are)."""
 
     def __init__(self):
-        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor, int, bool]] = {}
 
     def __call__(
         self,
         x: torch.Tensor,
         index: torch.Tensor,
-        stats: torch.Tensor,
-        last: torch.Tensor,
-        average: torch.Tensor,
-        updates: torch.Tensor,
+        history: tuple[torch.Tensor, ...],
         coefficients: torch.Tensor,
         *,
         first: bool,
@@ -232,8 +229,9 @@ class ReleaseClipKernel:
         skip_nonfinite: bool,
         warmup: int,
     ) -> None:
-        """Fold a batch into the history and write its coefficient(s) into ``coefficients`` (fp32: one
-        element, or one per parameter where ``adagc`` or ``skip_nonfinite``)."""
+        """Fold a batch (its norms ``x``, or squared norms, and parameter indices ``index``) into the
+        ``history`` (``stats``, ``last``, ``average``, ``updates``) and write its coefficient(s) into
+        ``coefficients`` (fp32: one element, or one per parameter where ``adagc`` or ``skip_nonfinite``)."""
         n = x.numel()
         block = max(16, triton.next_power_of_2(n))
         per_param = adagc or skip_nonfinite
@@ -241,7 +239,7 @@ class ReleaseClipKernel:
             ("norms", warmup, square, adagc, skip_nonfinite, block), ADAGC_WARMUP=warmup, SQUARE=square, ADAGC=adagc,
             SKIP_NONFINITE=skip_nonfinite, PER_PARAM=per_param, BLOCK=block,
         )  # fmt: skip
-        _LAUNCH(1, (x, index, stats, last, average, updates, coefficients, n, int(first)), config)
+        _LAUNCH(1, (x, index, *history, coefficients, n, int(first)), config)
 
     @staticmethod
     def takes_gradients(grads: list[torch.Tensor], device: torch.device) -> bool:
@@ -253,10 +251,7 @@ class ReleaseClipKernel:
         self,
         grads: list[torch.Tensor],
         indices: list[int],
-        stats: torch.Tensor,
-        last: torch.Tensor,
-        average: torch.Tensor,
-        updates: torch.Tensor,
+        history: tuple[torch.Tensor, ...],
         coefficients: torch.Tensor,
         *,
         first: bool,
@@ -271,7 +266,7 @@ class ReleaseClipKernel:
             ("gradients", warmup, adagc, block, aligned), ADAGC_WARMUP=warmup, ADAGC=adagc, PER_PARAM=adagc,
             BLOCK=block, ALIGNED=aligned,
         )  # fmt: skip
-        args = (grads[0], table, partials, stats, last, average, updates, coefficients, members, programs, int(first))
+        args = (grads[0], table, partials, *history, coefficients, members, programs, int(first))
         _LAUNCH_GRADIENTS(programs, args, config)
 
     def _table(self, grads: list[torch.Tensor], indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
