@@ -32,7 +32,7 @@ import warnings
 
 import torch
 
-from .streams import is_default_stream_current, on_default_stream
+from .streams import is_default_stream_current, on_default_stream, queued_copy
 
 CLIP_METHODS = ("scaled", "adagc")
 DEFAULT_CLIP_METHOD = "scaled"
@@ -216,15 +216,12 @@ class ReleaseClipping:
         if self._stats is None:
             self._device = device
             self._kernel = self._kernel_for(device) if self._kernel_for is not None else None
-            self._stats = torch.zeros(len(SLOT), dtype=torch.float64, device=device)
             constants = dict(
                 max_norm=self.max_norm, eps=EPS, adagc_ratio=ADAGC_RATIO, adagc_decay=ADAGC_DECAY,
                 adagc_keep=1 - ADAGC_DECAY,
             )  # fmt: skip
-            values = torch.tensor([constants[name] for name in list(SLOT)[SLOT["max_norm"] :]], dtype=torch.float64)
-            if device.type == "cuda":  # copied without waiting (pinned)
-                values = values.pin_memory()
-            self._stats[SLOT["max_norm"] :].copy_(values, non_blocking=True)
+            stats = [constants.get(name, 0.0) for name in SLOT]  # the sums start at 0
+            self._stats = queued_copy(torch.tensor(stats, dtype=torch.float64), device)
         if self._last is None or self._last.numel() < size:
             size = max(size, 2 * (0 if self._last is None else self._last.numel()))
             last = torch.full((size,), -1.0, dtype=torch.float64, device=self._device)
@@ -242,10 +239,7 @@ class ReleaseClipping:
         if cached is None:
             if len(self._indices) >= _INDEX_CACHE:
                 self._indices.clear()
-            cached = torch.tensor(indices, dtype=torch.int64)
-            if self._device.type == "cuda":
-                cached = cached.pin_memory().to(self._device, non_blocking=True)
-            self._indices[key] = cached = cached.to(self._device)
+            self._indices[key] = cached = queued_copy(torch.tensor(indices, dtype=torch.int64), self._device)
         return cached
 
     def _reference(self, x, index, stats, last_all, average_all, updates_all, *, first, square, skip_nonfinite):

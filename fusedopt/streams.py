@@ -41,6 +41,14 @@ def on_default_stream(t: torch.Tensor, after_current: bool = False):
     current.wait_stream(default)
 
 
+def queued_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (a CPU tensor just made) on ``device`` without waiting for the GPU: pinned, so the copy
+    is queued rather than awaited (the pinned buffer lives until the copy ran); ``t`` itself on the CPU."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def current_stream_of(t: torch.Tensor) -> torch.cuda.Stream | None:
     """The current stream of ``t``'s device (None for a CPU tensor)."""
     return torch.cuda.current_stream(t.device) if t.is_cuda else None

@@ -34,7 +34,7 @@ from fusedopt.kernels.update import (
     bucket_config,
     scaled_config,
 )
-from fusedopt.streams import on_default_stream
+from fusedopt.streams import on_default_stream, queued_copy
 
 ALIGN = 16  # bytes: the alignment the kernel's vector accesses assume for every member tensor
 # A bucketed update is slower per element than one launched alone (benchmarks/step_speed.py --kernels;
@@ -94,7 +94,7 @@ class PreparedBucket:
         unused[COL_UPDATE_START.value] = unused[COL_CHECK_START.value] = NO_START
         rows += [unused] * (BUCKET_TENSORS - len(members))
         with on_default_stream(first.head[0]):  # launches on any stream can then wait for the copy
-            self.table = _to_device(torch.tensor(rows, dtype=torch.int64), first.head[0].device)
+            self.table = queued_copy(torch.tensor(rows, dtype=torch.int64), first.head[0].device)
         self.head, self.state_tensors = first.head, first.state_tensors
         self.step, self.scratch, self.skipped = first.step, first.scratch, first.skipped
         self.ints = first.ints  # the first member's sizes and keys (unused: the table has them)
@@ -136,13 +136,6 @@ class PreparedBucket:
         launch_remembered(
             update_launcher, self.launches, ("update", scaled), self.programs, runtime_args, self.update_configs[scaled]
         )
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device`` without waiting for the GPU (a bucket may be built inside backward)."""
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)  # the pinned buffer lives until the copy ran
 
 
 def _starts(programs: list[int]) -> tuple[list[int], int]:

@@ -13,8 +13,9 @@ from ``stats`` (a Python float in a Triton kernel is fp32).
 ``ReleaseClipKernel.from_gradients`` also computes the squared norms, in the same launch: a
 batch of single gradients of one dtype, on the buffers' device, needs no norm kernels (their host
 time was most of what clipping still added to a step). Each program sums the squares of one chunk
-of one gradient; the last program to finish (a ticket) adds every gradient's chunk sums in a fixed
-order, so the result does not depend on which program ran when, and then does the bookkeeping.
+of one gradient (``norms.chunk_sum_squares``, as the ``fused=False`` norm kernel does); the last
+program to finish (a ticket) adds every gradient's chunk sums in a fixed order, so the result does
+not depend on which program ran when, and then does the bookkeeping.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import triton.language as tl
 
 from fusedopt.clipping import SLOT
 from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig
+from fusedopt.kernels.norms import TILE, TILES, chunk_sum_squares, fits
+from fusedopt.streams import queued_copy
 
 KNOWN, WINDOW_KNOWN, SEEN, SEEN_WITH_HISTORY, SEEN_LAST, TOTAL, LAST_TOTAL = (
     tl.constexpr(SLOT[name])
@@ -65,17 +68,17 @@ def _release_clip_kernel(
     )  # fmt: skip
 
 
-# columns of from_gradients' table, one row per gradient (int64)
-COL_DELTA, COL_N, COL_INDEX, COL_FIRST_PROGRAM = (tl.constexpr(i) for i in range(4))
+# columns of from_gradients' table, one row per gradient (int64): those ``norms.chunk_sum_squares``
+# reads (element offset from the first gradient, size, first program), then the parameter index
+COL_FIRST_PROGRAM, COL_INDEX = tl.constexpr(2), tl.constexpr(3)
 TABLE_COLS = tl.constexpr(4)
-TILE = tl.constexpr(2048)  # elements per iteration of a program's sum of squares
-TILES = tl.constexpr(8)  # iterations per program (one chunk)
 PARTIALS_BLOCK = tl.constexpr(1024)  # chunk sums the last program adds per iteration
+_TILE, _TILES = tl.constexpr(TILE), tl.constexpr(TILES)  # the norm kernel's chunk: TILES tiles of TILE
 
 
 @triton.jit
 def _release_clip_gradients_kernel(
-    grad_ptr,  # the batch's first gradient; the others at its address plus their row's delta
+    grad_ptr,  # the batch's first gradient; the others at its address plus their row's offset
     table_ptr,  # int64 [members, TABLE_COLS], then the ticket word
     partial_ptr,  # int32 [programs]: each program's sum of squares (fp32 bits: written atomically)
     stats_ptr,
@@ -90,27 +93,13 @@ def _release_clip_gradients_kernel(
     ADAGC: tl.constexpr,
     PER_PARAM: tl.constexpr,
     BLOCK: tl.constexpr,  # >= members
-    ALIGNED: tl.constexpr,  # every gradient 16-byte aligned, of a multiple of 16 elements: vector loads
+    ALIGNED: tl.constexpr,  # every gradient's address and size in bytes multiples of 16: vector loads
 ):
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < members
-    firsts = tl.load(table_ptr + offs * TABLE_COLS + COL_FIRST_PROGRAM, mask=mask, other=programs)
-    member = tl.sum((firsts <= pid).to(tl.int32), axis=0) - 1
-    row = table_ptr + member * TABLE_COLS
-    n = tl.load(row + COL_N)
-    start = (pid - tl.load(row + COL_FIRST_PROGRAM)) * (TILE * TILES)
-    delta = tl.load(row + COL_DELTA)
-    if ALIGNED:
-        n = tl.multiple_of(n, 16)
-        delta = tl.multiple_of(delta, 16)
-    grad_ptr += delta
-    acc = tl.zeros([TILE], tl.float32)
-    for i in tl.static_range(TILES):
-        chunk = start + i * TILE + tl.arange(0, TILE).to(tl.int64)
-        g = tl.load(grad_ptr + chunk, mask=chunk < n, other=0.0).to(tl.float32)
-        acc += g * g
-    tl.atomic_xchg(partial_ptr + pid, tl.sum(acc, axis=0).to(tl.int32, bitcast=True))
+    _, _, chunk = chunk_sum_squares(grad_ptr, table_ptr, members, pid, TABLE_COLS, BLOCK, _TILE, _TILES, ALIGNED)
+    tl.atomic_xchg(partial_ptr + pid, chunk.to(tl.int32, bitcast=True))
     ticket_ptr = table_ptr + members * TABLE_COLS
     ticket = tl.atomic_add(ticket_ptr, 1)  # acq_rel: every chunk sum written before it is visible after it
     if ticket == programs - 1:  # the last program: every chunk sum is in
@@ -198,7 +187,7 @@ _LAUNCH = DirectLauncher(_release_clip_kernel, tensors=7, ints=2)
 _LAUNCH_GRADIENTS = DirectLauncher(_release_clip_gradients_kernel, tensors=8, ints=3)
 _CONFIGS: dict = {}
 _TABLE_CACHE = 64  # batches whose gradient tables stay on the device
-CHUNK = TILE.value * TILES.value  # elements per program
+CHUNK = TILE * TILES  # elements per program
 
 
 def _config(key: tuple, **constexprs) -> LaunchConfig:
@@ -271,7 +260,7 @@ class ReleaseClipKernel:
 
     def _table(self, grads: list[torch.Tensor], indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
         """The batch's table (with its zeroed ticket word), chunk-sum buffer, program count and
-        whether every gradient is 16-byte aligned and a multiple of 16 elements long."""
+        whether the gradients allow vector loads (``norms.fits``)."""
         key = (grads[0].dtype, tuple(indices), tuple(g.data_ptr() for g in grads), tuple(g.numel() for g in grads))
         cached = self._tables.get(key)
         if cached is not None:
@@ -281,13 +270,10 @@ class ReleaseClipKernel:
         base, size = grads[0].data_ptr(), grads[0].element_size()
         rows, programs = [], 0
         for g, index in zip(grads, indices):
-            rows += [(g.data_ptr() - base) // size, g.numel(), index, programs]
+            rows += [(g.data_ptr() - base) // size, g.numel(), programs, index]
             programs += max(1, -(-g.numel() // CHUNK))
-        table = torch.tensor(rows + [0], dtype=torch.int64)
         device = grads[0].device
-        if device.type == "cuda":  # copied without waiting (the pinned buffer lives until the copy ran)
-            table = table.pin_memory().to(device, non_blocking=True)
+        table = queued_copy(torch.tensor(rows + [0], dtype=torch.int64), device)
         partials = torch.empty(programs, dtype=torch.int32, device=device)
-        aligned = all(g.data_ptr() % 16 == 0 and g.numel() % 16 == 0 for g in grads)
-        cached = self._tables[key] = (table.to(device), partials, programs, aligned)
+        cached = self._tables[key] = (table, partials, programs, fits(grads))
         return cached

@@ -18,6 +18,7 @@ import triton.language as tl
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig
+from fusedopt.streams import queued_copy
 
 TILE = 2048
 TILES = 8
@@ -25,20 +26,29 @@ NUM_WARPS = 8
 GROUP = 64  # tensors per launch (the table's rows)
 ALIGN = 16  # bytes: every tensor's address, and its size in bytes, a multiple of it (vector loads)
 _COLS = tl.constexpr(3)  # a row: element offset from the first tensor, size, first program
-_UNUSED = 1 << 62  # the first program of a row of no tensor: after every program
+_UNUSED = tl.constexpr(1 << 62)  # the first program of a row of no tensor: after every program
 
 
 @triton.jit
-def _sum_squares_kernel(
-    base_ptr, table_ptr, partial_ptr, programs_per_row, TILE: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr
-):
-    pid = tl.program_id(0)
-    starts = tl.load(table_ptr + tl.arange(0, ROWS) * _COLS + 2)
+def chunk_sum_squares(
+    base_ptr, table_ptr, rows, pid, COLS: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr,
+    TILES: tl.constexpr, ALIGNED: tl.constexpr,
+):  # fmt: skip
+    """Program ``pid``'s share of a launch over the tensors of a table (``rows`` used of ``ROWS``,
+    ``COLS`` int64 columns each: element offset from ``base_ptr``, size, first program, then the
+    caller's): its tensor's index in the table, its program within that tensor, and the fp32 sum of the squares
+    of its ``TILE * TILES`` elements. ``ALIGNED``: every tensor's address and size in bytes are
+    multiples of 16 (``fits``), so the loads are vectors."""
+    slots = tl.arange(0, ROWS)
+    starts = tl.load(table_ptr + slots * COLS + 2, mask=slots < rows, other=_UNUSED)
     member = tl.sum((starts <= pid).to(tl.int32), axis=0) - 1
-    row = table_ptr + member * _COLS
-    # a hint where the value is computed (kernels/update.py _rebase): the offsets keep 16-byte alignment
-    x_ptr = base_ptr + tl.multiple_of(tl.load(row), 128 // base_ptr.dtype.element_ty.primitive_bitwidth)
-    n_elements = tl.multiple_of(tl.load(row + 1), 16)
+    row = table_ptr + member * COLS
+    offset = tl.load(row)
+    n_elements = tl.load(row + 1)
+    if ALIGNED:  # a hint where the value is computed (kernels/update.py _rebase)
+        offset = tl.multiple_of(offset, 128 // base_ptr.dtype.element_ty.primitive_bitwidth)  # 16 bytes
+        n_elements = tl.multiple_of(n_elements, 128 // base_ptr.dtype.element_ty.primitive_bitwidth)
+    x_ptr = base_ptr + offset
     program = pid - tl.load(row + 2)
     start = program.to(tl.int64) * (TILE * TILES)
     acc = tl.zeros([TILE], tl.float32)
@@ -46,7 +56,17 @@ def _sum_squares_kernel(
         offs = start + i * TILE + tl.arange(0, TILE).to(tl.int64)
         x = tl.load(x_ptr + offs, mask=offs < n_elements, other=0.0).to(tl.float32)
         acc += x * x
-    tl.store(partial_ptr + member.to(tl.int64) * programs_per_row + program, tl.sum(acc, axis=0))
+    return member, program, tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _sum_squares_kernel(
+    base_ptr, table_ptr, partial_ptr, programs_per_row, TILE: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr
+):
+    member, program, total = chunk_sum_squares(
+        base_ptr, table_ptr, ROWS, tl.program_id(0), _COLS, ROWS, TILE, TILES, True
+    )
+    tl.store(partial_ptr + member.to(tl.int64) * programs_per_row + program, total)
 
 
 _LAUNCH = DirectLauncher(_sum_squares_kernel, tensors=3, ints=1)
@@ -89,16 +109,9 @@ def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
             width = max(1, max(_programs(tensors[i].numel()) for i in group))
             partials = torch.zeros(len(group), width, dtype=torch.float32, device=device)
             if total:
-                rows += [[0, 0, _UNUSED]] * (GROUP - len(rows))
-                table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
+                rows += [[0, 0, _UNUSED.value]] * (GROUP - len(rows))
+                table = queued_copy(torch.tensor(rows, dtype=torch.int64), device)
                 _LAUNCH(total, (base, table, partials, width), _CONFIG)
             parts.append(partials.sum(dim=1).sqrt().to(base.dtype))  # as torch._foreach_norm returns them
     # cat promotes mixed dtypes as get_total_norm's stack does
     return torch.linalg.vector_norm(parts[0] if len(parts) == 1 else torch.cat(parts))
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device`` without waiting for the GPU (pinned: the copy is queued, not awaited)."""
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
