@@ -38,6 +38,7 @@ import torch
 
 from . import rng
 from .codecs import MomentCodec, codec_named, decode_moments, known_formats, removed_format_error
+from .codecs.base import value_problems
 from .codecs.blockwise import BlockCodec
 from .master import MASTER_CORRECTION, convert_correction
 from .sharding import as_sharded, element_offset, is_sharded, local
@@ -70,6 +71,7 @@ def state_dict(optimizer, packed: dict) -> dict:
         "algorithm": optimizer.algorithm,
         "seed": optimizer.seed,
         "num_skipped_updates": optimizer.num_skipped_updates,
+        "num_interrupted_steps": optimizer.num_interrupted_steps,
         # 4-bit codes and block scales are flat: only the shapes tell two parameters of one size apart
         "shapes": {i: list(params[i].shape) for i in packed["state"]},
         # the format of each stored moment: two formats may share a layout
@@ -94,6 +96,7 @@ def _fold_for_dcp(packed: dict, sharded: list[int]) -> None:
     meta = packed["fusedopt"]
     wide = {key: meta[key] for key in ("format", "algorithm", "seed")}
     wide["num_skipped_updates"] = _number(meta["num_skipped_updates"])
+    wide["num_interrupted_steps"] = meta["num_interrupted_steps"]
     clipping = meta.get("release_clipping")
     wide["release_clipping"] = None
     if clipping is not None:
@@ -243,7 +246,9 @@ def _from_elements(p: torch.Tensor, saved: dict, names: dict, signed_of, where: 
         spread = spread.reshape(-1)
         if codec.state_bits == 4:
             spread = spread[0::2] | (spread[1::2] << 4)
-        values = alone.decode({".codes": spread, ".scales": scales}).float().reshape(n, block)[:, 0]
+        stored = {".codes": spread, ".scales": scales}
+        _refuse_invalid(alone, stored, slot, where, signed_of(slot))  # decoded, such scales would pass as values
+        values = alone.decode(stored).float().reshape(n, block)[:, 0]
         saved[slot] = values.reshape(lp.shape)
         names.pop(slot)  # a plain fp32 value now
 
@@ -308,6 +313,7 @@ def load_state_dict(optimizer, saved: dict, pre_hooks: dict, post_hooks: dict) -
     new_groups = [_merge_group(optimizer, g, s) for g, s in zip(groups, saved_groups)]
     seed = _load_seed(meta["seed"] if meta is not None else optimizer.seed)
     skipped = _load_counter(meta) if meta is not None else None
+    interrupted = _load_interrupted(meta) if meta is not None else None
     shapes = meta.get("shapes", {}) if meta is not None else {}
     codec_names = meta.get("codecs", {}) if meta is not None else {}
     saved_format = meta.get("format", 0) if meta is not None else None  # None: not fusedopt's
@@ -353,6 +359,8 @@ def load_state_dict(optimizer, saved: dict, pre_hooks: dict, post_hooks: dict) -
     optimizer.seed = seed
     if skipped is not None:
         optimizer.num_skipped_updates.copy_(skipped)
+    if interrupted is not None:
+        optimizer.num_interrupted_steps = interrupted
     if clipping is not None:
         optimizer.gradient_pipeline.replace_clipping(clipping)
     if lossy:
@@ -403,6 +411,16 @@ def _load_counter(meta: dict) -> torch.Tensor:
     raise ValueError(f"checkpoint has an invalid num_skipped_updates: {counter!r} (expected an integer count)")
 
 
+def _load_interrupted(meta: dict) -> int:
+    """The count of steps whose backward pass stopped early (0 in checkpoints from before it was kept)."""
+    counter = meta.get("num_interrupted_steps", 0)
+    if isinstance(counter, torch.Tensor) and not counter.is_floating_point() and counter.numel() == 1:
+        counter = int(counter)
+    if isinstance(counter, int) and not isinstance(counter, bool) and counter >= 0:
+        return counter
+    raise ValueError(f"checkpoint has an invalid num_interrupted_steps: {counter!r} (expected an integer count)")
+
+
 def _convert_param_state(
     optimizer, p, group, saved: dict, where: str, seed: int, index: int, lossy: list, saved_format: int | None, names
 ) -> dict:
@@ -428,19 +446,6 @@ def _convert_param_state(
         for slot in codecs
     }
     saved_values: dict[str, torch.Tensor] = {}
-
-    def saved_value(slot: str) -> torch.Tensor:
-        """The saved moment of ``slot`` decoded by its saved codec (a framed one with its saved frame)."""
-        if slot not in saved_values:
-            source = sources.get(slot)
-            if source is None:
-                raise ValueError(f"state {slot!r} of {where} is missing: a saved moment is stored relative to it")
-            stored = {s: saved[slot + s].detach().to(p.device) for s in source.suffixes}
-            _refuse_invalid(source, stored, slot, where)
-            frame = {"frame": saved_value(optimizer.frames[slot])} if source.frame else {}
-            saved_values[slot] = source.decode(stored, **frame).float()
-        return saved_values[slot]
-
     copied, stored_out = set(), {}
     # frames first: a framed moment is encoded in units of its frame as now stored
     order = sorted(enumerate(codecs.items()), key=lambda item: item[1][1].frame)
@@ -455,7 +460,7 @@ def _convert_param_state(
             and same_frame
             and all(isinstance(t, torch.Tensor) and (t.dtype, t.shape) == layout[s] for s, t in entries.items())
         ):
-            _refuse_invalid(codec, entries, slot, where)
+            _refuse_invalid(codec, entries, slot, where, signed_of[slot])
             out.update({slot + s: t.detach() for s, t in entries.items()})  # copied to p.device by pack_tensors
             stored_out[slot] = {s: t.detach().to(p.device) for s, t in entries.items()}
             copied.add(slot)
@@ -471,7 +476,7 @@ def _convert_param_state(
             got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
             target = codec.name
             raise ValueError(f"state {slot!r} of {where} cannot be converted to the state format {target!r}: got {got}")
-        decoded = saved_value(slot)
+        decoded = _saved_value(slot, saved_values, sources, signed_of, saved, p.device, optimizer.frames, where)
         origin = str(value.dtype) if source is _PLAIN else source.name
         frame = {}
         if codec.frame:
@@ -490,9 +495,35 @@ def _convert_param_state(
     return {"step": step_tensor, **pack_tensors(out, p.device)}  # shared allocations, as a fresh state
 
 
-def _refuse_invalid(codec: MomentCodec, stored: dict, slot: str, where: str) -> None:
-    """Refuse a saved moment whose storage its codec could not have written (``MomentCodec.invalid``)."""
-    problem = codec.invalid(stored)
+def _saved_value(
+    slot: str, values: dict, sources: dict, signed_of: dict, saved: dict, device, frames: dict, where: str
+) -> torch.Tensor:
+    """The saved moment of ``slot`` decoded by its saved codec (a framed one with its saved frame),
+    kept in ``values``; storage or a decoded value no encode gives is refused. A function of the module,
+    not a recursive closure: that would be a reference cycle holding the optimizer (and the loaded
+    tensors) until the garbage collector ran."""
+    if slot not in values:
+        source = sources.get(slot)
+        if source is None:
+            raise ValueError(f"state {slot!r} of {where} is missing: a saved moment is stored relative to it")
+        stored = {s: saved[slot + s].detach().to(device) for s in source.suffixes}
+        _refuse_invalid(source, stored, slot, where, signed_of[slot])
+        frame = {}
+        if source.frame:
+            frame["frame"] = _saved_value(frames[slot], values, sources, signed_of, saved, device, frames, where)
+        values[slot] = source.decode(stored, **frame).float()
+        if source.suffixes != ("",):  # valid storage decodes validly, but a frame of another format may not
+            problems = value_problems(values[slot], signed_of[slot])
+            if problems:
+                problem = "; ".join(problems)
+                raise ValueError(f"state {slot!r} of {where} ({source.name}) is corrupt: decoded, {problem}")
+    return values[slot]
+
+
+def _refuse_invalid(codec: MomentCodec, stored: dict, slot: str, where: str, signed: bool) -> None:
+    """Refuse a saved moment whose storage its codec could not have written (``MomentCodec.invalid``;
+    ``signed=False``: the slot's moment is never negative)."""
+    problem = codec.invalid(stored, signed=signed)
     if problem is not None:
         raise ValueError(f"state {slot!r} of {where} ({codec.name}) is corrupt: {problem}")
 

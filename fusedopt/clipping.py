@@ -137,6 +137,16 @@ class ReleaseClipping:
         """``step()`` ended an update window."""
         self._window_open = False
 
+    def abandon_window(self) -> None:
+        """A window ends without its step (its backward pass failed): its partial total is no step's
+        norm, so ``norm()`` and the next window see the last finished window's. The parameters it
+        updated keep their squared norms: they were updated from them."""
+        if self._window_open:
+            if self._has_last_total:
+                self._stats[SLOT["total"]] = self._stats[SLOT["last_total"]]
+            self._has_total = self._has_last_total
+            self._window_open = False
+
     def norm(self) -> torch.Tensor | None:
         """The global norm of the gradients this window has clipped so far (the last window's
         when none yet); exact once every gradient was seen."""

@@ -28,6 +28,7 @@ import contextlib
 import functools
 import importlib
 import os
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -93,10 +94,12 @@ def kernel_module(name: str):
     return importlib.import_module(f"fusedopt.kernels.{name}")
 
 
-def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.nn.utils.get_total_norm`` of a step's gradients: through the norm kernel
+def total_norm(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.nn.utils.get_total_norm`` of a step's gradients, and each gradient's norm (a vector in
+    the order of ``tensors``: clipping tells the finite ones apart by it). Through the norm kernel
     (``kernels/norms.py``, one read of each gradient) where the update runs kernels, plain tensors
-    on one device; torch's otherwise (sharded gradients: a DTensor norm over the ranks)."""
+    on one device; otherwise torch's ops in ``get_total_norm``'s order (sharded gradients: DTensors
+    whose norms are not yet reduced over the ranks)."""
     choice = backend_choice()
     device = tensors[0].device
     kernel = choice == "triton" or (choice == "auto" and device.type == "cuda")
@@ -104,8 +107,22 @@ def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
         from .kernels import norms
 
         if norms.fits(tensors):
-            return norms.total_norm(tensors)
-    return torch.nn.utils.get_total_norm(tensors)
+            return norms.total_norms(tensors)
+    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
+
+    each: list = [None] * len(tensors)
+    order = []  # get_total_norm's: grouped by device and dtype
+    for (on, _), ([group], indices) in _group_tensors_by_device_and_dtype([tensors], with_indices=True).items():
+        if _has_foreach_support(group, on):
+            found = torch._foreach_norm(group, 2.0)
+        else:
+            found = [torch.linalg.vector_norm(t, 2.0) for t in group]
+        for i, norm in zip(indices, found):
+            each[i] = norm.to(device)
+        order += indices
+    stacked = torch.stack(each)
+    in_order = stacked if order == sorted(order) else torch.stack([each[i] for i in order])
+    return torch.linalg.vector_norm(in_order, 2.0), stacked
 
 
 def release_clip_kernel(device: torch.device):
@@ -212,7 +229,7 @@ class UpdateDispatcher:
     """The update path of one optimizer (see the module docstring)."""
 
     def __init__(self, optimizer, store):
-        self._opt = optimizer  # the owner; it holds this object (a cycle the GC breaks)
+        self._opt = weakref.ref(optimizer)  # the owner, weakly (state_store.py says why)
         self._store = store  # the owner's StateStore, for each parameter's group
         self._algorithm = type(optimizer)
         self._prepared: dict[torch.Tensor, PreparedEntry] = {}
@@ -252,7 +269,7 @@ class UpdateDispatcher:
         the group's first update: a scheduler or the user may have set them since the last step."""
         settings = self._window.get(group_index)
         if settings is None:
-            opt, algorithm = self._opt, self._algorithm
+            opt, algorithm = self._opt(), self._algorithm
             group = opt.param_groups[group_index]
             opt.check_hyperparameters(group)
             hyper = opt.hyper(group)
@@ -288,7 +305,7 @@ class UpdateDispatcher:
         settings = self.settings(group_index)
         checked = self.check_prepared(p, grad, accum, settings)
         if checked.launch is None:
-            self._store.check(p, self._opt.param_groups[group_index])
+            self._store.check(p, self._opt().param_groups[group_index])
         return checked
 
     # --- prepared launches -----------------------------------------------------------------
@@ -307,7 +324,7 @@ class UpdateDispatcher:
         param = local(p)  # a sharded parameter's update runs on its local shard
         if _gradient_problem(param, local(grad), accum) is not None:
             return NOT_PREPARED
-        state = self._opt.state.get(p)
+        state = self._opt().state.get(p)
         if (
             state is not None
             and tuple(map(id, state.values())) == entry.state_ids
@@ -345,7 +362,7 @@ class UpdateDispatcher:
         if not self._add(launch, grad, settings.scalars, group_index, grad_scale):
             # prepared but not bucketable (size, alignment): alone
             if id(launch) in self._waiting:  # a queued update of p runs first
-                self._opt.flush_updates()
+                self._opt().flush_updates()
             with self.observed():
                 launch.launch(grad, accum, settings.scalars, grad_scale)
 
@@ -355,8 +372,8 @@ class UpdateDispatcher:
         grad = local(grad)
         entry = self._prepared.get(p)
         if entry is not None and id(entry.launch) in self._waiting:
-            self._opt.flush_updates()  # p's queued update runs first
-        opt = self._opt
+            self._opt().flush_updates()  # p's queued update runs first
+        opt = self._opt()
         group_index = self._store.group_index(p)
         settings = self.settings(group_index)
         launch = checked.launch
@@ -460,6 +477,11 @@ class UpdateDispatcher:
             del self._pending[key]
             self._launch_bucket(pending)
         return True
+
+    def drop_queued(self) -> None:
+        """Forget every queued update unlaunched (the backward pass that queued them failed)."""
+        self._pending.clear()
+        self._waiting.clear()
 
     def flush(self) -> None:
         """Launch every queued update."""

@@ -23,6 +23,8 @@ Every number stays a device tensor: no host synchronisation (no ``.item()``, no 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .clipping import ReleaseClipping, exact_coefficient, squared_norm
@@ -59,7 +61,8 @@ class GradientPipeline:
     as they are at each call; the clipping history under release lives here."""
 
     def __init__(self, optimizer, store):
-        self._owner = optimizer  # its options, and its key in the scaler's record (a cycle the GC breaks)
+        # its options, and its key in the scaler's record; weakly (state_store.py says why)
+        self._owner = weakref.ref(optimizer)
         self._store = store  # param_index and shard_groups of its parameters
         self._clipping = self._fresh_clipping() if optimizer.max_grad_norm else None
         self._unscaling = ReleasedUnscaling()
@@ -77,7 +80,8 @@ class GradientPipeline:
         return None if self._clipping is None else self._fresh_clipping()
 
     def _fresh_clipping(self) -> ReleaseClipping:
-        return ReleaseClipping(self._owner.max_grad_norm, self._owner.release_clipping, release_clip_kernel)
+        owner = self._owner()
+        return ReleaseClipping(owner.max_grad_norm, owner.release_clipping, release_clip_kernel)
 
     def replace_clipping(self, clipping: ReleaseClipping) -> None:
         """Continue from ``clipping``'s history (a loaded checkpoint's)."""
@@ -94,6 +98,13 @@ class GradientPipeline:
         if self._clipping is not None:
             self._clipping.new_window()
 
+    def abandon_window(self) -> None:
+        """A window ends without its step (a failed backward pass): its partial norm and the
+        non-finite values its released gradients showed are forgotten."""
+        if self._clipping is not None:
+            self._clipping.abandon_window()
+        self._unscaling.new_window()
+
     # --- the pipeline --------------------------------------------------------------------------
 
     def prepare(
@@ -106,6 +117,7 @@ class GradientPipeline:
         shard). ``step()`` calls it with ``in_step=True``, the tensors as the parameters hold them,
         ``releasing`` (release updated the rest of this window) and ``grad_scale`` (what
         ``scaler.step(opt)`` handed over, or None)."""
+        owner = self._owner()
         if in_step:
             unscaled = grad_scale is not None
             grads_of = [(p, [local(g) for g in grads]) for p, grads in batch] if unscaled or releasing else batch
@@ -116,7 +128,7 @@ class GradientPipeline:
                     unscale_(grads, inv_scale.to(grads[0].device), found_inf)
         else:
             grads_of = batch
-            scaler = self._owner.grad_scaler
+            scaler = owner.grad_scaler
             unscaled = scaler is not None and scaler.is_enabled()
             if unscaled:
                 by_device: dict[torch.device, list[torch.Tensor]] = {}
@@ -128,19 +140,40 @@ class GradientPipeline:
         if releasing and (self._clipping is not None or unscaled):
             # step(): the rest of the window, as release treated the rest
             scales = self._clip_estimated(grads_of, note_nonfinite=unscaled, whole=in_step)
-        if in_step and releasing and self._owner.grad_scaler is not None:
-            self._unscaling.report(self._owner.grad_scaler, self._owner)
-        max_norm = self._owner.max_grad_norm
+        if in_step and releasing and owner.grad_scaler is not None:
+            self._unscaling.report(owner.grad_scaler, owner)  # the optimizer itself: its id keys the record
+        max_norm = owner.max_grad_norm
         if in_step and not releasing and max_norm is not None and batch:
             scales = self._clip_exact(batch, max_norm)
         return scales
 
     def _clip_exact(self, batch: Batch, max_norm: float) -> list:
-        """Exactly ``torch.nn.utils.clip_grad_norm_`` over every gradient of this step (no host sync):
-        the coefficient of every update, on its gradient's device."""
-        self._exact_norm = total_norm([g for _, grads in batch for g in grads])
-        norm = self._exact_norm.full_tensor() if is_sharded(self._exact_norm) else self._exact_norm  # over the ranks
-        coefficient = exact_coefficient(norm, max_norm)
+        """``torch.nn.utils.clip_grad_norm_`` over the finite gradients of this step (no host sync): the
+        coefficient of every update, on its gradient's device. A gradient whose norm is not finite adds
+        nothing to the norm the coefficient comes from, so only its own update skips (torch's norm
+        would be NaN or inf: every update skipped, or made from a zero gradient); while every norm is
+        finite the coefficient is torch's, bit for bit. ``grad_norm`` is the norm of them all, as
+        torch's and release's: not finite when a gradient is not."""
+        tensors = [g for _, grads in batch for g in grads]
+        self._exact_norm, norms = total_norm(tensors)
+        norm = self._exact_norm
+        if is_sharded(norm):  # over the ranks: every rank sees which whole gradients are not finite
+            norm, norms = norm.full_tensor(), norms.full_tensor()
+        finite = torch.isfinite(norms)
+        finite_norm = torch.linalg.vector_norm(torch.where(finite, norms, 0.0))
+        coefficient = exact_coefficient(torch.where(torch.isfinite(norm), norm, finite_norm), max_norm)
+        shards: dict[torch.dtype, tuple[list, list]] = {}
+        for i, t in enumerate(tensors):
+            if is_sharded(t):
+                shard = local(t)
+                firsts, indices = shards.setdefault(shard.dtype, ([], []))
+                firsts.append(shard.as_strided((min(1, shard.numel()),), (1,)))
+                indices.append(i)
+        if shards:  # a rank whose shard is finite skips it too: a NaN in the shard's first element
+            keep = torch.where(finite, 1.0, torch.nan)
+            for dtype, (firsts, indices) in shards.items():
+                factors = keep.to(dtype)
+                torch._foreach_mul_(firsts, [factors[i : i + 1] for i in indices])
         on_device = {coefficient.device: coefficient}
         scales = []
         for _, grads in batch:

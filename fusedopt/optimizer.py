@@ -171,6 +171,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         first = next(p for g in self.param_groups for p in g["params"])  # torch refused a list of none
         self.num_skipped_updates = torch.zeros((), dtype=torch.int64, device=first.device)
+        self.num_interrupted_steps = 0  # fused=True: steps whose backward pass stopped early (saved)
         self.grad_scaler = grad_scaler
         if fused:
             self._release = GradientRelease(self)
@@ -279,6 +280,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         (exactly the fp32 master for 32 on bf16); otherwise the parameter's value in fp32. A DTensor
         for a sharded parameter, laid out as it.
         """
+        self.close_failed_backward()
         self.flush_updates()
         self.sync_groups()
         return self._store.master_weight(p)
@@ -374,6 +376,17 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._release.drain(self)  # queues them, then flushes
         self._dispatch.flush()
 
+    def drop_queued_updates(self) -> None:
+        """Forget queued updates unlaunched (``GradientRelease.abandon_window``)."""
+        self._dispatch.drop_queued()
+
+    def close_failed_backward(self) -> bool:
+        """With ``fused=True``: close the window of a backward pass that stopped early, if one did (its
+        applied updates stay, the rest of the step is skipped, its gradients dropped; see
+        ``GradientRelease.close_interrupted``). Every public method calls it first; returns whether
+        it closed one."""
+        return self._release is not None and self._release.close_interrupted(self)
+
     def can_hold_update(self, p: torch.Tensor) -> bool:
         """Whether gradient release should hold ``p``'s update for a bucket (``dispatch.py``)."""
         return self._dispatch.can_hold(p)
@@ -390,7 +403,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         releasing = self._releasing()
-        self.flush_updates()  # left by a backward that did not finish
+        self.close_failed_backward()
+        self.flush_updates()  # held by a hook called outside backward
         self.sync_groups()
         self._dispatch.new_window()
         checked = []  # every update is checked before the first one runs
@@ -400,6 +414,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if grad is None and accum is None:
                     continue
                 checked.append((p, self.check_update(p, accum) if grad is None else self.check_update(p, grad, accum)))
+        grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step for this call only
+        hooks_ran = releasing and self._release.hooks_ran()
+        try:
+            check_scaler_step(self.grad_scaler, grad_scale, hasattr(self, "grad_scale"), bool(checked), hooks_ran)
+        except RuntimeError:
+            self._release.abandon_window(self)  # a refused step must not leave its window open
+            self._dispatch.new_window()
+            raise
         updates = []
         for p, _ in checked:
             accum = self._release.take_buffer(p) if self._release is not None else None
@@ -407,9 +429,6 @@ class FusedOptimizer(torch.optim.Optimizer):
             if grad is None:
                 grad, accum = accum, None
             updates.append((p, grad, accum))
-        grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step for this call only
-        hooks_ran = releasing and self._release.hooks_ran()
-        check_scaler_step(self.grad_scaler, grad_scale, hasattr(self, "grad_scale"), bool(updates), hooks_ran)
         batch = [(p, [g for g in (grad, accum) if g is not None]) for p, grad, accum in updates]
         scales = self.gradient_pipeline.prepare(batch, releasing=releasing, in_step=True, grad_scale=grad_scale)
         for (p, grad, accum), (_, launch), scale in zip(updates, checked, scales):
@@ -425,21 +444,38 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch; also drops gradients the optimizer holds for accumulation."""
+        self.close_failed_backward()
         super().zero_grad(set_to_none=set_to_none)
         self._dispatch.new_window()
         if self._release is not None:
-            self._release.drop_buffers()
+            self._release.zero_grad(self)
 
     def remove_hooks(self) -> None:
         """Detach gradient release from the parameters; ``step()`` then updates every parameter."""
+        self.close_failed_backward()
         self.flush_updates()
         if self._release is not None:
             self._release.remove()
 
     # --- checkpoints -----------------------------------------------------------------------
 
+    def __reduce_ex__(self, protocol):
+        # copy.copy, copy.deepcopy, pickle and torch.save(opt) all come here. torch.optim's
+        # pickled state leaves out fusedopt's parts (the copy's step() would fail), and a copy could
+        # not be tied to the model: a deep copy updates copies of the parameters, and only one
+        # optimizer's release hooks may hold a parameter.
+        name = type(self).__name__
+        raise TypeError(
+            f"a fusedopt.{name} optimizer cannot be copied or pickled (copy.copy, copy.deepcopy, pickle, "
+            "torch.save(optimizer)): it is tied to its model's parameters and, with fused=True, their gradient "
+            "hooks. Save optimizer.state_dict() (and model.state_dict()) instead, e.g. torch.save("
+            "optimizer.state_dict(), path), and load it into a new optimizer built on the model with "
+            "load_state_dict()"
+        )
+
     def state_dict(self) -> dict:
         """As torch, plus a ``"fusedopt"`` entry (format, algorithm, seed, skipped-update counter)."""
+        self.close_failed_backward()
         self.flush_updates()
         if self._release is not None and self._release.holds_gradients():
             raise RuntimeError(
@@ -450,12 +486,14 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def torch_state_dict(self) -> dict:
         """This state as the matching ``torch.optim`` optimizer saves it (moments decoded to fp32)."""
+        self.close_failed_backward()
         self.flush_updates()
         self.sync_groups()
         return checkpoint.torch_state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a fusedopt or torch.optim checkpoint; state keeps its saved dtypes (see checkpoint.py)."""
+        self.close_failed_backward()
         self.flush_updates()
         self.sync_groups()
         hooks = (self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks)

@@ -17,6 +17,12 @@ is made to wait for them. A hook running on a side stream (its forward ran under
 An accumulation buffer remembers the stream that last wrote it; the next micro-batch, the update
 or ``step()`` waits for that stream if it runs on another one.
 
+A backward pass that stops early (an exception, out of memory) never reaches its end: each
+backward pass that runs a hook queues an end-of-pass marker with the autograd engine, which runs
+it when the pass completes and drops it, unrun, when the pass fails. A pass whose marker is gone
+unrun was interrupted; the next hook of another pass, or the optimizer's next call, closes its
+window (``close_interrupted``): what was updated stays, held and accumulated gradients are dropped.
+
 References are arranged so the optimizer can be garbage-collected: hooks hold a weak
 reference to this object, which holds a weak reference to the optimizer; a finaliser on
 the optimizer removes the hooks.
@@ -27,6 +33,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
+import warnings
 import weakref
 from collections.abc import Iterable
 
@@ -79,16 +87,55 @@ def check_processes(params: Iterable[torch.Tensor]) -> None:
         )
 
 
-def _flush(optimizer_ref: weakref.ref, release: GradientRelease) -> None:
-    optimizer = optimizer_ref()
-    if optimizer is not None:
-        release.end_of_backward(optimizer)
-
-
 def _hook(release_ref: weakref.ref, p: torch.Tensor) -> None:
     release = release_ref()
     if release is not None:
         release.on_gradient(p)
+
+
+_NO_PASS = -1  # torch._C._current_graph_task_id() outside a backward pass
+
+
+class _Pass:
+    """A backward pass that ran release hooks; ``finished`` once the engine ran its end-of-pass marker."""
+
+    __slots__ = ("finished", "marker")
+
+    def __init__(self, marker: _EndOfPass):
+        self.finished = False
+        self.marker = weakref.ref(marker)  # the engine holds the marker until the pass ends
+
+    def interrupted(self, outside_backward: bool) -> bool:
+        """The pass stopped early: the engine dropped its marker unrun (or no backward runs any more)."""
+        return not self.finished and (outside_backward or self.marker() is None)
+
+
+class _EndOfPass:
+    """Queued with the autograd engine at a pass's first hook: run when the pass completes (it then
+    launches the held updates), dropped unrun when the pass fails."""
+
+    __slots__ = ("task", "record", "release", "__weakref__")
+
+    def __init__(self, task: int, release: GradientRelease):
+        self.task, self.release = task, weakref.ref(release)
+        self.record = _Pass(self)
+
+    def __call__(self) -> None:
+        release = self.release()
+        if release is not None:
+            release.end_of_pass(self.task)  # a launch that fails here fails the pass: not finished
+        self.record.finished = True
+
+
+def _inside_reentrant_checkpoint() -> bool:
+    """Whether this hook runs inside the nested backward of reentrant activation checkpointing."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "backward" and code.co_filename.endswith(os.path.join("torch", "utils", "checkpoint.py")):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class GradientRelease:
@@ -102,9 +149,12 @@ class GradientRelease:
         self._buffers: dict[torch.Tensor, tuple[torch.Tensor, torch.cuda.Stream | None]] = {}
         self.attached = True
         self._checked_processes = False  # checked again at the first hook: the group may come later
-        self._flush_queued = False  # an end-of-backward flush of queued updates is registered
         self._held: list[tuple] = []  # (param, gradient, its CheckedUpdate) not yet updated
         self._held_bytes = 0
+        self._passes: dict[int, _Pass] = {}  # graph task id -> a pass whose end has not run yet
+        self._task = _NO_PASS  # the pass the last hook ran in
+        self._updated = 0  # updates release launched since step()
+        self._left: dict[int, weakref.ref] = {}  # id(param) -> its gradient left in p.grad to accumulate
         weakref.finalize(optimizer, GradientRelease._remove_handles, self._handles)
 
     def attach(self, params: Iterable[torch.Tensor]) -> None:
@@ -163,6 +213,17 @@ class GradientRelease:
         grad = p.grad
         if optimizer is None or grad is None:
             return
+        task = torch._C._current_graph_task_id()
+        if task != self._task:
+            self._enter_pass(optimizer, task, p)
+        try:
+            self._take(optimizer, p, grad)
+        except BaseException:
+            if task != _NO_PASS:
+                p.grad = None  # this pass fails: its gradient must not reach a later step()
+            raise
+
+    def _take(self, optimizer, p: torch.Tensor, grad: torch.Tensor) -> None:
         k = optimizer.accumulation_steps
         key = id(p)  # the parameter is alive while its hook runs; id hashing is cheaper than a tensor's
         if not self._counts:  # the first gradient since step(): param_groups may have been edited
@@ -173,11 +234,7 @@ class GradientRelease:
         if n > k:
             # p was updated in this window already: this gradient must not reach step() either
             p.grad = None
-            raise RuntimeError(
-                f"fusedopt: a parameter of shape {tuple(p.shape)} received a gradient after its update was already "
-                f"applied in this backward pass (backward #{n} since the last step() with accumulation_steps={k}); "
-                f"call optimizer.step() once every {k} backward pass(es)"
-            )
+            raise RuntimeError(self._second_gradient_error(p, n, k))
         if n == k:  # this backward updates p: everything that could refuse the update is checked first
             checked = optimizer.check_update(p, grad, self.buffer(p))
         else:
@@ -186,6 +243,26 @@ class GradientRelease:
         # counted once the gradient is used: a refused one leaves the count as it was
         self._consume(optimizer, p, local(grad), n, k, checked)
         self._counts[key] = n
+        if n < k and p.grad is not None:  # left to accumulate in p.grad (float32)
+            self._left[key] = weakref.ref(p.grad)
+
+    def _second_gradient_error(self, p: torch.Tensor, n: int, k: int) -> str:
+        shape = tuple(p.shape)
+        if _inside_reentrant_checkpoint() or len(self._passes) > 1:
+            return (
+                f"fusedopt: a parameter of shape {shape} received a second gradient within one backward pass, after "
+                "its update was already applied: autograd delivered its gradient in pieces, which happens under "
+                "reentrant activation checkpointing (use_reentrant=True) when a parameter is used in more than one "
+                "checkpointed segment (tied or shared weights). Use torch.utils.checkpoint with use_reentrant=False "
+                "(in transformers: gradient_checkpointing_kwargs={'use_reentrant': False})"
+            )
+        return (
+            f"fusedopt: a parameter of shape {shape} received a gradient after its update was already applied "
+            f"(backward #{n} since the last step(), accumulation_steps={k}): call optimizer.step() once every {k} "
+            "backward pass(es). If you accumulate gradients over several backward passes per optimizer step "
+            "(a framework's gradient_accumulation_steps / accumulate_grad_batches), pass the same number as "
+            "accumulation_steps to the fusedopt optimizer"
+        )
 
     def _consume(self, optimizer, p: torch.Tensor, grad: torch.Tensor, n: int, k: int, checked) -> None:
         """Accumulate (``n < k``), update, or hold the update of ``p``'s gradient (``checked``: what
@@ -221,6 +298,7 @@ class GradientRelease:
                 grads = [grad] if accum is None else [grad, accum]
                 (scale,) = optimizer.prepare_released_gradients([(p, grads)])  # unscaled; clipped by `scale`
                 optimizer.update_param(p, grad, accum, checked, scale)
+                self._updated += 1
                 p.grad = None
                 return
         # A kernel update: hold the gradient and update later, in buckets (fewer launches; the
@@ -229,10 +307,8 @@ class GradientRelease:
         self._held.append((p, grad, checked))
         self._held_bytes += grad.numel() * grad.element_size()
         p.grad = None
-        if self._held_bytes >= optimizer.bucket_budget:
-            self.drain(optimizer)
-        elif not self._flush_queued:
-            self._flush_at_end_of_backward(optimizer)
+        if self._held_bytes >= optimizer.bucket_budget or self._task == _NO_PASS:
+            self.drain(optimizer)  # (no pass to launch them at its end: the hook was called directly)
 
     def drain(self, optimizer) -> None:
         """Queue the updates of every held gradient (``optimizer.flush_updates`` launches them)."""
@@ -247,6 +323,7 @@ class GradientRelease:
             for (p, grad, checked), scale in zip(held, scales):
                 optimizer.queue_update(p, grad, None, checked, scale)
             optimizer.flush_updates()
+        self._updated += len(held)
 
     def updated_since_step(self) -> int:
         """How many parameters release updated since the last ``step()`` (0 once the optimizer is gone)."""
@@ -266,17 +343,89 @@ class GradientRelease:
         """The gradients held until their bucketed update (the memory profiler counts them)."""
         return [grad for _, grad, _ in self._held]
 
-    def _flush_at_end_of_backward(self, optimizer) -> None:
-        """Have the engine run the held updates when this backward pass ends."""
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_flush, self._optimizer, self))
-            self._flush_queued = True
-        except RuntimeError:  # not inside a backward pass (the hook was called directly): update now
-            self.drain(optimizer)
+    # --- backward passes, and the window of one that stopped early ---------------------------
 
-    def end_of_backward(self, optimizer) -> None:
-        self._flush_queued = False
-        optimizer.flush_updates()
+    def _enter_pass(self, optimizer, task: int, p: torch.Tensor) -> None:
+        """The first hook of a backward pass (or the first since a nested pass ran): close the window
+        of an earlier pass that stopped early, then have the engine tell this one's end."""
+        if task != _NO_PASS and task not in self._passes:
+            self.close_interrupted(optimizer, current=p)
+            marker = _EndOfPass(task, self)
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(marker)
+            except RuntimeError:  # no pass to queue it in after all: updates launch at once
+                task = _NO_PASS
+            else:
+                self._passes[task] = marker.record
+        self._task = task
+
+    def end_of_pass(self, task: int) -> None:
+        """A backward pass completed: launch the updates it holds."""
+        optimizer = self._optimizer()
+        if optimizer is not None:
+            optimizer.flush_updates()
+        self._passes.pop(task, None)
+        if self._task == task:
+            self._task = _NO_PASS
+
+    def interrupted(self) -> bool:
+        """Whether a backward pass that ran release hooks stopped early and its window is still open."""
+        if not self._passes:
+            return False
+        outside = torch._C._current_graph_task_id() == _NO_PASS
+        return any(record.interrupted(outside) for record in self._passes.values())
+
+    def close_interrupted(self, optimizer, current: torch.Tensor | None = None) -> bool:
+        """Close the window of a backward pass that stopped early, if there is one: the updates it ran
+        stay, every other parameter skips this step (held and accumulated gradients are dropped), one
+        warning says so and ``optimizer.num_interrupted_steps`` counts it. ``current``: the parameter
+        whose hook noticed it (its gradient, of the new pass, is kept). Returns whether it closed one."""
+        if not self.interrupted():
+            return False
+        updated = self._updated
+        stale = current is not None and self._left_gradient(current)
+        self.abandon_window(optimizer, keep=current)
+        optimizer.num_interrupted_steps += 1
+        warnings.warn(
+            f"fusedopt: a backward pass with fused=True stopped early (an exception inside it, e.g. out of memory); "
+            f"{updated} parameter update(s) it had already applied are kept, the other parameters skip this step, "
+            "and the gradients it left are dropped (optimizer.num_interrupted_steps counts such steps)",
+            UserWarning,
+            stacklevel=4,
+        )
+        if stale:
+            current.grad = None
+            raise RuntimeError(
+                f"fusedopt: the previous backward pass stopped early and left the partial accumulated gradient of a "
+                f"{current.dtype} parameter of shape {tuple(current.shape)} in p.grad, which this backward added to; "
+                "call optimizer.zero_grad() (or model.zero_grad()) after a failed backward pass, as with torch.optim, "
+                "then run the batch again"
+            )
+        return True
+
+    def _left_gradient(self, p: torch.Tensor) -> bool:
+        """Whether ``p.grad`` is still the gradient an earlier window left in it to accumulate."""
+        ref = self._left.get(id(p))
+        return ref is not None and p.grad is not None and ref() is p.grad
+
+    def abandon_window(self, optimizer, keep: torch.Tensor | None = None) -> None:
+        """End this window without updating anything more: held updates, queued launches, accumulated
+        gradients (the optimizer's buffers and those left in ``p.grad``, but ``keep``'s) are dropped,
+        and clipping and unscaling forget its partial sums."""
+        self._held, self._held_bytes = [], 0
+        optimizer.drop_queued_updates()
+        self._buffers.clear()
+        for key in self._counts:
+            entry = self._handles.get(key)
+            p = None if entry is None else entry[0]()
+            if p is not None and p is not keep:
+                p.grad = None
+        self._counts.clear()
+        self._left.clear()
+        outside = torch._C._current_graph_task_id() == _NO_PASS
+        self._passes = {task: record for task, record in self._passes.items() if not record.interrupted(outside)}
+        self._updated = 0
+        optimizer.gradient_pipeline.abandon_window()
 
     def buffer(self, p: torch.Tensor) -> torch.Tensor | None:
         """The accumulated gradient held for ``p`` (kept; ``take_buffer`` hands it over)."""
@@ -298,10 +447,16 @@ class GradientRelease:
     def holds_gradients(self) -> bool:
         return bool(self._buffers)
 
-    def drop_buffers(self) -> None:
+    def zero_grad(self, optimizer) -> None:
+        """``zero_grad()``: the window's accumulated gradients are dropped, and the parameters not yet
+        updated in it start counting their backward passes again."""
         self._buffers.clear()
+        self._left.clear()
+        k = optimizer.accumulation_steps
+        self._counts = {key: n for key, n in self._counts.items() if n >= k}
 
     def new_window(self) -> None:
         """``step()`` was called: the next backward starts a new accumulation window."""
         self._counts.clear()
-        self._flush_queued = False  # step() flushed; a backward that failed never ran its callback
+        self._left.clear()
+        self._updated = 0

@@ -9,6 +9,8 @@ itself stays in ``optimizer.state`` (torch's dict, which checkpoints replace); t
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .codecs import codec_for, codec_named
@@ -21,7 +23,9 @@ class StateStore:
     """Positions and state of one optimizer's parameters (see the module docstring)."""
 
     def __init__(self, optimizer):
-        self._opt = optimizer  # the owner, for its state, param_groups and codecs (a cycle the GC breaks)
+        # the owner, for its state, param_groups and codecs; weakly, so that dropping it frees it (and
+        # removes its release hooks) at once, not at the next cycle collection. It never outlives its owner.
+        self._opt = weakref.ref(optimizer)
         self._position: dict[torch.Tensor, tuple[int, int]] = {}  # param -> (group index, param index)
         self._next_index = 0  # a new parameter's index (a hash input: it never changes or repeats)
         self._offsets: dict[torch.Tensor, int] = {}  # sharded param -> its shard's first global element index
@@ -65,7 +69,7 @@ class StateStore:
     def position(self, p: torch.Tensor) -> tuple[dict, int]:
         """The group holding ``p`` and ``p``'s index in the optimizer (a hash input)."""
         group_index, index = self._position[p]
-        return self._opt.param_groups[group_index], index
+        return self._opt().param_groups[group_index], index
 
     def group_index(self, p: torch.Tensor) -> int:
         """The index in ``param_groups`` of the group holding ``p``."""
@@ -98,13 +102,14 @@ class StateStore:
     def ensure(self, p: torch.Tensor) -> dict:
         """The state of ``p``, created (step 0, zero moments) on first use (of its local shard's
         shape for a sharded parameter)."""
-        state = self._opt.state[p]
+        opt = self._opt()
+        state = opt.state[p]
         if not state:
             group, _ = self.position(p)
             lp = local(p)
             state["step"] = torch.zeros((), dtype=torch.float32, device=lp.device)
             entries = {}  # tensors of one dtype share an allocation (state_memory.py says why)
-            for slot, codec in self._opt.codecs(p, group).items():
+            for slot, codec in opt.codecs(p, group).items():
                 # a zero state is one value repeated (a format may store a padded block for one element)
                 unit = codec.zeros(torch.Size([1]), lp.device)
                 for suffix, (dtype, shape) in codec.layout(lp.shape).items():
@@ -122,7 +127,7 @@ class StateStore:
 
     def _correction_members(self, groups: list[dict] | None = None):
         """(parameter, dtype, shape) of every parameter whose group keeps a master-weight correction."""
-        for group in self._opt.param_groups if groups is None else groups:
+        for group in self._opt().param_groups if groups is None else groups:
             for q in group["params"]:
                 for dtype, shape in correction_layout(local(q), group["master_weight_bits"]).values():
                     yield q, dtype, shape
@@ -141,7 +146,7 @@ class StateStore:
         if not self.holds(p):
             raise ValueError("master_weight(p): p is not a parameter of this optimizer")
         group, _ = self.position(p)
-        master = master_value(local(p), self._opt.state.get(p), group["master_weight_bits"])
+        master = master_value(local(p), self._opt().state.get(p), group["master_weight_bits"])
         return as_sharded(p, master) if is_sharded(p) else master
 
     def check(self, p: torch.Tensor, group: dict) -> None:
@@ -150,13 +155,14 @@ class StateStore:
         state was made for them as they were: ``p.data`` of another shape or dtype, or a group's
         ``state_bits``, ``state_format``, ``min_compress_numel``, ``master_weight_bits`` (or SGD's
         momentum) set since, would read it wrongly."""
-        state = self._opt.state.get(p)
+        opt = self._opt()
+        state = opt.state.get(p)
         if not state:
             return  # created from the group's settings at the first update
         lp = local(p)  # a sharded parameter's state covers its local shard
         needed = {
             slot + suffix: layout
-            for slot, codec in self._opt.codecs(p, group).items()
+            for slot, codec in opt.codecs(p, group).items()
             for suffix, layout in codec.layout(lp.shape).items()
         }
         needed.update(correction_layout(lp, group["master_weight_bits"]))

@@ -2,6 +2,7 @@
 
 ``total_norm`` is ``torch.nn.utils.get_total_norm`` for the 2-norm: each tensor's norm in fp32,
 rounded to the tensor's dtype, then the norm of those. Only the order of the fp32 sums differs.
+``total_norms`` also gives each tensor's norm: clipping leaves those that are not finite out.
 One launch covers up to ``GROUP`` tensors of one dtype: a table of rows (the tensor's address as
 an element offset from the first one's, its size, its first program) is copied to the device
 without waiting, and each program finds its tensor among the rows, as a bucket of updates does
@@ -93,11 +94,18 @@ def fits(tensors: list[torch.Tensor]) -> bool:
 def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of tensors ``fits`` accepts, as ``get_total_norm`` gives it (its dtype: the tensors'
     promoted dtype)."""
+    return total_norms(tensors)[0]
+
+
+def total_norms(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``total_norm``, and each tensor's norm in the order of ``tensors`` (a vector of that dtype), from
+    the same launches: clipping leaves the tensors whose norm is not finite out of its norm."""
     device = tensors[0].device
     # torch's own grouping (get_total_norm's), so that the norms are summed in its order
     grouped = _group_tensors_by_device_and_dtype([tensors], with_indices=True)
-    parts = []  # each group's norms as one vector, rounded to its dtype
+    parts, order = [], []  # each group's norms as one vector, rounded to its dtype; their tensors
     for _, indices in grouped.values():
+        order += indices
         for g in range(0, len(indices), GROUP):
             group = indices[g : g + GROUP]
             base = tensors[group[0]]
@@ -114,4 +122,8 @@ def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
                 _LAUNCH(total, (base, table, partials, width), _CONFIG)
             parts.append(partials.sum(dim=1).sqrt().to(base.dtype))  # as torch._foreach_norm returns them
     # cat promotes mixed dtypes as get_total_norm's stack does
-    return torch.linalg.vector_norm(parts[0] if len(parts) == 1 else torch.cat(parts))
+    norms = parts[0] if len(parts) == 1 else torch.cat(parts)
+    each = norms
+    if order != sorted(order):
+        each = torch.empty_like(norms).index_copy_(0, queued_copy(torch.tensor(order), device), norms)
+    return torch.linalg.vector_norm(norms), each

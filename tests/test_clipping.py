@@ -1,6 +1,6 @@
 """Gradient clipping through the optimizer (``max_grad_norm``). ``fused=False``: exactly
-``torch.nn.utils.clip_grad_norm_`` over the step's gradients, then the update; ``opt.grad_norm`` is
-torch's total norm, a device tensor. ``fused=True``: one-pass clipping inside the release hooks
+``torch.nn.utils.clip_grad_norm_`` over the step's finite gradients, then the update; ``opt.grad_norm``
+is torch's total norm, a device tensor. ``fused=True``: one-pass clipping inside the release hooks
 (``fusedopt/clipping.py``): each method's coefficients against a float64 oracle, the exact norm in
 ``opt.grad_norm`` once backward has finished, bit-identity with ``fused=False`` whenever nothing
 clips."""
@@ -9,8 +9,8 @@ import math
 
 import pytest
 import torch
-from cases import dtype_cases, format_cases
-from helpers import inputs, loss_fn, make_model
+from cases import algorithm_cases, cross, dtype_cases, format_cases
+from helpers import inputs, loss_fn, make_model, step_with
 
 import fusedopt
 from fusedopt.clipping import CLIP_METHODS, REMOVED_CLIP_METHODS, ReleaseClipping, scale_
@@ -72,9 +72,9 @@ def test_clipping_changes_the_trajectory_and_grad_norm_is_a_device_tensor():
     assert all(isinstance(n, torch.Tensor) and n.dim() == 0 for n in norms)
 
 
-def test_a_non_finite_gradient_under_clipping_behaves_as_torch_and_never_enters_the_weights():
-    """An inf makes the norm inf and torch's coefficient 0: the other gradients become 0 (as after
-    torch's own clip_grad_norm_) and the parameter holding the inf (now NaN) is skipped."""
+def test_a_non_finite_gradient_under_clipping_never_enters_the_weights():
+    """An inf makes grad_norm inf, as torch's; the coefficient comes from the finite gradients, and
+    the parameter holding the inf is skipped (the tests at the end of this file hold the details)."""
     model = make_model(seed=0)
     opt = fusedopt.AdamW(model.parameters(), lr=1e-2, max_grad_norm=1.0)
     before = [p.detach().clone() for p in model.parameters()]
@@ -451,3 +451,202 @@ def test_release_clipping_resumes_bit_for_bit(method, tmp_path):
         opt3.step()
         opt3.zero_grad()
     assert any(not torch.equal(p, q) for p, q in zip(full.parameters(), model.parameters()))
+
+
+# --- a non-finite gradient under clipping skips its own parameter, and only it -------------------
+
+# whole 16-byte vectors in fp32 and bf16 (the norm kernel takes them); Adafactor factors the matrices
+SKIP_SHAPES = [(16, 8), (32,), (8, 12), (64,)]
+BAD = 2  # the parameter whose gradient is not finite in the last step
+SKIP_CASES = cross(
+    algorithm_cases("adamw", "sgd-momentum", "lion", "adafactor"), dtype_cases(torch.float32, torch.bfloat16)
+)
+NON_FINITE = [pytest.param(float("nan"), id="nan"), pytest.param(float("inf"), id="inf")]
+BACKENDS = ["reference", "triton"]
+
+
+def _skip_gradients(dtype, device, last: float | None) -> list[list[torch.Tensor]]:
+    """Three steps of gradients whose norm is far above 1, so every step clips at max_grad_norm=1.
+    In the last, parameter BAD's gradient holds ``last`` in one element (None: it is all zero)."""
+    gen = torch.Generator().manual_seed(7)
+    steps = [[(3 * torch.randn(s, generator=gen)).to(device, dtype) for s in SKIP_SHAPES] for _ in range(3)]
+    if last is None:
+        steps[-1][BAD].zero_()
+    else:
+        steps[-1][BAD].view(-1)[5] = last
+    return steps
+
+
+def _skip_run(algo, dtype, device, fused, steps, max_grad_norm, clip_finite=None):
+    """``algo`` over fresh parameters, one step per entry of ``steps``: the parameters, the optimizer
+    and a snapshot before the last step (parameters, states, skipped count). ``clip_finite``: torch's
+    ``clip_grad_norm_`` to that norm over the finite gradients, then the step (the optimizer's own
+    ``max_grad_norm`` None)."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device, dtype)) for s in SKIP_SHAPES]
+    opt = algo.make(params, lr=1e-2, fused=fused, max_grad_norm=max_grad_norm)
+    for grads in steps:
+        snapshot = (
+            [p.detach().clone() for p in params],
+            [{key: value.clone() for key, value in opt.state[p].items()} for p in params],
+            opt.num_skipped_updates.clone(),
+        )
+        grads = [g.clone() for g in grads]
+        if clip_finite is None:
+            step_with(opt, params, grads, fused)
+            continue
+        for p, g in zip(params, grads):
+            p.grad = g
+        torch.nn.utils.clip_grad_norm_([p for p in params if torch.isfinite(p.grad).all()], clip_finite)
+        opt.step()
+        opt.zero_grad()
+    return params, opt, snapshot
+
+
+def _assert_same(params, opt, want_params, want_opt, which) -> None:
+    """Parameters ``which`` and their states are the same bits in both runs."""
+    for i in which:
+        assert torch.equal(params[i], want_params[i]), f"parameter {i}"
+        state, want = opt.state[params[i]], want_opt.state[want_params[i]]
+        assert sorted(state) == sorted(want), f"parameter {i}"
+        for key, value in want.items():
+            assert torch.equal(state[key], value), f"parameter {i}, {key}"
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NaN in the interpreter
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("value", NON_FINITE)
+@pytest.mark.parametrize("fused", [False, True], ids=["fused_false", "fused_true"])
+@pytest.mark.parametrize("algo,dtype", SKIP_CASES)
+def test_a_non_finite_gradient_under_clipping_skips_only_its_parameter(
+    monkeypatch, device, algo, dtype, fused, value, backend
+):
+    """A NaN (or an inf) in one gradient of a step that clips: that parameter, its state and step
+    count stay as they were, num_skipped_updates counts it, and every other parameter gets the update
+    it gets where that gradient is zero (a norm of 0: nothing added to the norm, or under release to
+    the estimate), bit for bit. grad_norm is the norm of all the gradients, as torch's: NaN or inf."""
+    monkeypatch.setenv("FUSEDOPT_BACKEND", backend)
+    steps = _skip_gradients(dtype, device, value)
+    params, opt, (before, states, skipped) = _skip_run(algo, dtype, device, fused, steps, 1.0)
+    zero, zero_opt, _ = _skip_run(algo, dtype, device, fused, _skip_gradients(dtype, device, None), 1.0)
+    assert torch.nn.utils.get_total_norm([g for i, g in enumerate(steps[-1]) if i != BAD]) > 10  # it clips
+    assert torch.equal(params[BAD], before[BAD])
+    state = opt.state[params[BAD]]
+    assert sorted(state) == sorted(states[BAD]) and "step" in state
+    for key, saved in states[BAD].items():
+        assert torch.equal(state[key], saved), key
+    assert int(opt.num_skipped_updates) == int(skipped) + 1
+    assert int(zero_opt.num_skipped_updates) == 0
+    others = [i for i in range(len(SKIP_SHAPES)) if i != BAD]
+    assert all(not torch.equal(params[i], before[i]) for i in others)
+    _assert_same(params, opt, zero, zero_opt, others)
+    assert torch.isnan(opt.grad_norm) if math.isnan(value) else torch.isposinf(opt.grad_norm)
+    assert torch.isfinite(zero_opt.grad_norm)
+
+
+@pytest.mark.parametrize("value", NON_FINITE)
+@pytest.mark.parametrize("algo,dtype", SKIP_CASES)
+def test_fused_false_is_clip_grad_norm_over_the_finite_gradients_then_the_step(monkeypatch, device, algo, dtype, value):
+    """fused=False with max_grad_norm, a NaN or an inf in one gradient: the same bits as torch's
+    clip_grad_norm_ over the other gradients, then an unclipped step (the reference path, which
+    rounds the clipped gradient to its dtype as torch's in-place multiply does)."""
+    monkeypatch.setenv("FUSEDOPT_BACKEND", "reference")
+    steps = _skip_gradients(dtype, device, value)
+    params, opt, _ = _skip_run(algo, dtype, device, False, steps, 1.0)
+    want, want_opt, _ = _skip_run(algo, dtype, device, False, steps, None, clip_finite=1.0)
+    _assert_same(params, opt, want, want_opt, range(len(SKIP_SHAPES)))
+    assert int(opt.num_skipped_updates) == int(want_opt.num_skipped_updates) == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("algo,dtype", SKIP_CASES)
+def test_a_nan_gradient_leaves_fused_true_and_fused_false_bit_identical_when_nothing_clips(
+    monkeypatch, device, algo, dtype, backend
+):
+    """A max_grad_norm above every norm: both modes take coefficient 1 from the finite gradients (a
+    NaN in torch's norm would give every update a NaN coefficient), skip the NaN's parameter alone,
+    and agree bit for bit."""
+    monkeypatch.setenv("FUSEDOPT_BACKEND", backend)
+    steps = _skip_gradients(dtype, device, float("nan"))
+    a, opt_a, (before, _, _) = _skip_run(algo, dtype, device, False, steps, 1e6)
+    b, opt_b, _ = _skip_run(algo, dtype, device, True, steps, 1e6)
+    _assert_same(a, opt_a, b, opt_b, range(len(SKIP_SHAPES)))
+    assert int(opt_a.num_skipped_updates) == int(opt_b.num_skipped_updates) == 1
+    assert [torch.equal(p, q) for p, q in zip(a, before)] == [i == BAD for i in range(len(SKIP_SHAPES))]
+    assert torch.isnan(opt_a.grad_norm) and torch.isnan(opt_b.grad_norm)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_total_norm_gives_each_gradients_norm_in_the_order_given(monkeypatch, device, backend):
+    """``dispatch.total_norm`` (the norm kernel, or torch's ops): each tensor's norm in the order of
+    the tensors, also where torch's grouping by dtype reorders them (fp32 and bf16 interleaved) and
+    where one is NaN or inf; the total is get_total_norm's (bit for bit on torch's path)."""
+    from fusedopt.dispatch import total_norm
+
+    monkeypatch.setenv("FUSEDOPT_BACKEND", backend)
+    gen = torch.Generator().manual_seed(2)
+    tensors = [
+        torch.randn(16 * (1 + i), generator=gen).to(device, torch.bfloat16 if i % 2 else torch.float32)
+        for i in range(6)
+    ]
+    expected = torch.stack([torch.linalg.vector_norm(t).float() for t in tensors])
+    rtol = 0.0 if backend == "reference" else 1e-6
+    total, each = total_norm(tensors)
+    torch.testing.assert_close(each.float(), expected, rtol=rtol, atol=0)
+    want = torch.nn.utils.get_total_norm(tensors)
+    torch.testing.assert_close(total, want, rtol=rtol, atol=0)
+    tensors[3][4], tensors[4][7] = float("nan"), float("inf")
+    total, each = total_norm(tensors)
+    assert torch.isnan(total)
+    assert torch.isnan(each[3]) and torch.isposinf(each[4])
+    finite = [i for i in range(6) if i not in (3, 4)]
+    torch.testing.assert_close(each[finite].float(), expected[finite], rtol=rtol, atol=0)
+
+
+def _sharded_non_finite(rank: int, world_size: int) -> None:
+    """FSDP2 over two ranks, fused=False, SGD with momentum (the update is linear in the
+    coefficient): a NaN in rank 1's shard of one weight's gradient, in a step that clips."""
+    from test_fsdp import local_batch, loss_of, make_mlp, params_of, same_on_every_rank, shard
+
+    from fusedopt.sharding import local
+
+    runs = []
+    for poison in (float("nan"), None):  # None: that weight's gradient is zero on every rank
+        model = shard(make_mlp())
+        target = model[2].weight
+        index = next(i for i, p in enumerate(model.parameters()) if p is target)
+        opt = fusedopt.SGD(model.parameters(), lr=1e-1, momentum=0.9, state_bits=32, max_grad_norm=0.05)
+        for step in range(2):
+            loss_of(model, local_batch(step, rank, world_size)).backward()
+            if step == 1:
+                before = params_of(model)
+                if poison is None:
+                    local(target.grad).zero_()
+                elif rank == 1:
+                    local(target.grad).view(-1)[0] = poison
+            opt.step()
+            opt.zero_grad()
+        steps = torch.stack([opt.state[p]["step"] for p in model.parameters()])
+        runs.append((params_of(model), before, steps, opt))
+    (got, before, steps, opt), (want, _, want_steps, want_opt) = runs
+    assert torch.equal(got[index], before[index])  # on every rank, not only the one whose shard held the NaN
+    assert [int(s) for s in steps] == [1 if i == index else 2 for i in range(len(got))]
+    assert same_on_every_rank(steps)
+    assert int(opt.num_skipped_updates) == 1 and int(want_opt.num_skipped_updates) == 0
+    assert torch.isnan(opt.grad_norm.full_tensor())
+    assert torch.isfinite(want_opt.grad_norm.full_tensor())
+    # the other weights: the update of a zero gradient there (up to the order of the norm's sums)
+    for i, (g, w, b) in enumerate(zip(got, want, before)):
+        if i != index:
+            assert not torch.equal(g, b)
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+
+
+def test_a_non_finite_shard_skips_its_parameter_on_every_rank_under_fsdp2():
+    """fused=False under FSDP2: each whole gradient's norm is reduced over the ranks, so a rank whose
+    shard is finite skips that parameter too, and the other parameters are clipped by the norm of
+    the finite gradients."""
+    pytest.importorskip("torch.distributed.fsdp")
+    from test_fsdp import spawn
+
+    spawn(_sharded_non_finite, world_size=2)

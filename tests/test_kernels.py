@@ -422,8 +422,8 @@ def test_step_clips_with_the_norm_kernels_total_norm(monkeypatch, device):
     calls = []
     from fusedopt.kernels import norms
 
-    original = norms.total_norm
-    monkeypatch.setattr(norms, "total_norm", lambda ts: calls.append(len(ts)) or original(ts))
+    original = norms.total_norms
+    monkeypatch.setattr(norms, "total_norms", lambda ts: calls.append(len(ts)) or original(ts))
     for p, g in zip(params, grads):
         p.grad = g.clone()
     opt.step()

@@ -157,7 +157,7 @@ def test_clip_grad_norm_after_release_warns_once_and_delegates_to_torch(notices)
 
 def test_without_enable_clip_grad_norm_after_release_is_torch_s_and_silent():
     model = make_model(seed=0)
-    fusedopt.AdamW(model.parameters(), fused=True, max_grad_norm=None)
+    _opt = fusedopt.AdamW(model.parameters(), fused=True, max_grad_norm=None)
     _backward(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -165,7 +165,7 @@ def test_without_enable_clip_grad_norm_after_release_is_torch_s_and_silent():
 
 
 def test_clip_grad_norm_is_torch_s_where_release_is_not_involved(notices):
-    fusedopt.AdamW(make_model(seed=5).parameters(), fused=True, max_grad_norm=None)  # a live releasing optimizer
+    _live = fusedopt.AdamW(make_model(seed=5).parameters(), fused=True, max_grad_norm=None)  # kept alive
     ours, ref = make_model(seed=0), make_model(seed=0)
     opt = fusedopt.AdamW(ours.parameters(), fused=False)
     with warnings.catch_warnings():

@@ -92,23 +92,22 @@ class MomentCodec:
         the decay exact and round only the increment; the default ignores it."""
         return self.encode(x, bits)
 
-    def invalid(self, stored: dict[str, torch.Tensor]) -> str | None:
+    def invalid(self, stored: dict[str, torch.Tensor], *, signed: bool = True) -> str | None:
         """What in ``stored`` (storage of this codec read from a checkpoint) no encode writes, or None;
-        checked before a loaded state is used. Here: NaN in a plain moment (the ``""`` entry), and a
-        floating-point ``.scales`` entry (block scales) with negative or non-finite values; either would
-        turn the moment, then the weights, into NaN. (An infinite plain second moment is left alone:
-        an fp32 ``v`` can overflow in training, and the update then is 0.)"""
+        checked before a loaded state is used. ``signed=False``: the slot holds a moment that is never
+        negative (``FusedOptimizer.nonnegative_slots``). Here: a plain moment (the ``""`` entry) as
+        ``value_problems`` sees it, and a floating-point ``.scales`` entry (block scales) with negative or
+        non-finite values; each would turn the moment, then the weights, into NaN."""
+        problems = []
         plain = stored.get("")
         if isinstance(plain, torch.Tensor) and plain.is_floating_point():
-            bad = int(plain.isnan().sum())
-            if bad:
-                return f"{bad} of its {plain.numel()} values are NaN"
+            problems += value_problems(plain, signed)
         scales = stored.get(".scales")
         if isinstance(scales, torch.Tensor) and scales.is_floating_point():
             bad = int((~(torch.isfinite(scales) & (scales >= 0))).sum())
             if bad:
-                return f"{bad} of its {scales.numel()} block scales are negative or not finite"
-        return None
+                problems.append(f"{bad} of its {scales.numel()} block scales are negative or not finite")
+        return "; ".join(problems) or None
 
     def layout(self, shape: torch.Size) -> dict[str, tuple[torch.dtype, torch.Size]]:
         """Expected dtype and shape of each storage tensor (used to validate checkpoints)."""
@@ -121,6 +120,23 @@ class MomentCodec:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def value_problems(x: torch.Tensor, signed: bool) -> list[str]:
+    """What is wrong with the values of the moment ``x`` read from a checkpoint: NaN; in a signed moment
+    (a first moment, momentum) an infinite value, which only gradients near fp32's largest write and
+    the next update passes on to the weights; in a nonnegative one a negative value. A nonnegative
+    moment may be +inf: an fp32 or bf16 second moment overflows from a large finite gradient
+    (fusedopt and torch.optim save it so), and the update of its element is then 0."""
+    n = x.numel()
+    wrong_sign = x.isinf() if signed else x < 0
+    nan, bad = torch.stack((x.isnan().sum(), wrong_sign.sum())).tolist()
+    problems = [f"{nan} of its {n} values are NaN"] if nan else []
+    if bad and signed:
+        problems.append(f"{bad} of its {n} values are infinite")
+    elif bad:
+        problems.append(f"{bad} of its {n} values are negative, in a moment that is never negative")
+    return problems
 
 
 def _frame_of(slot: str, codecs: dict[str, MomentCodec], frames: dict[str, str]) -> str:

@@ -251,6 +251,18 @@ class BlockCodec(MomentCodec):
         e = (scales.to(torch.int32) - _SCALE_BIAS).clamp(self.min_exponent, _MAX_EXPONENT)
         return _pow2(e - self.k), _pow2(self.k - e)
 
+    def invalid(self, stored, *, signed=True):
+        """Scale bytes outside the biased exponents ``block_scales`` writes, ``min_exponent`` to fp32's
+        largest. Decode clamps them, so they read as finite numbers, but no checkpoint of this format holds
+        them: the bytes are not what was saved. Every code byte is some level (a sign bit included)."""
+        scales = stored[".scales"]
+        low, high = self.min_exponent + _SCALE_BIAS, _MAX_EXPONENT + _SCALE_BIAS
+        bad = int(((scales < low) | (scales > high)).sum())
+        if bad:
+            n = scales.numel()
+            return f"{bad} of its {n} block scales are outside [{low}, {high}], the biased exponents an encode writes"
+        return None
+
     # --- decode ------------------------------------------------------------------------------
 
     def _unpack(self, codes: torch.Tensor, n_padded: int) -> torch.Tensor:

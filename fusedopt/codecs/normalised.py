@@ -131,6 +131,18 @@ class NormalisedCodec(MomentCodec):
         r = frame.reshape(-1).double().clamp_min(0.0).sqrt().float()
         return F.pad(r, (0, self.blocks * BLOCK - self.numel)).view(self.blocks, BLOCK)
 
+    def invalid(self, stored, *, signed=True):
+        """The base checks, and half-ranges above the saturated ``|q|`` (``_BIG``), which an encode never
+        exceeds: a bf16 scale can be far larger, and times the frame's root it decodes an infinite m."""
+        problem = super().invalid(stored, signed=signed)
+        if problem is not None:
+            return problem
+        scales = stored[".scales"]
+        bad = int((scales.float() > _BIG).sum())
+        if bad:
+            return f"{bad} of its {scales.numel()} block scales are above the largest an encode writes ({_BIG:g})"
+        return None
+
     # --- decode ------------------------------------------------------------------------------
 
     def decode(self, stored, frame=None):

@@ -114,10 +114,10 @@ class RootGridCodec(NibbleBlockCodec):
         codes = torch.where(fits.unsqueeze(1) & same, old_codes, codes)
         return {".codes": self.pack(codes), ".scales": units}
 
-    def invalid(self, stored):
+    def invalid(self, stored, *, signed=False):
         """The base checks, and units above any an encode writes (``2**50 * FRESH_UNIT``, the saturated
         root's): their roots' squares overflow, and v = inf would turn m, then the weights, into NaN."""
-        problem = super().invalid(stored)
+        problem = super().invalid(stored, signed=signed)
         if problem is not None:
             return problem
         bad = int((stored[".scales"] > LARGEST_UNIT).sum())

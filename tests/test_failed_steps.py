@@ -1,0 +1,340 @@
+"""What a failed step leaves behind with gradient release (``fused=True``).
+
+A backward pass that stops early (here: an out-of-memory error raised between two layers) has already
+updated the layers after the fault. The optimizer notices it at its next call, or at the next pass's
+first hook, and closes the step: the updates that ran stay, every other parameter skips the step,
+held and accumulated gradients are dropped, a warning and ``num_interrupted_steps`` say so. Each case
+then checks the updated set, every step count, finite state, a bit-exact checkpoint round trip, and
+that the next batch trains exactly as a fresh optimizer loaded from that checkpoint does (so nothing
+of the failed batch leaked into it)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from cases import ALGORITHM, algorithm_cases, cross, dtype_cases
+from helpers import save_load
+
+import fusedopt
+
+WIDTHS = (24, 72, 56, 40, 16)  # four layers; weights big enough to compress with min_compress_numel=0
+LAYERS = len(WIDTHS) - 1
+# Where the fault sits, in backward order: before any hook ran (the optimizer never hears of the pass),
+# in the first update (its allocation fails; with buckets: in the end-of-backward launch of what was
+# held), after two layers, after all but the first.
+FAULTS = {"before-hooks": LAYERS - 1, "first-update": None, "middle": 1, "last": 0}
+
+
+class _OutOfMemory(torch.autograd.Function):
+    """Identity; its backward raises the allocator's error once when armed."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _OutOfMemory.armed:
+            _OutOfMemory.armed = False
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return grad
+
+
+def _model(dtype, seed=0, device="cpu") -> torch.nn.ModuleList:
+    torch.manual_seed(seed)
+    return torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in zip(WIDTHS, WIDTHS[1:])).to(device, dtype)
+
+
+def _loss(model, x, fault_after: int | None = None) -> torch.Tensor:
+    """Forward through every layer; the fault sits after layer ``fault_after`` (its backward runs
+    after the hooks of the layers above it and before that layer's own)."""
+    for i, layer in enumerate(model):
+        x = torch.tanh(layer(x))
+        if i == fault_after:
+            x = _OutOfMemory.apply(x)
+    return x.float().pow(2).mean()
+
+
+def _batches(n, dtype, seed=1, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(5, WIDTHS[0], generator=gen).to(device, dtype) for _ in range(n)]
+
+
+class Loop:
+    """One model and optimizer and the user's loop: ``k`` backward passes per ``step()``, fp16-style
+    loss scaling with a scaler when given."""
+
+    def __init__(self, model, opt, k, scaler=None):
+        self.model, self.opt, self.k, self.scaler = model, opt, k, scaler
+
+    def backward(self, x, fault_after=None):
+        loss = _loss(self.model, x, fault_after)
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self):
+        if self.scaler is not None:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+        self.opt.zero_grad()
+
+    def train(self, xs):
+        for i in range(0, len(xs), self.k):
+            for x in xs[i : i + self.k]:
+                self.backward(x)
+            self.step()
+
+
+def _build(algorithm, dtype, mode, model=None, device="cpu", **options):
+    model = model if model is not None else _model(dtype, device=device)
+    k = 2 if mode.startswith("accumulation") else 1
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**10) if mode == "scaler" else None
+    opt = algorithm.make(
+        model.parameters(),
+        lr=1e-2,
+        min_compress_numel=0,
+        fused=True,
+        accumulation_steps=k,
+        max_grad_norm=0.05 if mode == "clipping" else None,
+        grad_scaler=scaler,
+        **options,
+    )
+    return Loop(model, opt, k, scaler)
+
+
+def _steps(opt) -> list[int]:
+    return [int(opt.state[p]["step"]) if p in opt.state else 0 for g in opt.param_groups for p in g["params"]]
+
+
+def _assert_same(a, b, where=""):
+    """Nested state dicts (or tensors) equal bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def _assert_finite_state(opt):
+    for state in opt.state.values():
+        for name, t in state.items():
+            if t.is_floating_point():
+                assert torch.isfinite(t).all(), name
+
+
+def _fail_once(monkeypatch, name):
+    """Make ``UpdateDispatcher.<name>`` raise an out-of-memory error at its next call (once)."""
+    original = getattr(fusedopt.dispatch.UpdateDispatcher, name)
+
+    def failing(*args, **kwargs):
+        monkeypatch.setattr(fusedopt.dispatch.UpdateDispatcher, name, original)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    monkeypatch.setattr(fusedopt.dispatch.UpdateDispatcher, name, failing)
+    return original
+
+
+def _fail_a_step(loop, where, mode, x, monkeypatch):
+    """The user's batch that runs out of memory: with accumulation, in the first or second micro-batch.
+    ``where="flush"``: in the launch of the updates held for buckets, at the end of backward."""
+    if mode == "accumulation-second":
+        loop.backward(x)
+    name = {"first-update": "update", "flush": "_launch_bucket"}.get(where)
+    original = _fail_once(monkeypatch, name) if name else None
+    _OutOfMemory.armed = name is None
+    with pytest.raises(torch.OutOfMemoryError):
+        loop.backward(x, FAULTS.get(where))
+    assert not _OutOfMemory.armed
+    if name:
+        assert getattr(fusedopt.dispatch.UpdateDispatcher, name) is original  # it was called
+
+
+def _updated_by_failure(mode, where) -> list[bool]:
+    """Which parameters (weight, bias per layer) the failed pass updated before it stopped."""
+    releases = mode != "accumulation-first" and where in ("middle", "last")
+    return [releases and layer > FAULTS[where] for layer in range(LAYERS) for _ in range(2)]
+
+
+def _expect_closing(where):
+    """The warning of the closed step; a pass that stopped before its first hook left nothing to close."""
+    if where == "before-hooks":
+        return warnings.catch_warnings(record=True)
+    return pytest.warns(UserWarning, match=r"stopped early")
+
+
+def _check_closed_and_resumable(
+    loop, before_params, before_steps, updated, algorithm, dtype, mode, twin_equal=True, **options
+):
+    """The failed step closed: ``updated`` says which parameters it updated. Then a checkpoint round trip,
+    and the next batches against a fresh optimizer loaded from that checkpoint: equal bit for bit when
+    ``twin_equal`` (not where clipping sees the fresh optimizer's first updates one by one and the old
+    one's in buckets, which it estimates in other batches)."""
+    opt = loop.opt
+    params = [p for g in opt.param_groups for p in g["params"]]
+    assert [int(s) for s in _steps(opt)] == [s + u for s, u in zip(before_steps, updated)]
+    for p, b, u in zip(params, before_params, updated):
+        assert torch.equal(p.detach(), b) != u, "an updated parameter changed; the others are untouched"
+        assert p.grad is None
+    assert opt.held_gradients() == []
+    closed = opt.num_interrupted_steps
+    _assert_finite_state(opt)
+
+    saved = save_load(opt.state_dict())
+    device = before_params[0].device
+    twin = _build(algorithm, dtype, mode, copy.deepcopy(loop.model), device, **options)
+    twin.opt.load_state_dict(saved)
+    _assert_same(saved, twin.opt.state_dict(), "round trip")
+    assert saved["fusedopt"]["num_interrupted_steps"] == closed
+    if loop.scaler is not None:
+        assert loop.scaler.get_scale() == 2.0**10  # no overflow was reported for the failed step
+        twin.scaler.load_state_dict(loop.scaler.state_dict())
+
+    xs = _batches(2 * loop.k, dtype, seed=7, device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the step was closed once: no second warning
+        loop.train(xs)
+        twin.train(xs)
+    if twin_equal:
+        _assert_same(loop.opt.state_dict(), twin.opt.state_dict(), "after the next batches")
+        for p, q in zip(loop.model.parameters(), twin.model.parameters()):
+            assert torch.equal(p, q)
+    _assert_finite_state(opt)
+    assert [s - b for s, b in zip(_steps(opt), before_steps)] == [2 + u for u in updated]
+
+
+MODES = ("plain", "accumulation-first", "accumulation-second", "clipping", "scaler")
+ALGORITHMS = algorithm_cases("adamw", "sgd-momentum", "lion", "adafactor")
+
+
+# the first of two micro-batches updates nothing, so no update can fail in it
+CASES = [(w, m) for m in MODES for w in FAULTS if (w, m) != ("first-update", "accumulation-first")]
+
+
+@pytest.mark.parametrize("where, mode", [pytest.param(w, m, id=f"{w}-{m}") for w, m in CASES])
+@pytest.mark.parametrize("algorithm, dtype", cross(ALGORITHMS, dtype_cases(torch.float32, torch.bfloat16)))
+def test_a_failed_backward_is_closed_at_zero_grad_and_the_next_batch_trains(algorithm, dtype, where, mode, monkeypatch):
+    loop = _build(algorithm, dtype, mode)
+    loop.train(_batches(2 * loop.k, dtype))
+    params = [p.detach().clone() for p in loop.model.parameters()]
+    steps = _steps(loop.opt)
+    _fail_a_step(loop, where, mode, _batches(1, dtype, seed=3)[0], monkeypatch)
+    updated = _updated_by_failure(mode, where)
+    with _expect_closing(where) as record:
+        loop.opt.zero_grad()
+    if where == "before-hooks":
+        assert [str(w.message) for w in record] == [] and loop.opt.num_interrupted_steps == 0
+    else:
+        assert f"; {sum(updated)} parameter update(s)" in str(record[0].message)
+        assert len(record) == 1 and loop.opt.num_interrupted_steps == 1
+    _check_closed_and_resumable(loop, params, steps, updated, algorithm, dtype, mode)
+
+
+@pytest.mark.parametrize("recovery", ["next-backward", "step", "state_dict", "reload"])
+@pytest.mark.parametrize("mode", ["plain", "accumulation-second", "clipping"])
+@pytest.mark.parametrize("dtype", dtype_cases(torch.float32, torch.bfloat16))
+def test_every_entry_point_closes_a_failed_backward(recovery, mode, dtype, monkeypatch):
+    """The next backward (no zero_grad: bf16 accumulates in the optimizer's buffers, float32 in p.grad),
+    step() (a loop that steps whatever happened), state_dict() and a reload of the last checkpoint."""
+    algorithm = ALGORITHM["adamw"]
+    loop = _build(algorithm, dtype, mode)
+    loop.train(_batches(2 * loop.k, dtype))
+    checkpoint = save_load({"model": loop.model.state_dict(), "opt": loop.opt.state_dict()})
+    params = [p.detach().clone() for p in loop.model.parameters()]
+    steps = _steps(loop.opt)
+    _fail_a_step(loop, "middle", mode, _batches(1, dtype, seed=3)[0], monkeypatch)
+    updated = _updated_by_failure(mode, "middle")
+    with pytest.warns(UserWarning, match=rf"stopped early.*; {sum(updated)} parameter update\(s\)"):
+        if recovery == "next-backward":
+            loop.backward(_batches(1, dtype, seed=9)[0])
+        elif recovery == "step":
+            loop.step()
+        elif recovery == "state_dict":
+            loop.opt.state_dict()
+        else:
+            loop.model.load_state_dict(checkpoint["model"])
+            loop.opt.load_state_dict(checkpoint["opt"])
+    if recovery == "reload":
+        _assert_same(checkpoint["opt"]["state"], loop.opt.state_dict()["state"])
+        assert _steps(loop.opt) == steps
+        return
+    if recovery == "next-backward":  # it opened a new window: the rest of it, and its step
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            for x in _batches(loop.k - 1, dtype, seed=10):
+                loop.backward(x)
+            loop.step()
+        assert [s - b for s, b in zip(_steps(loop.opt), steps)] == [1 + u for u in updated]
+        _assert_finite_state(loop.opt)
+        assert loop.opt.num_interrupted_steps == 1
+        return
+    _check_closed_and_resumable(loop, params, steps, updated, algorithm, dtype, mode)
+
+
+def test_a_float32_partial_accumulation_left_in_p_grad_is_refused_not_added_to(monkeypatch):
+    """float32 gradients accumulate in p.grad, where a pass that failed in the first micro-batch left its
+    partial sum; the next pass adds to it before any hook runs. As with torch.optim, zero_grad() clears
+    it: the next pass says so instead of updating from the sum, and after zero_grad() training goes on."""
+    loop = _build(ALGORITHM["adamw"], torch.float32, "accumulation-first")
+    loop.train(_batches(2, torch.float32))
+    steps = _steps(loop.opt)
+    _fail_a_step(loop, "middle", "accumulation-first", _batches(1, torch.float32, seed=3)[0], monkeypatch)
+    with pytest.warns(UserWarning, match="stopped early"), pytest.raises(RuntimeError, match=r"zero_grad\(\)"):
+        loop.backward(_batches(1, torch.float32, seed=9)[0])
+    assert all(p.grad is None for p in loop.model.parameters())  # the sum is dropped, not left to add to
+    loop.opt.zero_grad()
+    assert loop.opt.num_interrupted_steps == 1  # the refused pass stopped at its first hook: nothing to close
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        loop.train(_batches(2, torch.float32, seed=11))
+    assert _steps(loop.opt) == [s + 1 for s in steps]
+
+
+@pytest.mark.parametrize("where", ["middle", "last", "flush"])
+@pytest.mark.parametrize("state", [{}, {"state_format": "norm2-root4"}], ids=["default", "norm2-root4"])
+def test_a_failed_backward_drops_the_updates_held_for_buckets(monkeypatch, device, state, where):
+    """Kernel updates wait in buckets until the end of backward: a pass that fails before (or while
+    launching them) updated nothing, and what it held never lands, at zero_grad() or later."""
+    monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
+    monkeypatch.setenv("FUSEDOPT_BUCKET_MB", "64")
+    model = _model(torch.bfloat16).to(device)
+    opt = fusedopt.AdamW(model.parameters(), lr=1e-2, min_compress_numel=0, fused=True, max_grad_norm=1.0, **state)
+    loop = Loop(model, opt, 1)
+    xs = [x.to(device) for x in _batches(4, torch.bfloat16)]
+    loop.train(xs[:2])  # the second step's updates were held and bucketed
+    assert opt._dispatch._built
+    params = [p.detach().clone() for p in model.parameters()]
+    steps = _steps(opt)
+    reached = [where == "flush" or i // 2 > FAULTS[where] for i in range(2 * LAYERS)]  # hooks that ran
+    held = [opt.can_hold_update(p) for p in model.parameters()]  # the others launch alone, in the hook
+    assert any(held) and not all(held)
+    updated = [r and not h for r, h in zip(reached, held)]
+    _fail_a_step(loop, where, "plain", xs[2], monkeypatch)
+    assert opt._release.holds_updates() == (where != "flush")  # the flush took them before it failed
+    with pytest.warns(UserWarning, match=rf"stopped early.*; {sum(updated)} parameter update\(s\)"):
+        opt.zero_grad()
+    assert not opt._release.holds_updates() and not opt._dispatch._pending and opt.held_gradients() == []
+    assert _steps(opt) == [s + u for s, u in zip(steps, updated)]
+    for p, b, u in zip(model.parameters(), params, updated):
+        assert torch.equal(p.detach(), b) != u and p.grad is None
+    saved = save_load(opt.state_dict())
+    twin_model = copy.deepcopy(model)
+    twin = Loop(twin_model, fusedopt.AdamW(twin_model.parameters(), lr=1e-2, fused=True, max_grad_norm=1.0), 1)
+    twin.opt.load_state_dict(saved)
+    loop.train(xs[3:])
+    twin.train(xs[3:])
+    _assert_same(opt.state_dict(), twin.opt.state_dict())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin_model.parameters()))
+    assert _steps(opt) == [s + 1 + u for s, u in zip(steps, updated)]
