@@ -4,7 +4,7 @@ Each case trains an optimizer two steps, corrupts one entry of its last paramete
 that into an optimizer which has stepped on its own (other hyperparameters, seed and state): the error
 names the parameter, the slot and the problem, and the optimizer's state, step counts, groups and
 parameters stay bit for bit as they were (the parameters before the corrupt one, converted first, are not
-committed either), and it steps on.
+committed either), and its next step is that of a twin that never saw the load.
 """
 
 import copy

@@ -338,3 +338,62 @@ def test_a_failed_backward_drops_the_updates_held_for_buckets(monkeypatch, devic
     _assert_same(opt.state_dict(), twin.opt.state_dict())
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin_model.parameters()))
     assert _steps(opt) == [s + 1 + u for s, u in zip(steps, updated)]
+
+
+def test_a_scaler_the_optimizer_was_not_given_is_refused_at_each_step_without_wedging_it():
+    """The documented error at scaler.step(), every time, and never the misleading one from the next
+    backward; once the optimizer is given the scaler, training goes on."""
+    model = _model(torch.float32)
+    opt = fusedopt.AdamW(model.parameters(), lr=1e-2, fused=True, max_grad_norm=None)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    xs = _batches(3, torch.float32)
+    for x in xs[:2]:
+        scaler.scale(_loss(model, x)).backward()
+        with pytest.raises(RuntimeError, match=r"does not know it.*grad_scaler=scaler"):
+            scaler.step(opt)
+        assert opt._release.hooks_ran() is False and all(p.grad is None for p in model.parameters())
+    steps = _steps(opt)
+    opt.grad_scaler = scaler
+    scaler.scale(_loss(model, xs[2])).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert _steps(opt) == [s + 1 for s in steps] and opt.num_interrupted_steps == 0
+
+
+class _Shared(torch.nn.Module):
+    """One weight used in two checkpointed segments (tied weights)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x, reentrant):
+        from torch.utils.checkpoint import checkpoint
+
+        x = checkpoint(lambda t: torch.tanh(self.shared(t)), x, use_reentrant=reentrant)
+        x = checkpoint(lambda t: torch.tanh(self.shared(t)), x, use_reentrant=reentrant)
+        return self.head(x).pow(2).mean()
+
+
+def test_reentrant_checkpointing_of_a_shared_parameter_names_its_cause_and_recovers():
+    model = _Shared()
+    opt = fusedopt.AdamW(model.parameters(), lr=1e-2, fused=True, max_grad_norm=None)
+    x = torch.randn(3, 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"second gradient within one backward pass.*use_reentrant=False"):
+        model(x, reentrant=True).backward()
+    with pytest.warns(UserWarning, match="stopped early"):
+        opt.zero_grad()
+    model(x, reentrant=False).backward()  # the documented alternative: every gradient once, whole
+    opt.step()
+    assert opt.num_interrupted_steps == 1 and all(int(opt.state[p]["step"]) >= 1 for p in model.parameters())
+
+
+def test_a_second_backward_without_accumulation_steps_names_the_setting():
+    model = _model(torch.bfloat16)
+    opt = fusedopt.AdamW(model.parameters(), lr=1e-2, fused=True, max_grad_norm=None)
+    x = _batches(1, torch.bfloat16)[0]
+    _loss(model, x).backward()
+    with pytest.raises(RuntimeError, match=r"accumulation_steps=1.*pass the same number as accumulation_steps"):
+        _loss(model, x).backward()

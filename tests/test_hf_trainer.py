@@ -382,3 +382,67 @@ def test_trainer_hands_its_grad_scaler_to_a_releasing_optimizer(tmp_path):
     trainer.accelerator.scaler = torch.amp.GradScaler("cpu")
     with pytest.raises(ValueError, match="grad_scaler is not the GradScaler the Trainer scales the loss with"):
         trainer.train()
+
+
+class _OutOfMemoryOnce(torch.autograd.Function):
+    """Identity; its backward raises the allocator's error (the message accelerate's
+    find_executable_batch_size looks for) in the second backward pass, the one that releases."""
+
+    calls = raised = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _OutOfMemoryOnce.calls += 1
+        if _OutOfMemoryOnce.calls == 2:
+            _OutOfMemoryOnce.raised += 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return grad
+
+
+def test_auto_find_batch_size_retries_an_out_of_memory_backward_and_resumes_bit_for_bit(tmp_path):
+    """``auto_find_batch_size=True``: an out-of-memory error inside a releasing backward, after the layers
+    above the fault were updated, makes the Trainer start again with a smaller batch on the same
+    optimizer. The optimizer closes the failed step at the retry's first backward; training runs to
+    the end, and its checkpoint resumes bit for bit."""
+    opt_kwargs = dict(fused=True, state_bits=8, min_compress_numel=0)
+    common = dict(
+        max_steps=6, save_strategy="steps", save_steps=3, max_grad_norm=1.0, per_device_train_batch_size=4,
+        auto_find_batch_size=True, gradient_accumulation_steps=2,
+    )  # fmt: skip
+
+    def run(out, resume=None, fail=False):
+        model = tiny_llama(torch.bfloat16)
+        if fail:  # between the second layer's MLP and the rest of the model
+            model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: _OutOfMemoryOnce.apply(out))
+        trainer = FusedOptTrainer(
+            model=model,
+            args=training_args(out, **common),
+            train_dataset=TokenDataset(n=40),
+            optimizer_cls_and_kwargs=(fusedopt.AdamW, opt_kwargs),
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, model
+
+    _OutOfMemoryOnce.calls = _OutOfMemoryOnce.raised = 0
+    with pytest.warns(UserWarning, match=r"stopped early.*; [1-9]\d* parameter update\(s\)") as record:
+        full, full_model = run(tmp_path / "full", fail=True)
+    assert _OutOfMemoryOnce.raised == 1 and sum("stopped early" in str(w.message) for w in record) == 1
+    assert full.state.global_step == 6 and full.state.train_batch_size == 3  # retried with 0.9 x 4
+    opt = fused_optimizer(full.optimizer)
+    assert opt.num_interrupted_steps == 1
+    resumed, resumed_model = run(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoint-3"))
+    assert resumed.state.global_step == 6 and resumed.state.train_batch_size == 3
+    for key in ("loss", "grad_norm"):
+        assert step_logs(resumed, key) == step_logs(full, key), key
+    a, b = params(full_model), params(resumed_model)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    sa, sb = opt.state_dict(), fused_optimizer(resumed.optimizer).state_dict()
+    assert sb["fusedopt"]["num_interrupted_steps"] == 1  # saved in the checkpoint
+    for index, state in sa["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, sb["state"][index][key]), (index, key)
