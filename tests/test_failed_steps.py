@@ -392,7 +392,7 @@ def test_reentrant_checkpointing_of_a_shared_parameter_names_its_cause_and_recov
 
 def test_a_second_backward_without_accumulation_steps_names_the_setting():
     model = _model(torch.bfloat16)
-    opt = fusedopt.AdamW(model.parameters(), lr=1e-2, fused=True, max_grad_norm=None)
+    _opt = fusedopt.AdamW(model.parameters(), lr=1e-2, fused=True, max_grad_norm=None)
     x = _batches(1, torch.bfloat16)[0]
     _loss(model, x).backward()
     with pytest.raises(RuntimeError, match=r"accumulation_steps=1.*pass the same number as accumulation_steps"):
