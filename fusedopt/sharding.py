@@ -108,3 +108,44 @@ def sum_over_shards(t: torch.Tensor, groups: tuple) -> torch.Tensor:
     for group in groups:
         torch.distributed.all_reduce(t, group=group)
     return t
+
+
+def reset_fsdp_backward_state(model: torch.nn.Module) -> None:
+    """After an exception inside backward under FSDP2 (``fully_shard``): put ``model``'s FSDP2 modules
+    back in the state their end-of-backward callback leaves. A failed backward never runs that
+    callback, and FSDP2 keeps it marked as queued, so it never runs again: later steps reduce and
+    release gradients wrongly. Gradients the failed pass left unreduced are dropped, never reduced
+    (call it on every rank, after the optimizer's ``zero_grad()``). A model without FSDP2 modules is
+    left alone."""
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        return
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+        for module in modules:
+            state = module._get_fsdp_state()
+            context = state._state_ctx
+            context.iter_forward_root = None
+            context.post_backward_final_callback_queued = False
+            for other in context.all_states:
+                other._modules_to_run_forward.clear()
+                for group in other._fsdp_param_groups:
+                    for fsdp_param in group.fsdp_params:
+                        fsdp_param.unsharded_accumulated_grad = None
+                        if fsdp_param.unsharded_param.grad is not None:
+                            fsdp_param.unsharded_param.grad = None
+                    if group.is_unsharded:
+                        group.reshard()
+                    group._training_state = TrainingState.IDLE
+                other._training_state = TrainingState.IDLE
+            if state._comm_ctx is not None:
+                state._comm_ctx.post_forward_order.clear()
+                state._comm_ctx.reduce_scatter_states.clear()
+    except (AttributeError, ImportError) as error:
+        raise RuntimeError(
+            f"reset_fsdp_backward_state does not know this torch's FSDP2 ({torch.__version__}): {error}. Rebuild "
+            "the model and optimizer and load the last checkpoint instead"
+        ) from error

@@ -829,3 +829,76 @@ def _dcp_entry_on_one(rank, world_size, out):
 
 
 test_dcp_keeps_seed_counter_and_clipping_history = scenario((TWO, _dcp_entry_on_two), (ONE_AFTER, _dcp_entry_on_one))
+
+
+# --- a backward that stops early (out of memory) on every rank ------------------------------
+
+
+class _OutOfMemory(torch.autograd.Function):
+    """Identity; its backward raises the allocator's error once when armed (on every rank alike)."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _OutOfMemory.armed:
+            _OutOfMemory.armed = False
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return grad
+
+
+def _loss_failing_before_the_head(model, x) -> torch.Tensor:
+    """``loss_of``, with the fault between the head and the layers below it (the head is updated first)."""
+    return model[4](_OutOfMemory.apply(model[3](model[2](model[1](model[0](x)))))).float().square().mean()
+
+
+def _failed_backward(rank, world_size, out):
+    """The failed step is closed at zero_grad() on every rank alike: the head's update (released before
+    the fault) stays, the rest skip the step, and the next batches train exactly as a fresh optimizer
+    loaded from the checkpoint (DCP) saved right after."""
+    import warnings
+
+    for (name, hyper), micro, clip in [(a, m, c) for a in ALGORITHMS.items() for m in (1, 2) for c in (None, 0.05)]:
+        what = f"{name}, {micro} micro-batch(es), max_grad_norm={clip}"
+
+        def build(name=name, hyper=hyper, micro=micro, clip=clip):
+            model = shard(make_mlp(torch.bfloat16))
+            opt = getattr(fusedopt, name)(
+                model.parameters(), min_compress_numel=0, fused=True, accumulation_steps=micro, max_grad_norm=clip,
+                **hyper,
+            )  # fmt: skip
+            return model, opt
+
+        model, opt = build()
+        train(model, opt, rank, world_size, steps=2, dtype=torch.bfloat16, micro=micro)
+        before = params_of(model)
+        parts = local_batch(5, rank, world_size, torch.bfloat16).chunk(micro)
+        if micro == 2:
+            (loss_of(model, parts[0]) / 2).backward()
+        _OutOfMemory.armed = True
+        with pytest.raises(torch.OutOfMemoryError):
+            (_loss_failing_before_the_head(model, parts[-1]) / micro).backward()
+        with pytest.warns(UserWarning, match=r"stopped early.*; 2 parameter update\(s\)"):
+            opt.zero_grad()
+        fusedopt.reset_fsdp_backward_state(model)  # FSDP2's own end of backward, which never ran
+        changed = [not torch.equal(a, b) for a, b in zip(params_of(model), before)]
+        assert changed == [False, False, False, False, True, True], what  # the head's weight and bias
+        assert opt.num_interrupted_steps == 1 and all(p.grad is None for p in model.parameters()), what
+        path = out / f"failed-{name}-{micro}-{clip}"  # one checkpoint, saved by every rank
+        save(model, opt, path)
+        twin, twin_opt = build()
+        load(twin, twin_opt, path)
+        assert twin_opt.num_interrupted_steps == 1, what  # folded into the groups for DCP
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            train(model, opt, rank, world_size, steps=2, first_step=6, dtype=torch.bfloat16, micro=micro)
+            train(twin, twin_opt, rank, world_size, steps=2, first_step=6, dtype=torch.bfloat16, micro=micro)
+        assert_equal(params_of(model), params_of(twin), what + ", parameters")
+        assert_equal(state_of(opt), state_of(twin_opt), what + ", state")
+
+
+test_a_failed_backward_under_fsdp2_is_closed_on_every_rank = scenario((TWO, _failed_backward))
