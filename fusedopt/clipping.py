@@ -28,6 +28,7 @@ The first backward has no history: it is clipped with the norm of the part seen 
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -338,6 +339,7 @@ class ReleaseClipping:
                 stacklevel=4,
             )
         known, total = saved["known"], saved["last_total"]
+        _refuse_corrupt_history(saved)
         device = next(iter(indices.values()))[1] if indices else torch.device("cpu")
         size = max((index for index, _ in indices.values()), default=0) + 1
         last = torch.full((size,), -1.0, dtype=torch.float64)
@@ -361,3 +363,23 @@ class ReleaseClipping:
         if total is not None:
             self._stats[SLOT["total"]] = total.to(device, torch.float64)
             self._has_total = True
+
+
+def _refuse_corrupt_history(saved: dict) -> None:
+    """Refuse a history no clipping could have written: squared norms (each parameter's, their sum
+    ``known``, adagc's averages) are finite and not negative, update counts not negative. The last
+    total may be NaN or inf (a non-finite gradient's step reports that norm) but never negative."""
+    values = [("known", saved["known"], True)] + [("last_total", saved["last_total"], False)]
+    for pid, entry in saved["params"].items():
+        values += [(f"norm_sq of parameter {pid}", entry.get("norm_sq"), True)]
+        values += [(f"average of parameter {pid}", entry.get("average"), True)]
+        if int(entry.get("updates", 0)) < 0:
+            raise ValueError(f"the clipping history's update count of parameter {pid} is negative")
+    for name, value, finite in values:
+        if value is None:
+            continue
+        x = float(value)
+        if x < 0 or (finite and not math.isfinite(x)):
+            raise ValueError(
+                f"the clipping history's {name} is {x}: a squared norm is {'finite and ' * finite}never negative"
+            )

@@ -339,3 +339,33 @@ def test_what_every_encode_writes_passes(fmt, signed):
         if not signed:  # an EMA's update keeps the decay exact on the scale where the format can
             again = codec.encode_decayed(x * 0.999, bits, stored, 0.999)
             assert codec.invalid(again, signed=signed) is None
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [("known", -1.0), ("known", float("nan")), ("norm_sq", float("inf")), ("norm_sq", -2.0), ("last_total", -1.0)],
+    ids=lambda c: f"{c[0]}={c[1]}",
+)
+def test_a_corrupt_clipping_history_is_refused_and_leaves_the_optimizer_as_it_was(corrupt):
+    """The history of clipping under release: squared norms are finite and never negative."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 8))
+    opt = fusedopt.AdamW(model.parameters(), lr=1e-2, fused=True, max_grad_norm=0.1)
+    for _ in range(2):
+        model(torch.randn(4, 24)).square().mean().backward()
+        opt.step()
+    saved = opt.state_dict()
+    before = copy.deepcopy(saved)
+    key, value = corrupt
+    history = saved["fusedopt"]["release_clipping"]
+    if key == "norm_sq":
+        history["params"][0]["norm_sq"] = torch.tensor(value, dtype=torch.float64)
+    else:
+        history[key] = torch.tensor(value, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"invalid release_clipping entry.*never negative"):
+        opt.load_state_dict(saved)
+    after = opt.state_dict()
+    assert torch.equal(after["fusedopt"]["release_clipping"]["known"], before["fusedopt"]["release_clipping"]["known"])
+    for index, state in before["state"].items():
+        for name, t in state.items():
+            assert torch.equal(after["state"][index][name], t)
