@@ -144,3 +144,21 @@ def test_results_is_one_current_page():
     with open(os.path.join(REPO, "benchmarks", "RESULTS.md")) as f:
         lines = f.read().splitlines()
     assert len(lines) <= 400, len(lines)
+
+
+def test_the_readme_figure_is_drawn_from_results_md(tmp_path):
+    """benchmarks/plot_memory_time.py finds every point it plots in RESULTS.md's tables (an edit of those
+    tables that loses a row fails here, not in the next redraw), and draws the figure the README shows."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "plot_memory_time", os.path.join(REPO, "benchmarks", "plot_memory_time.py")
+    )
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    points = plot.points(open(os.path.join(REPO, "benchmarks", "RESULTS.md")).read())
+    assert len(points) == len(plot.POINTS) and all(ratio > 0.5 and peak > 1 for _, ratio, peak in points)
+    assert dict((label, ratio) for label, ratio, _ in points)["torch AdamW, pure bf16"] == 1  # the reference
+    plot.main(["--out", str(tmp_path / "figure.png")])
+    assert (tmp_path / "figure.png").stat().st_size > 10_000
+    assert "](docs/memory_vs_step.png)" in README and os.path.exists(os.path.join(DOCS, "memory_vs_step.png"))
