@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 from cases import ALGORITHM, algorithm_cases, cross, dtype_cases
-from helpers import save_load
+from helpers import OutOfMemory, save_load
 
 import fusedopt
 
@@ -26,23 +26,6 @@ LAYERS = len(WIDTHS) - 1
 # in the first update (its allocation fails; with buckets: in the end-of-backward launch of what was
 # held), after two layers, after all but the first.
 FAULTS = {"before-hooks": LAYERS - 1, "first-update": None, "middle": 1, "last": 0}
-
-
-class _OutOfMemory(torch.autograd.Function):
-    """Identity; its backward raises the allocator's error once when armed."""
-
-    armed = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if _OutOfMemory.armed:
-            _OutOfMemory.armed = False
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
-        return grad
 
 
 def _model(dtype, seed=0, device="cpu") -> torch.nn.ModuleList:
@@ -56,7 +39,7 @@ def _loss(model, x, fault_after: int | None = None) -> torch.Tensor:
     for i, layer in enumerate(model):
         x = torch.tanh(layer(x))
         if i == fault_after:
-            x = _OutOfMemory.apply(x)
+            x = OutOfMemory.apply(x)
     return x.float().pow(2).mean()
 
 
@@ -154,10 +137,10 @@ def _fail_a_step(loop, where, mode, x, monkeypatch):
         loop.backward(x)
     name = {"first-update": "update", "flush": "_launch_bucket"}.get(where)
     original = _fail_once(monkeypatch, name) if name else None
-    _OutOfMemory.armed = name is None
+    OutOfMemory.armed = name is None
     with pytest.raises(torch.OutOfMemoryError):
         loop.backward(x, FAULTS.get(where))
-    assert not _OutOfMemory.armed
+    assert not OutOfMemory.armed
     if name:
         assert getattr(fusedopt.dispatch.UpdateDispatcher, name) is original  # it was called
 

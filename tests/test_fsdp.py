@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import OutOfMemory
 
 import fusedopt
 from fusedopt.sharding import as_sharded, is_sharded, local
@@ -834,26 +835,9 @@ test_dcp_keeps_seed_counter_and_clipping_history = scenario((TWO, _dcp_entry_on_
 # --- a backward that stops early (out of memory) on every rank ------------------------------
 
 
-class _OutOfMemory(torch.autograd.Function):
-    """Identity; its backward raises the allocator's error once when armed (on every rank alike)."""
-
-    armed = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if _OutOfMemory.armed:
-            _OutOfMemory.armed = False
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
-        return grad
-
-
 def _loss_failing_before_the_head(model, x) -> torch.Tensor:
     """``loss_of``, with the fault between the head and the layers below it (the head is updated first)."""
-    return model[4](_OutOfMemory.apply(model[3](model[2](model[1](model[0](x)))))).float().square().mean()
+    return model[4](OutOfMemory.apply(model[3](model[2](model[1](model[0](x)))))).float().square().mean()
 
 
 def _failed_backward(rank, world_size, out):
@@ -879,7 +863,7 @@ def _failed_backward(rank, world_size, out):
         parts = local_batch(5, rank, world_size, torch.bfloat16).chunk(micro)
         if micro == 2:
             (loss_of(model, parts[0]) / 2).backward()
-        _OutOfMemory.armed = True
+        OutOfMemory.armed = True
         with pytest.raises(torch.OutOfMemoryError):
             (_loss_failing_before_the_head(model, parts[-1]) / micro).backward()
         with pytest.warns(UserWarning, match=r"stopped early.*; 2 parameter update\(s\)"):
