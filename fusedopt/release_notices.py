@@ -7,7 +7,8 @@ plain Hugging Face ``Trainer``'s) finds no gradients: it clips nothing and retur
 **By default** fusedopt replaces no torch function. A ``fused=True`` optimizer built without a
 ``max_grad_norm`` argument warns once per process (``warn_release_without_clipping``), naming the
 fix: clip through the optimizer (``max_grad_norm=1.0``; with the Hugging Face Trainer,
-``fusedopt.integrations.huggingface.FusedOptTrainer``), or pass ``max_grad_norm=None`` to say that
+``fusedopt.integrations.huggingface.FusedOptTrainer``; with Lightning,
+``fusedopt.integrations.lightning.FusedOptCallback``), or pass ``max_grad_norm=None`` to say that
 there is no clipping, which silences the warning.
 
 **Opt-in** (``enable()``, undone by ``disable()``): two torch functions are replaced, process-wide,
@@ -77,8 +78,9 @@ def warn_release_without_clipping() -> None:
         "fusedopt: fused=True (gradient release) updates each parameter inside backward and frees its gradient, "
         "so a clip_grad_norm_ of your own after backward (torch.nn.utils.clip_grad_norm_, a plain Hugging Face "
         "Trainer's max_grad_norm) finds no gradients and clips nothing. Clip in the optimizer: max_grad_norm=1.0 "
-        "(Hugging Face: fusedopt.integrations.huggingface.FusedOptTrainer), or pass max_grad_norm=None to say you "
-        "do not clip; either silences this warning (shown once per process)",
+        "(Hugging Face: fusedopt.integrations.huggingface.FusedOptTrainer; Lightning's gradient_clip_val: "
+        "fusedopt.integrations.lightning.FusedOptCallback), or pass max_grad_norm=None to say you do not clip; "
+        "either silences this warning (shown once per process)",
         UserWarning,
         stacklevel=_outside_fusedopt(),
     )
@@ -133,7 +135,8 @@ def clip_grad_norm_(parameters, *args, **kwargs):
                 "optimizer with fused=True: gradient release updated them and freed their gradients during "
                 "backward, so nothing of theirs was clipped and the norm returned leaves them out. Clip through "
                 "the optimizer: max_grad_norm=... (with the Hugging Face Trainer, "
-                "fusedopt.integrations.huggingface.FusedOptTrainer). This warning is shown once",
+                "fusedopt.integrations.huggingface.FusedOptTrainer; with Lightning, "
+                "fusedopt.integrations.lightning.FusedOptCallback). This warning is shown once",
                 UserWarning,
                 stacklevel=2,
             )
