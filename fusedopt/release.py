@@ -87,6 +87,23 @@ def check_processes(params: Iterable[torch.Tensor]) -> None:
         )
 
 
+def _sharded_later() -> bool:
+    """Whether accelerate is set up to shard this process's model with FSDP2 (an ``Accelerator`` with an
+    FSDP plugin of version 2 exists). The Trainer builds the optimizer on the unsharded model, then
+    ``Accelerator.prepare()`` shards it and puts each sharded parameter in the optimizer in place of
+    the unsharded one (``FusedOptimizer.sync_groups`` takes them over). Looked up only where
+    accelerate is imported already."""
+    state = sys.modules.get("accelerate.state")
+    if state is None:
+        return False
+    try:  # AcceleratorState.is_fsdp2, read without making an AcceleratorState (that would change it)
+        shared = state.AcceleratorState._shared_state
+        plugin = shared.get("fsdp_plugin")
+        return shared.get("distributed_type") == state.DistributedType.FSDP and plugin.fsdp_version == 2
+    except Exception:  # another accelerate: then plain parameters are checked as without it
+        return False
+
+
 def _hook(release_ref: weakref.ref, p: torch.Tensor) -> None:
     release = release_ref()
     if release is not None:
@@ -157,10 +174,18 @@ class GradientRelease:
         self._left: dict[int, weakref.ref] = {}  # id(param) -> its gradient left in p.grad to accumulate
         weakref.finalize(optimizer, GradientRelease._remove_handles, self._handles)
 
-    def attach(self, params: Iterable[torch.Tensor]) -> None:
-        """Register the release hook on every trainable parameter in ``params``."""
+    def check(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """What ``attach`` checks before it hooks anything; returns the trainable parameters of ``params``.
+
+        Plain parameters in a process group of several processes are refused (``check_processes``),
+        except while accelerate's FSDP2 is to shard them (``_sharded_later``) and no hook has run yet:
+        ``Accelerator.prepare()`` then puts the sharded parameters in their place, and the first hook
+        checks the parameters hooked by then."""
         params = [p for p in params if p.requires_grad]
-        check_processes(params)
+        if not self._checked_processes and _sharded_later():
+            check_processes([p for p in params if getattr(p, "_is_flat_param", False)])  # FSDP1: refused anyway
+        else:
+            check_processes(params)
         for p in params:
             owner = _OWNERS.get(p)
             if owner is not None and owner() is not None and owner() is not self and owner().attached:
@@ -168,7 +193,11 @@ class GradientRelease:
                     f"a parameter of shape {tuple(p.shape)} already carries the gradient-release hook of another "
                     "live fusedopt optimizer with fused=True; call remove_hooks() on that optimizer first"
                 )
-        for p in params:
+        return params
+
+    def attach(self, params: Iterable[torch.Tensor]) -> None:
+        """Register the release hook on every trainable parameter in ``params`` (checked first: ``check``)."""
+        for p in self.check(params):
             hook = functools.partial(_hook, weakref.ref(self))
             self._handles[id(p)] = (weakref.ref(p), p.register_post_accumulate_grad_hook(hook))
             _OWNERS[p] = weakref.ref(self)
@@ -182,14 +211,22 @@ class GradientRelease:
         GradientRelease._remove_handles(self._handles)
         self.attached = False
 
-    def detach(self, params: Iterable[torch.Tensor]) -> None:
-        """Remove the hooks of parameters the optimizer no longer holds (torch.optim leaves them alone)."""
+    def detach(self, params: Iterable[torch.Tensor], gone: Iterable[int] = ()) -> None:
+        """Remove the hooks of parameters the optimizer no longer holds (torch.optim leaves them alone),
+        and forget those already freed (``gone``: their ids; their hooks went with them)."""
         for p in params:
             entry = self._handles.pop(id(p), None)
             if entry is not None:
                 entry[1].remove()
                 self._disown(p)
             self._buffers.pop(p, None)
+        for key in gone:
+            entry = self._handles.get(key)
+            if entry is not None and entry[0]() is None:
+                del self._handles[key]
+                entry[1].remove()
+            self._counts.pop(key, None)
+            self._left.pop(key, None)
 
     def _disown(self, p: torch.Tensor) -> None:
         """Another fused optimizer may hook ``p`` from now on."""
@@ -215,6 +252,10 @@ class GradientRelease:
             return
         task = torch._C._current_graph_task_id()
         if task != self._task:
+            if "accelerate.state" in sys.modules:  # before any update: accelerate's accumulation agrees
+                from .integrations.accelerate import check_release_window  # (accelerate is imported already)
+
+                check_release_window(optimizer, p, self._counts.get(id(p), 0) + 1)
             self._enter_pass(optimizer, task, p)
         try:
             self._take(optimizer, p, grad)

@@ -7,7 +7,11 @@ Llama built from a config (nothing downloaded).
   optimizer; ``fused=True`` is the releasing optimizer's own clipping, bit for bit.
 * A plain Trainer asked to clip a releasing optimizer clips nothing (its weights are the unclipped
   run's), and building that optimizer without ``max_grad_norm`` warned, naming ``FusedOptTrainer``;
-  ``FusedOptTrainer`` builds it without that warning.
+  ``FusedOptTrainer`` builds it without that warning. A plain Trainer driving a releasing optimizer
+  warns once, at its first backward, that the grad_norm it logs (0) is not the optimizer's.
+* A plain Trainer whose ``gradient_accumulation_steps`` a releasing optimizer does not share is refused
+  at the first backward that would update, before anything changes, naming the setting and the fix; given
+  the same ``accumulation_steps`` it trains as ``FusedOptTrainer`` does.
 * With ``fused=True`` the Trainer's accumulation becomes the optimizer's ``accumulation_steps``; fp32
   training is then bit-identical to ``fused=False`` (a short last window included).
 * ``train(resume_from_checkpoint=...)`` continues bit for bit: weights, losses and grad norms of the
@@ -32,6 +36,16 @@ pytest.importorskip("accelerate")
 import fusedopt  # noqa: E402
 from fusedopt import release_notices  # noqa: E402
 from fusedopt.integrations.huggingface import FusedOptTrainer, fused_optimizer  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_accumulation_left():
+    """accelerate's GradientState is shared by the process: a Trainer refused inside an accumulation window
+    must not leave it there for the next test."""
+    yield
+    from accelerate.state import GradientState
+
+    GradientState()._set_sync_gradients(True)
 
 
 class TokenDataset(torch.utils.data.Dataset):
@@ -166,12 +180,13 @@ def test_trainer_clips_through_a_releasing_optimizer_and_logs_its_grad_norm(tmp_
     clip, unclipped_params = unclipped
     _, ref_norms = _torch_clipped_reference(tmp_path / "ref", clip)
     # The optimizer's own clipping: a releasing optimizer that clips, under a plain Trainer that does not.
-    plain, plain_model = train(
-        transformers.Trainer,
-        tmp_path / "plain",
-        opt_kwargs=dict(fused=True, lr=1e-2, max_grad_norm=clip),
-        max_grad_norm=0,
-    )
+    with pytest.warns(UserWarning, match="plain Hugging Face Trainer drives a fused=True optimizer"):
+        plain, plain_model = train(
+            transformers.Trainer,
+            tmp_path / "plain",
+            opt_kwargs=dict(fused=True, lr=1e-2, max_grad_norm=clip),
+            max_grad_norm=0,
+        )
     assert all(n in (None, 0.0) for n in step_logs(plain, "grad_norm"))  # a plain Trainer finds no gradients
     model, seen = _train_recording_norms(tmp_path / "ours", fused=True, clip=clip)
     torch.testing.assert_close(seen[0], ref_norms[0], rtol=1e-5, atol=0)  # the same first gradients: exact
@@ -191,8 +206,10 @@ def test_plain_trainer_asked_to_clip_a_releasing_optimizer_clips_nothing_and_was
         plain, plain_model = train(
             transformers.Trainer, tmp_path / "plain", opt_kwargs=dict(fused=True, lr=1e-2), max_grad_norm=clip
         )
-    ours = [w for w in record if "fusedopt" in str(w.message)]
-    assert len(ours) == 1 and "max_grad_norm=1.0" in str(ours[0].message), [str(w.message) for w in record]
+    ours = [str(w.message) for w in record if "fusedopt" in str(w.message)]
+    assert len(ours) == 2, ours  # building it; its first backward under a plain Trainer
+    assert "max_grad_norm=1.0" in ours[0] and "FusedOptTrainer" in ours[0]
+    assert f"clips by TrainingArguments.max_grad_norm={clip}" in ours[1] and "the optimizer does not clip" in ours[1]
     assert all(n in (None, 0.0) for n in step_logs(plain, "grad_norm"))
     none, none_model = train(FusedOptTrainer, tmp_path / "none", opt_kwargs=dict(fused=True), max_grad_norm=0)
     assert all(n is None for n in step_logs(none, "grad_norm"))  # FusedOptTrainer: no clipping, no norm
@@ -342,8 +359,70 @@ def test_trainer_takes_unset_hyperparameters_from_training_arguments(tmp_path):
 
 
 def test_importing_fusedopt_does_not_import_transformers():
-    code = "import sys, fusedopt, fusedopt.integrations; assert 'transformers' not in sys.modules, 'imported'"
+    code = (
+        "import sys, fusedopt, fusedopt.integrations\n"
+        "for name in ('transformers', 'accelerate', 'trl'): assert name not in sys.modules, name"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_plain_trainer_refuses_an_accumulation_mismatch_at_the_first_backward(tmp_path):
+    """optimizer_cls_and_kwargs=(fusedopt.AdamW, dict(fused=True)) under a plain Trainer whose
+    gradient_accumulation_steps the optimizer's accumulation_steps does not match: its first backward raises,
+    before any parameter changes."""
+    for steps, k in ((2, 1), (4, 2), (2, 4)):  # (the Trainer's, the optimizer's)
+        model = tiny_llama()
+        forwards = []
+        model.register_forward_hook(lambda module, args, out, seen=forwards: seen.append(1))
+        before = params(model)
+        trainer = transformers.Trainer(
+            model=model,
+            args=training_args(tmp_path, gradient_accumulation_steps=steps),
+            train_dataset=TokenDataset(),
+            optimizer_cls_and_kwargs=(fusedopt.AdamW, dict(fused=True, accumulation_steps=k, max_grad_norm=1.0)),
+        )
+        with pytest.raises(RuntimeError, match=f"gradient_accumulation_steps={steps} backward passes") as error:
+            trainer.train()
+        message = str(error.value)
+        assert f"has accumulation_steps={k}:" in message and f"Pass accumulation_steps={steps}" in message
+        assert "fusedopt.integrations.huggingface.FusedOptTrainer" in message
+        assert len(forwards) == 1
+        for name, p in params(model).items():
+            assert torch.equal(p, before[name]), name
+        assert not fused_optimizer(trainer.optimizer).state
+
+    # given the Trainer's accumulation, a plain Trainer trains as FusedOptTrainer (without clipping in either,
+    # the plain Trainer's logged grad_norm aside, and warns about that once)
+    with pytest.warns(UserWarning, match="plain Hugging Face Trainer") as record:
+        plain, plain_model = train(
+            transformers.Trainer,
+            tmp_path / "plain",
+            opt_kwargs=dict(fused=True, accumulation_steps=2, lr=1e-2, max_grad_norm=None),
+            gradient_accumulation_steps=2,
+            max_grad_norm=0,
+        )
+    assert sum("plain Hugging Face Trainer" in str(w.message) for w in record) == 1
+    ours, ours_model = train(
+        FusedOptTrainer, tmp_path / "ours", opt_kwargs=dict(fused=True), gradient_accumulation_steps=2, max_grad_norm=0
+    )
+    assert step_logs(plain, "loss") == step_logs(ours, "loss")
+    a, b = params(plain_model), params(ours_model)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_mixin_must_come_before_the_trainer():
+    from fusedopt.integrations.huggingface import FusedOptTrainerMixin
+
+    with pytest.raises(TypeError, match=r"put FusedOptTrainerMixin before the Trainer"):
+
+        class Wrong(transformers.Trainer, FusedOptTrainerMixin):
+            pass
+
+    class Right(FusedOptTrainerMixin, transformers.Trainer):
+        pass
+
+    assert Right._clip_grad_norm is FusedOptTrainerMixin._clip_grad_norm
 
 
 def test_trainer_hands_its_grad_scaler_to_a_releasing_optimizer(tmp_path):

@@ -20,10 +20,20 @@ own optimizers take them (``lr``; AdamW's ``betas`` and ``eps``); an optimizer t
 (``max_grad_norm``, ``accumulation_steps`` with ``fused=True``) is refused when ``train()`` starts.
 Checkpoints and ``train(resume_from_checkpoint=...)`` are the Trainer's own: the optimizer's
 ``state_dict()`` resumes it exactly. ``FusedOptTrainerMixin`` adds the same to another Trainer
-subclass: ``class MyTrainer(FusedOptTrainerMixin, SomeTrainer)``.
+subclass: ``class MyTrainer(FusedOptTrainerMixin, SomeTrainer)`` (first among the bases, or the class is
+refused), which then takes ``optimizer_cls_and_kwargs`` even where ``SomeTrainer`` does not (TRL's
+``DPOTrainer``); ``fusedopt.integrations.trl.FusedOptSFTTrainer`` is TRL's ``SFTTrainer`` with it.
+
+A plain ``transformers.Trainer`` (or TRL trainer) given a ``fused=True`` optimizer is checked by gradient
+release itself (``fusedopt.integrations.accelerate.check_release_window``): a ``gradient_accumulation_steps``
+the optimizer's ``accumulation_steps`` does not match is refused at the optimizer's first backward, before
+anything changes; otherwise that backward warns once that the Trainer's logged ``grad_norm`` (0) and its
+``max_grad_norm`` clipping miss the released gradients.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import transformers
 
@@ -100,8 +110,23 @@ def hand_over_scaler(opt: FusedOptimizer, scaler) -> None:
     opt.grad_scaler = scaler
 
 
+def _init_parameters(parent) -> dict:
+    """The keyword parameters ``parent.__init__`` takes (a ``super()`` object)."""
+    return inspect.signature(parent.__init__).parameters
+
+
 class FusedOptTrainerMixin:
     """Clipping, grad-norm logging and accumulation through a fusedopt optimizer (see the module)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        if transformers.Trainer in mro and mro.index(transformers.Trainer) < mro.index(FusedOptTrainerMixin):
+            raise TypeError(
+                f"{cls.__name__}: put FusedOptTrainerMixin before the Trainer among the bases (class "
+                f"{cls.__name__}(FusedOptTrainerMixin, SomeTrainer)); after it, the Trainer's own clipping and "
+                "grad-norm logging would run instead of the optimizer's"
+            )
 
     def __init__(self, *args, **kwargs):
         missing = [name for name in _TRAINER_METHODS if not hasattr(transformers.Trainer, name)]
@@ -110,7 +135,15 @@ class FusedOptTrainerMixin:
                 f"FusedOptTrainer does not support transformers {transformers.__version__}: its Trainer has no "
                 f"{', '.join(missing)}, so it would clip and log gradient norms on its own"
             )
-        super().__init__(*args, **kwargs)
+        if "optimizer_cls_and_kwargs" in kwargs and "optimizer_cls_and_kwargs" not in _init_parameters(super()):
+            # a Trainer subclass that does not pass it on (TRL's DPOTrainer, KTOTrainer, GRPOTrainer...)
+            optimizer_cls_and_kwargs = kwargs.pop("optimizer_cls_and_kwargs")
+            super().__init__(*args, **kwargs)
+            if optimizer_cls_and_kwargs is not None and self.optimizer is not None:
+                raise RuntimeError("Passing both `optimizers` and `optimizer_cls_and_kwargs` is incompatible.")
+            self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
+        else:
+            super().__init__(*args, **kwargs)
 
     def create_optimizer(self, model=None):
         if self.optimizer is None:
