@@ -10,6 +10,8 @@ the update (the kernel's ``grad_scale``, an fp32 0-d device tensor; None: the gr
 
 The stages, in order:
 
+0. **Multiply** by the optimizer's ``grad_multiplier``, if set (a loss normalised after backward:
+   torchtune's ``1 / num_tokens``), in place, as the framework would have multiplied ``p.grad``.
 1. **Unscale** (fp16 loss scaling, ``loss_scaling.py``): release unscales with the optimizer's
    ``grad_scaler``'s current scale; ``step()`` with the ``grad_scale`` ``scaler.step(opt)`` hands it.
 2. **Reduce over shards** (FSDP2, ``sharding.py``): a sharded gradient's squared norm is summed over
@@ -53,6 +55,17 @@ def check_scaler_step(
             "step() of a fused=True optimizer with a grad_scaler was called directly while gradients wait for "
             "it: call scaler.step(optimizer), which hands step() the scale to unscale them with"
         )
+
+
+def _multiply(batch: Batch, factor: torch.Tensor) -> None:
+    """Multiply every gradient of ``batch`` (a sharded one's local shard) by ``factor`` in place."""
+    together: dict[tuple, list[torch.Tensor]] = {}
+    for _, grads in batch:
+        for g in grads:
+            g = local(g)
+            together.setdefault((g.device, g.dtype), []).append(g)
+    for (device, _), grads in together.items():
+        torch._foreach_mul_(grads, factor.to(device))
 
 
 class GradientPipeline:
@@ -118,6 +131,8 @@ class GradientPipeline:
         ``releasing`` (release updated the rest of this window) and ``grad_scale`` (what
         ``scaler.step(opt)`` handed over, or None)."""
         owner = self._owner()
+        if owner.grad_multiplier is not None:
+            _multiply(batch, owner.grad_multiplier)
         if in_step:
             unscaled = grad_scale is not None
             grads_of = [(p, [local(g) for g in grads]) for p, grads in batch] if unscaled or releasing else batch

@@ -27,11 +27,26 @@ the roundings stay independent. A parameter that needs more bits (bf16 without a
 bits of the word it is given, so a 12-bit field is a word whose low 20 bits are zero and
 stochastic rounding resolves probabilities to 2**-12 (moments) or 2**-8 (a 24-bit master,
 whose grid is 2**-8 of a bf16 ulp: exactly what it can hold).
+
+Default seeds (``DefaultSeeds``). An optimizer built without ``seed`` over several parameters uses
+seed 0, as before. One built without ``seed`` over ONE parameter (torchtune's optimizer-in-backward
+builds one per parameter; so does any per-parameter scheme) would then draw the stream of index 0
+of seed 0, as every other such optimizer: identical rounding errors across parameters. Instead it
+takes a default seed (``default_seed(slot)``) at construction: the optimizers built one after
+another before any of them is used (updated, or its seed read) form a group, and the k-th of a group
+takes slot k. So per-parameter optimizers built together take distinct seeds in their construction
+order, and an optimizer built after a group started training (a second run, a retry, a comparison in
+a test) starts a new group at slot 0: the same program draws the same streams in a fresh process and
+in a long-lived one. The seed is the optimizer's ``seed``, saved in its state dict: a resumed
+optimizer continues the saved stream whatever slot it took. A default seed is
+``2**62 | slot << 32 | fmix32(slot ^ DEFAULT_SALT)``: its low 32 bits (what the hash reads) lie far
+from the small seeds people pass, and the slot can be read back (``default_slot``).
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
@@ -178,3 +193,48 @@ class UpdateDraws:
     def param(self):
         """The parameter's bits, as a lazy callable."""
         return (lambda: param_word(self.shared())) if self._shares else (lambda: self._draw(STREAM_PARAM))
+
+
+DEFAULT_SEED_FLAG = 1 << 62  # marks a default seed (below 2**63, so every checkpoint takes it)
+DEFAULT_SALT = 0x5EED5EED
+_SLOT_BITS = 30
+
+
+def default_seed(slot: int) -> int:
+    """The default seed of ``slot`` (see the module docstring; slots wrap at 2**30)."""
+    slot &= (1 << _SLOT_BITS) - 1
+    return DEFAULT_SEED_FLAG | (slot << 32) | fmix32(slot ^ DEFAULT_SALT)
+
+
+def default_slot(seed) -> int | None:
+    """The slot whose default seed ``seed`` is, or None (not a default seed)."""
+    if not valid_seed(seed) or seed >> 62 != 1:
+        return None
+    slot = (seed >> 32) & ((1 << _SLOT_BITS) - 1)
+    return slot if seed == default_seed(slot) else None
+
+
+class DefaultSeeds:
+    """The groups of seedless one-parameter optimizers (module docstring); ``DEFAULT_SEEDS``: the process's."""
+
+    def __init__(self):
+        self._lock = threading.Lock()  # optimizers may be built and used on several threads
+        self._group = 0  # the group new optimizers join
+        self._next_slot = 0  # the slot the next one takes
+
+    def assign(self) -> tuple[int, int]:
+        """A new optimizer's default seed: the current group's next slot's; and the group."""
+        with self._lock:
+            slot = self._next_slot
+            self._next_slot += 1
+            return default_seed(slot), self._group
+
+    def used(self, group: int) -> None:
+        """An optimizer of ``group`` is used: optimizers built from now on form a new group."""
+        with self._lock:
+            if group == self._group:
+                self._group += 1
+                self._next_slot = 0
+
+
+DEFAULT_SEEDS = DefaultSeeds()

@@ -56,7 +56,7 @@ class SGD(FusedOptimizer):
         state_format: str | None = None,
         master_weight_bits: int | None = 24,
         min_compress_numel: int = 4096,
-        seed: int = 0,
+        seed: int | None = None,
         fused: bool = False,
         accumulation_steps: int = 1,
         max_grad_norm: float | None = NOT_GIVEN,

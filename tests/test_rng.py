@@ -1,8 +1,11 @@
 """The counter-based hash: reference and Triton agree bit for bit, and the bits are usable."""
 
+import copy
+
 import pytest
 import torch
 
+import fusedopt
 from fusedopt import rng
 from fusedopt.kernels.hashing import launch_uniform_bits
 
@@ -71,3 +74,125 @@ def test_bits_follow_row_major_element_index():
     flat = rng.uniform_bits(key, step, torch.Size([12]), "cpu")
     shaped = rng.uniform_bits(key, step, torch.Size([3, 4]), "cpu")
     assert torch.equal(shaped.flatten(), flat)
+
+
+# --- default seeds: seedless one-parameter optimizers draw distinct streams ---------------------------
+
+
+def _one_param_set(n=3, seed=None, steps=3, gen_seed=0):
+    """``n`` identical bf16 parameters, each with a seedless one-parameter AdamW (8-bit moments, no
+    correction: every update rounds stochastically), stepped on identical gradients."""
+    gen = torch.Generator().manual_seed(gen_seed)
+    w0 = torch.randn(32, 48, generator=gen).to(torch.bfloat16)
+    grads = [torch.randn(32, 48, generator=gen).to(torch.bfloat16) for _ in range(steps)]
+    params = [torch.nn.Parameter(w0.clone()) for _ in range(n)]
+    kwargs = {} if seed is None else {"seed": seed}
+    opts = [fusedopt.AdamW([p], lr=1e-2, state_bits=8, master_weight_bits=None, min_compress_numel=0, **kwargs)
+            for p in params]  # fmt: skip
+    _steps(params, opts, grads)
+    return params, opts
+
+
+def _steps(params, opts, grads):
+    for g in grads:
+        for p, opt in zip(params, opts):
+            p.grad = g.clone()
+            opt.step()
+            opt.zero_grad()
+
+
+def _same(a, b) -> bool:
+    return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1].values(), b[1].values()))
+
+
+def _snapshot(p, opt):
+    return p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}
+
+
+def test_seedless_one_parameter_optimizers_draw_distinct_streams():
+    params, opts = _one_param_set()
+    seeds = [opt.seed for opt in opts]
+    assert len(set(seeds)) == 3 and all(rng.default_slot(s) is not None for s in seeds)
+    assert len({s & rng.MASK32 for s in seeds} | {0}) == 4  # what the hash reads differs, and from seed 0
+    runs = [_snapshot(p, opt) for p, opt in zip(params, opts)]
+    for i in range(3):
+        for j in range(i + 1, 3):
+            assert not torch.equal(runs[i][0], runs[j][0]), (i, j)  # the rounding of the weights
+            assert not torch.equal(runs[i][1]["exp_avg.codes"], runs[j][1]["exp_avg.codes"]), (i, j)  # the moments
+    # an explicit seed is kept as given: all three draw the same (today's) stream
+    same_params, same_opts = _one_param_set(seed=0)
+    assert [opt.seed for opt in same_opts] == [0, 0, 0]
+    assert _same(_snapshot(same_params[0], same_opts[0]), _snapshot(same_params[2], same_opts[2]))
+
+
+def _seedless(p):
+    return fusedopt.AdamW([p], lr=1e-2, state_bits=8, master_weight_bits=None, min_compress_numel=0)
+
+
+def test_default_seeds_resume_and_repeat():
+    """A resumed set (fresh optimizers that took other slots, the saved state dicts loaded) continues bit
+    for bit; a set built after the first one trained takes the same seeds again, the first still alive."""
+    params, opts = _one_param_set(steps=2)
+    saved = [copy.deepcopy(opt.state_dict()) for opt in opts]  # (it holds the live state tensors)
+    weights = [p.detach().clone() for p in params]
+    gen = torch.Generator().manual_seed(5)
+    more = [torch.randn(32, 48, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    _steps(params, opts, more)
+    decoy = _seedless(torch.nn.Parameter(weights[0].clone()))  # takes slot 0 of the new group
+    fresh = [torch.nn.Parameter(w.clone()) for w in weights]
+    fresh_opts = [_seedless(p) for p in fresh]
+    assert [rng.default_slot(opt.seed) for opt in [decoy, *fresh_opts]] == [0, 1, 2, 3]
+    for opt, state in zip(fresh_opts, saved):
+        opt.load_state_dict(state)
+    assert [opt.seed for opt in fresh_opts] == [opt.seed for opt in opts]
+    _steps(fresh, fresh_opts, more)
+    for a, oa, b, ob in zip(params, opts, fresh, fresh_opts):
+        assert _same(_snapshot(a, oa), _snapshot(b, ob))
+
+    first_params, first_opts = _one_param_set(gen_seed=9)
+    again_params, again_opts = _one_param_set(gen_seed=9)
+    for a, oa, b, ob in zip(first_params, first_opts, again_params, again_opts):
+        assert _same(_snapshot(a, oa), _snapshot(b, ob))
+
+
+def test_default_seeds_leave_the_many_parameter_case_unchanged():
+    """Seedless over several parameters: seed 0, bit for bit as seed=0 given; a one-parameter optimizer
+    with seed=0 draws the stream of index 0 of seed 0, as before."""
+    gen = torch.Generator().manual_seed(2)
+    w0 = [torch.randn(32, 48, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    grads = [[torch.randn(32, 48, generator=gen).to(torch.bfloat16) for _ in range(2)] for _ in range(3)]
+    kw = dict(lr=1e-2, state_bits=8, master_weight_bits=None, min_compress_numel=0)
+    runs = []
+    for make in (lambda ps: fusedopt.AdamW(ps, **kw), lambda ps: fusedopt.AdamW(ps, seed=0, **kw)):
+        params = [torch.nn.Parameter(w.clone()) for w in w0]
+        opt = make(params)
+        for gs in grads:
+            for p, g in zip(params, gs):
+                p.grad = g.clone()
+            opt.step()
+            opt.zero_grad()
+        assert opt.seed == 0
+        runs.append([_snapshot(p, opt) for p in params])
+    assert all(_same(a, b) for a, b in zip(*runs))
+    alone = torch.nn.Parameter(w0[0].clone())
+    alone_opt = fusedopt.AdamW([alone], seed=0, **kw)
+    _steps([alone], [alone_opt], [gs[0] for gs in grads])
+    assert _same(_snapshot(alone, alone_opt), runs[0][0])
+    seedless = torch.nn.Parameter(w0[0].clone())
+    seedless_opt = fusedopt.AdamW([seedless], **kw)
+    _steps([seedless], [seedless_opt], [gs[0] for gs in grads])
+    assert not torch.equal(seedless, alone)
+
+
+def test_default_seed_groups():
+    assert [rng.default_slot(rng.default_seed(s)) for s in (0, 1, 7, 2**20)] == [0, 1, 7, 2**20]
+    assert all(rng.valid_seed(rng.default_seed(s)) for s in (0, 2**30 - 1))
+    assert rng.default_slot(0) is None and rng.default_slot(rng.default_seed(3) ^ 1) is None
+    seeds = rng.DefaultSeeds()
+    first = [seeds.assign() for _ in range(3)]
+    assert [rng.default_slot(s) for s, _ in first] == [0, 1, 2] and len({g for _, g in first}) == 1
+    seeds.used(first[1][1])  # one of them is used: the next optimizer starts a new group
+    second = [seeds.assign() for _ in range(2)]
+    assert [s for s, _ in second] == [s for s, _ in first[:2]] and second[0][1] != first[0][1]
+    seeds.used(first[0][1])  # a use in an earlier group changes nothing
+    assert rng.default_slot(seeds.assign()[0]) == 2
