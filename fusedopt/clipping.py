@@ -138,6 +138,12 @@ class ReleaseClipping:
         """``step()`` ended an update window."""
         self._window_open = False
 
+    def set_max_norm(self, max_norm: float) -> None:
+        """Clip at ``max_norm`` from the next batch on (the history's norms stay)."""
+        self.max_norm = max_norm
+        if self._stats is not None:
+            self._stats[SLOT["max_norm"]] = max_norm
+
     def abandon_window(self) -> None:
         """A window ends without its step (its backward pass failed): its partial total is no step's
         norm, so ``norm()`` and the next window see the last finished window's. The parameters it

@@ -96,6 +96,17 @@ class GradientPipeline:
         owner = self._owner()
         return ReleaseClipping(owner.max_grad_norm, owner.release_clipping, release_clip_kernel)
 
+    def follow_max_grad_norm(self) -> None:
+        """The owner's ``max_grad_norm`` was set: clipping under release starts with an empty history,
+        stops, or continues its history at the new threshold."""
+        max_norm = self._owner().max_grad_norm
+        if max_norm is None:
+            self._clipping = None
+        elif self._clipping is None:
+            self._clipping = self._fresh_clipping()
+        else:
+            self._clipping.set_max_norm(max_norm)
+
     def replace_clipping(self, clipping: ReleaseClipping) -> None:
         """Continue from ``clipping``'s history (a loaded checkpoint's)."""
         self._clipping = clipping

@@ -12,6 +12,7 @@ state created through the codecs, ``codecs/``), unscaling and clipping of gradie
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 
 import torch
@@ -26,7 +27,7 @@ from .loss_scaling import check_grad_scaler
 from .master import check_master_weight_bits
 from .reference import UpdateMath
 from .release import GradientRelease
-from .rng import valid_seed
+from .rng import DEFAULT_SEEDS, valid_seed
 from .sharding import check_sharded_param, is_sharded
 from .state_store import StateStore, slot_codecs
 
@@ -71,8 +72,8 @@ def check_optimizer_options(fused, accumulation_steps, seed, max_grad_norm, rele
         raise ValueError(f"Invalid fused: {fused!r} (expected True or False)")
     if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
         raise ValueError(f"Invalid accumulation_steps: {accumulation_steps!r} (expected an integer >= 1)")
-    if not valid_seed(seed):
-        raise ValueError(f"Invalid seed: {seed!r} (expected a non-negative integer)")
+    if seed is not None and not valid_seed(seed):
+        raise ValueError(f"Invalid seed: {seed!r} (expected a non-negative integer, or None)")
     if max_grad_norm is not None:
         check_number("max_grad_norm", max_grad_norm)
         if max_grad_norm <= 0:
@@ -146,7 +147,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         *,
         fused: bool,
         accumulation_steps: int,
-        seed: int,
+        seed: int | None,
         max_grad_norm=release_notices.NOT_GIVEN,
         release_clipping: str = DEFAULT_CLIP_METHOD,
         grad_scaler=None,
@@ -157,8 +158,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         check_optimizer_options(fused, accumulation_steps, seed, max_grad_norm, release_clipping)
         self.fused = fused
         self.accumulation_steps = accumulation_steps
-        self.seed = seed
-        self.max_grad_norm = max_grad_norm
+        self._seed, self._seed_group = seed, None  # None: chosen below, from the parameters (``seed``)
+        self._grad_multiplier: torch.Tensor | None = None
+        if fused:
+            check_release_normalisation(type(self).__name__)
+        self._max_grad_norm = max_grad_norm
         self.release_clipping = release_clipping
         self._grad_scaler = None
         self._store = StateStore(self)
@@ -169,6 +173,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.bucket_budget = self._dispatch.bucket_budget  # bytes of gradients release may hold (0: none)
         params = _materialise(params)
         super().__init__(params, defaults)
+        if seed is None:
+            single = sum(len(g["params"]) for g in self.param_groups) == 1
+            self._seed, self._seed_group = DEFAULT_SEEDS.assign() if single else (0, None)
         first = next(p for g in self.param_groups for p in g["params"])  # torch refused a list of none
         self.num_skipped_updates = torch.zeros((), dtype=torch.int64, device=first.device)
         self.num_interrupted_steps = 0  # fused=True: steps whose backward pass stopped early (saved)
@@ -209,14 +216,49 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Follow edits made to ``param_groups`` directly, as torch.optim does: groups reordered or
         removed, parameters removed from a group. Each parameter's group is found again (its index
         stays); one no longer in any group is forgotten and its release hook removed, so nothing
-        updates it. A parameter that never went through the constructor or ``add_param_group`` is
-        refused: fusedopt has not validated it and has no index for it."""
-        dropped = self._store.sync(self.param_groups)
-        if dropped is None:
+        updates it. A parameter put in place of another one (the same group and position, the same
+        global shape, the other one in no group any more) takes it over: its index (the stream of
+        stochastic rounding), its state if any, its release hook. That is how accelerate's
+        ``prepare()`` hands an optimizer built on the unsharded model the FSDP2-sharded parameters.
+        It is checked as the constructor checks a parameter; state moves only to a parameter laid out
+        as the old one (same dtype, device, local shard), else the replacement is refused. Any other
+        parameter that never went through the constructor or ``add_param_group`` is refused: fusedopt
+        has not validated it and has no index for it. A refusal changes nothing."""
+        plan = self._store.plan(self.param_groups)
+        if plan is None:
             return
-        if dropped and self._release is not None:
-            self._release.detach(dropped)
+        new = [r.new for r in plan.replacements]
+        if new:
+            self._check_replacements(new)
+        moved = any(r.old is not None and self.state.get(r.old) for r in plan.replacements)
+        dropped, gone = self._store.commit(plan)
+        if self._release is not None:
+            if dropped or gone:
+                self._release.detach(dropped, gone)  # first: a freed parameter's id may be a new one's
+            if new and self._release.attached:
+                self._release.attach(new)
+        if moved:
+            self._dispatch.forget()  # prepared launches of the old parameters hold their storage
+        if new:
+            self._follow_first_device()
         self._dispatch.new_window()
+
+    def _follow_first_device(self) -> None:
+        """Keep the skipped-update counter on the first parameter's device, as the constructor put it (the
+        kernels add to it there) after replacements moved the parameters: accelerate's FSDP2 puts the
+        shards of a model built on the CPU on the GPU."""
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        if first is not None and first.device != self.num_skipped_updates.device:
+            self.num_skipped_updates = self.num_skipped_updates.to(first.device)
+            self._dispatch.forget()  # prepared launches add to the counter where it was
+
+    def _check_replacements(self, params: list[torch.Tensor]) -> None:
+        """Check parameters put in place of others as the constructor checks parameters (``sync_groups``)."""
+        for p in params:
+            check_param(p)
+        check_shardable(self, params)
+        if self._release is not None and self._release.attached:
+            self._release.check(params)
 
     def check_group(self, group: dict) -> None:
         """Validate every option of a (complete) group: the shared fusedopt ones, then the algorithm's."""
@@ -301,6 +343,15 @@ class FusedOptimizer(torch.optim.Optimizer):
             return []
         return self._release.buffered_gradients() + self._release.held_gradients()
 
+    def accumulated_gradient(self, p: torch.Tensor) -> torch.Tensor | None:
+        """With ``fused=True``: the gradient of ``p`` the optimizer accumulates for this window (bf16/fp16
+        micro-batches), which ``step()`` or the window's last backward updates from; None if none."""
+        return None if self._release is None else self._release.buffer(p)
+
+    def released_since_step(self) -> bool:
+        """With ``fused=True``: whether a release hook took a gradient since the last ``step()``."""
+        return self._release is not None and self._release.hooks_ran()
+
     # --- clipping and loss scaling ----------------------------------------------------------
 
     @property
@@ -309,6 +360,49 @@ class FusedOptimizer(torch.optim.Optimizer):
         None without ``max_grad_norm``). With ``fused=True`` it is the norm of the gradients released
         so far in this backward, exact once backward has finished (and kept after ``step()``)."""
         return self.gradient_pipeline.norm(self._releasing())
+
+    @property
+    def grad_multiplier(self) -> torch.Tensor | None:
+        """A factor every gradient is multiplied by before unscaling, clipping and its update, in
+        place (None: none; settable with a number or a 0-d tensor, kept as an fp32 tensor, not saved).
+        It is for losses normalised after backward: torchtune backpropagates ``loss * num_tokens`` and
+        multiplies the gradients by ``1 / num_tokens`` afterwards, which finds nothing once release
+        freed them; ``opt.grad_multiplier = 1 / num_tokens`` set before the backward that updates does
+        the same multiplication on every gradient, in both modes (docs/integrations.md, torchtune)."""
+        return self._grad_multiplier
+
+    @grad_multiplier.setter
+    def grad_multiplier(self, value) -> None:
+        self._grad_multiplier = check_grad_multiplier(value)
+
+    @property
+    def seed(self) -> int:
+        """The stochastic-rounding seed (saved in checkpoints; settable). Built without one: 0 over
+        several parameters; over a single parameter, a default seed distinct from those of the other
+        one-parameter optimizers built with it (``fusedopt.rng.DefaultSeeds``)."""
+        if self._seed_group is not None:  # its first use: optimizers built from now on form a new group
+            DEFAULT_SEEDS.used(self._seed_group)
+            self._seed_group = None
+        return self._seed
+
+    @seed.setter
+    def seed(self, seed: int) -> None:
+        self._seed, self._seed_group = seed, None
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The global-norm clipping threshold (None: no clipping). Settable between steps: clipping
+        under release then starts (or stops) with its own history."""
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value) -> None:
+        if value is not None:
+            check_number("max_grad_norm", value)
+            if value <= 0:
+                raise ValueError(f"Invalid max_grad_norm: {value} (expected a positive number, or None)")
+        self._max_grad_norm = value
+        self.gradient_pipeline.follow_max_grad_norm()
 
     @property
     def grad_scaler(self) -> torch.amp.GradScaler | None:
@@ -514,6 +608,59 @@ def check_param(p: torch.Tensor) -> None:
     if p.is_sparse:
         raise ValueError("sparse parameters are not supported")
     check_sharded_param(p)
+
+
+def check_grad_multiplier(value) -> torch.Tensor | None:
+    """``grad_multiplier`` as the optimizer keeps it: None, or a 0-d fp32 tensor (on the value's device:
+    a device tensor is not read, so its value is not checked)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(
+                f"Invalid grad_multiplier: a {value.dtype} tensor of shape {tuple(value.shape)} "
+                "(expected one real number)"
+            )
+        return value.detach().reshape(()).to(torch.float32)
+    check_number("grad_multiplier", value)
+    if value <= 0:
+        raise ValueError(f"Invalid grad_multiplier: {value} (expected a positive number, or None)")
+    return torch.tensor(float(value), dtype=torch.float32)
+
+
+# A recipe class that tells a releasing optimizer how its loss is normalised sets this attribute (True).
+NORMALISES_RELEASED_GRADS = "fusedopt_normalises_released_grads"
+
+
+def check_release_normalisation(name: str) -> None:
+    """Refuse a ``fused=True`` optimizer that torchtune's ``config.instantiate`` builds for a recipe not
+    marked ``fusedopt_normalises_released_grads = True``. torchtune's recipes backpropagate the loss
+    summed over tokens and normalise the gradients after backward (``training.scale_grads``), which finds
+    none under release: every update and the clipping would use gradients ``num_tokens`` times too
+    large, without an error. Found from the caller's frames (torchtune is never imported here)."""
+    frames = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    modules = [f.f_globals.get("__name__") or "" for f in frames]
+    if not any(m == "torchtune" or m.startswith("torchtune.") for m in modules):
+        return
+    for f in frames:
+        owner = f.f_locals.get("self") if "self" in f.f_code.co_varnames else None
+        if owner is not None and getattr(type(owner), NORMALISES_RELEASED_GRADS, False):
+            return
+    raise ValueError(
+        f"fusedopt.{name}(fused=True) built by torchtune's config for a recipe that normalises gradients "
+        "after backward: torchtune's recipes backpropagate loss * num_tokens and multiply the gradients by "
+        "1 / num_tokens before optimizer.step() (training.scale_grads), but gradient release has already "
+        "updated every parameter inside backward and freed its gradient, so the updates and max_grad_norm "
+        "would use gradients num_tokens times too large. Run fusedopt's recipe "
+        "(fusedopt.integrations.torchtune.FullFinetuneRecipeSingleDevice: `tune run "
+        "fusedopt/integrations/torchtune.py --config ...`), which sets the optimizer's grad_multiplier "
+        "before backward, or use fused=False. A recipe of your own that normalises the loss before "
+        f"backward, or sets grad_multiplier, says so with the class attribute {NORMALISES_RELEASED_GRADS} = True"
+    )
 
 
 def _materialise(params):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import sys
 import warnings
@@ -102,6 +103,22 @@ def _sharded_later() -> bool:
         return shared.get("distributed_type") == state.DistributedType.FSDP and plugin.fsdp_version == 2
     except Exception:  # another accelerate: then plain parameters are checked as without it
         return False
+
+
+# Framework adapters (fusedopt.integrations) with a check for the first hook of each backward pass: a
+# framework's module -> its adapter, loaded by name once the framework is imported (the core imports no
+# adapter; an adapter imports the core).
+FRAMEWORK_CHECKS = {"accelerate.state": "fusedopt.integrations.accelerate"}
+_loaded_checks: dict[str, object] = {}
+
+
+def _framework_checks():
+    """``check_release_window`` of each adapter whose framework is imported."""
+    if len(_loaded_checks) < len(FRAMEWORK_CHECKS):
+        for module, adapter in FRAMEWORK_CHECKS.items():
+            if module in sys.modules and adapter not in _loaded_checks:
+                _loaded_checks[adapter] = importlib.import_module(adapter).check_release_window
+    return _loaded_checks.values()
 
 
 def _hook(release_ref: weakref.ref, p: torch.Tensor) -> None:
@@ -252,10 +269,8 @@ class GradientRelease:
             return
         task = torch._C._current_graph_task_id()
         if task != self._task:
-            if "accelerate.state" in sys.modules:  # before any update: accelerate's accumulation agrees
-                from .integrations.accelerate import check_release_window  # (accelerate is imported already)
-
-                check_release_window(optimizer, p, self._counts.get(id(p), 0) + 1)
+            for check in _framework_checks():  # before any update: the framework's accumulation agrees
+                check(optimizer, p, self._counts.get(id(p), 0) + 1)
             self._enter_pass(optimizer, task, p)
         try:
             self._take(optimizer, p, grad)

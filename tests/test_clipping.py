@@ -650,3 +650,36 @@ def test_a_non_finite_shard_skips_its_parameter_on_every_rank_under_fsdp2():
     from test_fsdp import spawn
 
     spawn(_sharded_non_finite, world_size=2)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_max_grad_norm_set_after_construction_clips_as_if_given_to_it(fused):
+    """A framework adapter hands its clipping threshold over after the optimizer was built: the optimizer
+    then clips exactly as one built with it (under release: with a history of its own), and None stops it."""
+
+    def run(given, set_later):
+        model = make_model(seed=0)
+        kwargs = {} if given is None else {"max_grad_norm": given}
+        opt = fusedopt.AdamW(model.parameters(), lr=1e-2, fused=fused, **kwargs)
+        if set_later is not False:
+            opt.max_grad_norm = set_later
+        for x in inputs(3):
+            loss_fn(model, x).backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    built, built_opt = run(0.05, False)
+    later, later_opt = run(None, 0.05)
+    assert later_opt.max_grad_norm == 0.05 and torch.equal(later_opt.grad_norm, built_opt.grad_norm)
+    for p, q in zip(built.parameters(), later.parameters()):
+        assert torch.equal(p, q)
+    unclipped, _ = run(None, False)
+    stopped, stopped_opt = run(0.05, None)
+    assert stopped_opt.grad_norm is None
+    for p, q in zip(unclipped.parameters(), stopped.parameters()):
+        assert torch.equal(p, q)
+    assert any(not torch.equal(p, q) for p, q in zip(unclipped.parameters(), built.parameters()))  # it clipped
+    with pytest.raises(ValueError, match="Invalid max_grad_norm"):
+        built_opt.max_grad_norm = -1.0
+    assert built_opt.max_grad_norm == 0.05

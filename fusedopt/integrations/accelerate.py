@@ -74,8 +74,7 @@ def setup(accelerator: Accelerator, optimizer) -> FusedOptimizer:
                 f"ends each accumulation window, so the two must be equal; build it with accumulation_steps={steps} "
                 "(or leave it unset: setup() takes the accelerator's)"
             )
-        release = opt._release
-        if release is not None and release.hooks_ran():
+        if opt.released_since_step():
             raise RuntimeError("setup() changes accumulation_steps: call it before the first backward of a step")
         opt.accumulation_steps = steps
     scaler = getattr(accelerator, "scaler", None)
@@ -155,11 +154,10 @@ def _pending_norm(opt: FusedOptimizer) -> torch.Tensor | None:
     """The global norm ``step()`` will clip by, where release left this window's update to ``step()``
     (accelerate ended the window before ``accumulation_steps`` backward passes: the last of an epoch), from
     the gradients it will update from (unscaled); None where release updated the window inside backward."""
-    release = opt._release
     tensors = []
     for group in opt.param_groups:
         for p in group["params"]:
-            buffer = release.buffer(p) if release is not None else None  # bf16/fp16 gradients accumulate here
+            buffer = opt.accumulated_gradient(p)  # bf16/fp16 gradients accumulate here
             if buffer is not None:
                 tensors.append(as_sharded(p, buffer) if is_sharded(p) else buffer)
             if p.grad is not None:

@@ -50,10 +50,7 @@ def fused_optimizer(optimizer) -> FusedOptimizer | None:
 
 def hand_over_clipping(opt: FusedOptimizer, max_grad_norm: float) -> None:
     """Make ``opt``, built without clipping, clip at ``max_grad_norm`` as if it had been built so."""
-    opt.max_grad_norm = float(max_grad_norm)
-    pipeline = opt.gradient_pipeline
-    if pipeline.clipping is None:  # the history of clipping under release, made at construction
-        pipeline.replace_clipping(pipeline._fresh_clipping())
+    opt.max_grad_norm = float(max_grad_norm)  # (clipping under release starts with its own history)
 
 
 class FusedOptCallback(Callback):
