@@ -886,3 +886,205 @@ def _failed_backward(rank, world_size, out):
 
 
 test_a_failed_backward_under_fsdp2_is_closed_on_every_rank = scenario((TWO, _failed_backward))
+
+
+# --- parameters swapped for their shards after the optimizer was built (accelerate's prepare) ----
+
+
+def swap_for_shards(model, opt) -> None:
+    """Shard ``model`` and put each sharded parameter in ``opt`` in place of the unsharded one, as
+    accelerate's ``Accelerator.prepare()`` does with FSDP2 (``_prepare_fsdp2``): a placeholder keyed by
+    the old parameter's data pointer drops the optimizer's reference before ``fully_shard``, then
+    accelerate's own ``fsdp2_switch_optimizer_parameters`` puts the new parameters in."""
+    try:
+        from accelerate.utils.fsdp_utils import fsdp2_switch_optimizer_parameters as switch
+    except ImportError:  # accelerate's, in a few lines
+
+        def switch(opt, mapping):
+            for group in opt.param_groups:
+                group["params"] = [mapping[p.data_ptr] for p in group["params"]]
+
+    names = {name: p.data_ptr() for name, p in model.named_parameters()}
+    for group in opt.param_groups:
+        params = group["params"]
+        for i in range(len(params)):
+            key = params[i].data_ptr()
+            params[i] = torch.empty(1, dtype=params[i].dtype, device=params[i].device)
+            params[i].data_ptr = key
+    shard(model)
+    new = dict(model.named_parameters())
+    switch(opt, {key: new[name] for name, key in names.items()})
+
+
+def _decay_groups(model):
+    """The Trainer's two groups: weights with weight decay, biases without."""
+    params = list(model.parameters())
+    return [{"params": params[0::2], "weight_decay": 0.1}, {"params": params[1::2], "weight_decay": 0.0}]
+
+
+def _swapped_for_shards(rank, world_size, out):
+    """An optimizer built on the unsharded model, whose parameters are then swapped for their shards:
+    it trains bit for bit as one built after sharding, in both modes, and frees the unsharded
+    parameters at the swap. fused=True on plain parameters in a process group is allowed only while
+    accelerate's FSDP2 is to shard them (``_sharded_later``, patched here), and refused at the first
+    hook if they were never swapped."""
+    import weakref
+    from unittest import mock
+
+    import fusedopt.release
+
+    for bits, dtype in ((32, torch.float32), (8, torch.bfloat16), (4, torch.bfloat16)):
+        for fused in (False, True):
+            what = f"state_bits={bits} {dtype} fused={fused}"
+            model = make_mlp(dtype)
+            options = dict(lr=1e-2, state_bits=bits, min_compress_numel=0, fused=fused, max_grad_norm=None)
+            with mock.patch.object(fusedopt.release, "_sharded_later", return_value=True):
+                opt = fusedopt.AdamW(_decay_groups(model), **options)
+            unsharded = [weakref.ref(p) for p in model.parameters()]
+            swap_for_shards(model, opt)
+            assert all(ref() is None for ref in unsharded), what + ": an unsharded parameter was kept"
+            reference = shard(make_mlp(dtype))
+            reference_opt = fusedopt.AdamW(_decay_groups(reference), **options)
+            train(model, opt, rank, world_size, steps=2, dtype=dtype)
+            loss_of(model, local_batch(2, rank, world_size, dtype)).backward()
+            if fused:  # hooked: updated inside backward, gradients released
+                assert all(p.grad is None for p in model.parameters()), what
+            opt.step()
+            opt.zero_grad()
+            train(reference, reference_opt, rank, world_size, steps=3, dtype=dtype)
+            assert [opt.param_index(p) for p in model.parameters()] == [0, 3, 1, 4, 2, 5], what
+            assert all(int(opt.state[p]["step"]) == 3 for p in model.parameters()), what
+            assert_equal(params_of(model), params_of(reference), what + ", parameters")
+            assert_equal(state_of(opt), state_of(reference_opt), what + ", state")
+    # swapped after a step: the state is laid out for the whole parameter, not the shard: refused
+    model = make_mlp()
+    opt = fusedopt.AdamW(model.parameters(), lr=1e-2, max_grad_norm=None)
+    train(model, opt, rank, world_size, steps=1)
+    swap_for_shards(model, opt)
+    with pytest.raises(ValueError, match=r"has optimizer state already.*\(whole, now a shard\)"):
+        opt.step()
+    # without accelerate's FSDP2, plain parameters in a process group are refused with fused=True (DDP)
+    with pytest.raises(RuntimeError, match="plain"):
+        fusedopt.AdamW(make_mlp().parameters(), fused=True, max_grad_norm=None)
+    # allowed for accelerate's FSDP2 but never swapped: the first hook refuses, before any update
+    model = make_mlp()
+    with mock.patch.object(fusedopt.release, "_sharded_later", return_value=True):
+        opt = fusedopt.AdamW(model.parameters(), fused=True, max_grad_norm=None)
+    before = params_of(model)
+    with pytest.raises(RuntimeError, match="plain"):
+        loss_of(model, local_batch(0, rank, world_size)).backward()
+    assert_equal(params_of(model), before, "never swapped: refused before any update")
+
+
+test_parameters_swapped_for_their_shards_after_construction_are_taken_over = scenario((TWO, _swapped_for_shards))
+
+
+def _trainer_with_fsdp2(rank, world_size, out):
+    """The real flow: ``FusedOptTrainer`` builds the optimizer on the unsharded model, accelerate's
+    ``Accelerator.prepare()`` shards it with FSDP2 and swaps the optimizer's parameters. accelerate
+    enables FSDP only on accelerators (on CPU its state stays ``DistributedType.MULTI_CPU`` and drops the
+    plugin), so the state is set to FSDP2 by hand once the Trainer made its Accelerator, as
+    ``AcceleratorState`` sets it on GPUs; the rest is transformers' and accelerate's own code. Both
+    modes train bit for bit alike and as torch.optim.AdamW (to round-off) under the same Trainer."""
+    try:
+        import transformers
+        from accelerate.state import AcceleratorState, PartialState
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+        from fusedopt.integrations.huggingface import FusedOptTrainer
+    except ImportError:
+        return  # the test skips
+    from torch.distributed.tensor import DTensor
+
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self):
+            self.ids = torch.randint(0, 64, (16, 12), generator=torch.Generator().manual_seed(0))
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    class Released(transformers.TrainerCallback):  # before each optimizer step: were the gradients released?
+        def __init__(self, model):
+            self.model, self.seen = model, []
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            self.seen.append(all(p.grad is None for p in self.model.parameters()))
+
+    environ = dict(os.environ)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
+    runs = {}
+    try:
+        for name, trainer_cls, opt in (
+            ("torch", transformers.Trainer, (torch.optim.AdamW, dict(lr=1e-2))),  # (the Trainer passes no lr)
+            ("fused=False", FusedOptTrainer, (fusedopt.AdamW, dict(state_bits=32, fused=False))),
+            ("fused=True", FusedOptTrainer, (fusedopt.AdamW, dict(state_bits=32, fused=True))),
+        ):
+            config = transformers.LlamaConfig(
+                vocab_size=64,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                max_position_embeddings=64,
+            )
+            torch.manual_seed(0)
+            model = transformers.LlamaForCausalLM(config)
+            args = transformers.TrainingArguments(
+                output_dir=str(out / "trainer"),
+                per_device_train_batch_size=2,
+                max_steps=4,
+                learning_rate=1e-2,
+                weight_decay=0.1,
+                max_grad_norm=1e4,
+                logging_steps=1,
+                save_strategy="no",
+                report_to="none",
+                use_cpu=True,
+                disable_tqdm=True,
+                seed=0,
+                fsdp="full_shard",
+                fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+            )
+            released = Released(model)
+            trainer = trainer_cls(
+                model=model, args=args, train_dataset=Tokens(), optimizer_cls_and_kwargs=opt, callbacks=[released]
+            )
+            state = trainer.accelerator.state
+            if not trainer.is_fsdp_enabled:  # on CPU: what AcceleratorState does on GPUs
+                state.fsdp_plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
+                state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+                trainer.is_fsdp_enabled = True
+            assert trainer.accelerator.is_fsdp2
+            trainer.train()
+            held = [p for g in trainer.optimizer.optimizer.param_groups for p in g["params"]]
+            assert {id(p) for p in held} == {id(p) for p in model.parameters()}, name
+            assert all(isinstance(p, DTensor) for p in held), name
+            if name != "torch":
+                assert all(int(trainer.optimizer.optimizer.state[p]["step"]) == 4 for p in held), name
+            losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+            runs[name] = params_of(model), losses, released.seen
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        os.environ.clear()
+        os.environ.update(environ)
+    (ours, losses, unreleased), (fused, fused_losses, seen) = runs["fused=False"], runs["fused=True"]
+    assert not any(unreleased) and seen == [False, True, True, True], (unreleased, seen)  # taken over at step 1
+    assert_equal(fused, ours, "Trainer + FSDP2, fused=True against fused=False, parameters")
+    assert fused_losses == losses
+    before = [p.detach() for p in transformers.LlamaForCausalLM(config).parameters()]
+    assert not any(torch.equal(a, b) for a, b in zip(ours, before)), "nothing was trained"
+    for got, want in zip(ours, runs["torch"][0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+test_trainer_with_fsdp2_takes_over_the_sharded_parameters = scenario((TWO, _trainer_with_fsdp2))
