@@ -160,6 +160,14 @@ class FusedOptTrainerMixin:
         hand_over_scaler(opt, getattr(self.accelerator, "scaler", None))
         return optimizer
 
+    def create_scheduler(self, *args, **kwargs):
+        # called right after accelerate's prepare(), which may have put sharded parameters (FSDP2) in
+        # place of the optimizer's: take them over now, so that the first backward already releases
+        opt = fused_optimizer(self.optimizer)
+        if opt is not None:
+            opt.sync_groups()
+        return super().create_scheduler(*args, **kwargs)
+
     def _clip_grad_norm(self, model):
         return None  # the optimizer clips (max_grad_norm), in step() or inside backward
 
