@@ -175,7 +175,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         if seed is None:
             single = sum(len(g["params"]) for g in self.param_groups) == 1
-            self._seed, self._seed_group = DEFAULT_SEEDS.assign() if single else (0, None)
+            self._seed, self._seed_group = DEFAULT_SEEDS.assign(self) if single else (0, None)
         first = next(p for g in self.param_groups for p in g["params"])  # torch refused a list of none
         self.num_skipped_updates = torch.zeros((), dtype=torch.int64, device=first.device)
         self.num_interrupted_steps = 0  # fused=True: steps whose backward pass stopped early (saved)

@@ -33,8 +33,8 @@ seed 0, as before. One built without ``seed`` over ONE parameter (torchtune's op
 builds one per parameter; so does any per-parameter scheme) would then draw the stream of index 0
 of seed 0, as every other such optimizer: identical rounding errors across parameters. Instead it
 takes a default seed (``default_seed(slot)``) at construction: the optimizers built one after
-another before any of them is used (updated, or its seed read) form a group, and the k-th of a group
-takes slot k. So per-parameter optimizers built together take distinct seeds in their construction
+another before any of them is used (updated, or its seed read) form a group, and each takes the
+lowest slot no live member of its group holds (the k-th takes slot k unless one was dropped unused). So per-parameter optimizers built together take distinct seeds in their construction
 order, and an optimizer built after a group started training (a second run, a retry, a comparison in
 a test) starts a new group at slot 0: the same program draws the same streams in a fresh process and
 in a long-lived one. The seed is the optimizer's ``seed``, saved in its state dict: a resumed
@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 
 import torch
 
@@ -215,18 +216,21 @@ def default_slot(seed) -> int | None:
 
 
 class DefaultSeeds:
-    """The groups of seedless one-parameter optimizers (module docstring); ``DEFAULT_SEEDS``: the process's."""
+    """The groups of seedless one-parameter optimizers (module docstring); ``DEFAULT_SEEDS``: the process's.
+    A new optimizer takes the lowest slot no live optimizer of the open group holds, so one that was built
+    and dropped unused leaves no gap that would shift the streams of those built after it."""
 
     def __init__(self):
         self._lock = threading.Lock()  # optimizers may be built and used on several threads
         self._group = 0  # the group new optimizers join
-        self._next_slot = 0  # the slot the next one takes
+        self._members: dict[int, weakref.ref] = {}  # slot -> the open group's optimizer holding it
 
-    def assign(self) -> tuple[int, int]:
-        """A new optimizer's default seed: the current group's next slot's; and the group."""
+    def assign(self, owner) -> tuple[int, int]:
+        """``owner``'s default seed (a new optimizer's): the open group's lowest free slot's; and the group."""
         with self._lock:
-            slot = self._next_slot
-            self._next_slot += 1
+            self._members = {slot: ref for slot, ref in self._members.items() if ref() is not None}
+            slot = next(s for s in range(len(self._members) + 1) if s not in self._members)
+            self._members[slot] = weakref.ref(owner)
             return default_seed(slot), self._group
 
     def used(self, group: int) -> None:
@@ -234,7 +238,7 @@ class DefaultSeeds:
         with self._lock:
             if group == self._group:
                 self._group += 1
-                self._next_slot = 0
+                self._members = {}
 
 
 DEFAULT_SEEDS = DefaultSeeds()

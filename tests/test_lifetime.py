@@ -209,3 +209,17 @@ def test_every_algorithm_refuses_a_copy(name):
     opt = _make(name, make_model().parameters(), False)
     with pytest.raises(TypeError, match=rf"fusedopt\.{name} optimizer cannot be copied"):
         copy.deepcopy(opt)
+
+
+def test_a_dropped_optimizer_is_freed_at_once_while_a_framework_is_imported():
+    """With accelerate imported, release's first hook looks for the framework driving it (its frames):
+    that look must leave no reference behind."""
+    pytest.importorskip("accelerate.state")
+    model = make_model()
+    with _reference_counting_only():
+        opt = _make("AdamW", model.parameters(), True)
+        train(model, opt, inputs(2))
+        ref = weakref.ref(opt)
+        del opt
+        assert ref() is None
+        _assert_no_optimizer_hooks(model)

@@ -34,8 +34,12 @@ import fusedopt  # noqa: E402
 from fusedopt import release_notices  # noqa: E402
 from fusedopt.integrations.lightning import FusedOptCallback  # noqa: E402
 
-# Lightning's own deprecation notice on every fit, not ours
-pytestmark = pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated")
+pytestmark = [
+    # Lightning's own deprecation notice on every fit, not ours
+    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),
+    # torchdata's StatefulDataLoader calls a deprecated torch function
+    pytest.mark.filterwarnings("ignore:'set_vital' is deprecated"),
+]
 
 BIG = 1e6  # a gradient_clip_val that never clips (the gradient norms here are about 0.5-0.9)
 SMALL = 0.1  # one that clips every step
@@ -311,3 +315,210 @@ def test_release_warning_names_the_callback(monkeypatch):
 def test_importing_fusedopt_does_not_import_lightning():
     code = "import sys, fusedopt, fusedopt.integrations; assert 'lightning' not in sys.modules, 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- a tiny Llama: bf16-true and bf16-mixed, and resuming from a checkpoint ---------------------
+
+CLIP = 1.0  # the Llama tests' gradient_clip_val: their gradient norms at lr=1e-2 are about 1.3-2.2
+LLAMA_OPT = dict(fused=True, max_grad_norm=None, state_bits=8, min_compress_numel=0)  # 8-bit moments everywhere
+
+
+class Tokens(torch.utils.data.Dataset):
+    """12 seeded random sequences of 12 tokens (map-style): 6 batches of 2 an epoch, 3 steps with
+    accumulate_grad_batches=2."""
+
+    def __init__(self, n: int = 12, seq_len: int = 12, vocab: int = 64):
+        self.ids = torch.randint(0, vocab, (n, seq_len), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return self.ids[i]
+
+
+def tiny_llama():
+    """tests/test_hf_trainer.py's: a LlamaForCausalLM from a config (nothing downloaded)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+class Llama(L.LightningModule):
+    """The LM loss of a tiny Llama; records the optimizer's grad_norm after each of its steps (None for
+    an optimizer without one) and the token batches each step trained on."""
+
+    def __init__(self, opt_cls=fusedopt.AdamW, **opt_kwargs):
+        super().__init__()
+        self.model = tiny_llama()
+        self.opt_cls, self.opt_kwargs = opt_cls, opt_kwargs
+        self.norms: list = []
+        self.batches: list = []
+
+    def training_step(self, batch, batch_idx):
+        self.batches.append(batch.clone())
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self):
+        self.opt = self.opt_cls(self.model.parameters(), lr=1e-2, **self.opt_kwargs)
+        self.opt.register_step_post_hook(
+            lambda opt, args, kwargs: self.norms.append(_copy(getattr(opt, "grad_norm", None)))
+        )
+        return self.opt
+
+
+def fit_llama(module: Llama, out, callback: bool = True, callbacks=(), loader_cls=None, ckpt_path=None, **kwargs):
+    """Lightning with accumulate_grad_batches=2, logging every step to a CSV file under ``out``."""
+    loader_cls = loader_cls or torch.utils.data.DataLoader
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        accumulate_grad_batches=2,
+        logger=CSVLogger(out),
+        log_every_n_steps=1,
+        enable_checkpointing=bool(callbacks),  # no default ModelCheckpoint
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=([FusedOptCallback()] if callback else []) + list(callbacks),
+        **kwargs,
+    )
+    trainer.fit(module, loader_cls(Tokens(), batch_size=2), ckpt_path=ckpt_path)
+    return trainer
+
+
+def logged_norms(out) -> dict[int, float]:
+    """The logged grad_norm of each step, by step (no file: nothing was logged)."""
+    path = out / "lightning_logs" / "version_0" / "metrics.csv"
+    if not path.exists():
+        return {}
+    with open(path) as f:
+        return {int(row["step"]): float(row["grad_norm"]) for row in csv.DictReader(f) if row.get("grad_norm")}
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16-true", torch.bfloat16), ("bf16-mixed", torch.float32)])
+def test_llama_accumulates_clips_and_logs_through_the_optimizer(tmp_path, precision, dtype):
+    """fused=True under bf16-true (bf16 weights, their correction in the optimizer) and bf16-mixed (fp32
+    weights, bf16 autocast), accumulate_grad_batches=2, gradient_clip_val=1.0 handed to the optimizer: the
+    logged grad_norm is the optimizer's after each step, steps with a norm above 1.0 were clipped, and the
+    weights differ from the same run with clipping off."""
+    clipped = Llama(**LLAMA_OPT)
+    trainer = fit_llama(clipped, tmp_path / "clipped", precision=precision, gradient_clip_val=CLIP, max_steps=4)
+    opt = clipped.opt
+    assert trainer.global_step == 4 and len(clipped.batches) == 8
+    assert {p.dtype for p in clipped.parameters()} == {dtype}
+    assert opt.fused and opt.max_grad_norm == CLIP and opt.accumulation_steps == 2
+    norms = [n.item() for n in clipped.norms]
+    assert logged_norms(tmp_path / "clipped") == dict(enumerate(norms))
+    assert all(n > CLIP for n in norms), norms  # so every step was clipped (the norm is before clipping)
+
+    unclipped = Llama(**LLAMA_OPT)
+    fit_llama(unclipped, tmp_path / "unclipped", precision=precision, max_steps=4)
+    assert unclipped.opt.max_grad_norm is None and unclipped.norms == [None] * 4
+    assert logged_norms(tmp_path / "unclipped") == {}
+    assert differs(clipped, unclipped)
+
+
+def _stateful_loader():
+    return pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
+
+
+# Where the checkpoint is taken (6 steps in 2 epochs of 3): (the dataloader, ModelCheckpoint's schedule, the
+# length of the run, the step of the checkpoint resumed from). Lightning 2.6 resumes both exactly with plain
+# torch.optim.AdamW (the control below); it does not resume a mid-epoch checkpoint exactly with a plain
+# DataLoader (it starts the epoch's data again: the resumed batches are the epoch's first ones, while the
+# step and batch counters continue), nor the last.ckpt of a run stopped by max_steps on an epoch's last
+# batch (the resumed run trains the next epoch's first batch alone as one more step of the old epoch).
+RESUME_AT = {
+    "mid-epoch": (_stateful_loader, dict(every_n_train_steps=2), dict(max_steps=6), 2),
+    "epoch-end": (lambda: torch.utils.data.DataLoader, dict(every_n_epochs=1), dict(max_epochs=2), 3),
+}
+
+
+def fit_and_resume(tmp_path, at: str, make, **kwargs) -> tuple[Llama, Llama, int, dict, dict]:
+    """An uninterrupted run that saves checkpoints with a ModelCheckpoint, and a run resumed from one with
+    ``trainer.fit(model, ckpt_path=...)`` with the same callback (the same script run again): both modules,
+    the step resumed at, and the checkpoint files (name: bytes) before and after the resumed run."""
+    loader, schedule, length, step = RESUME_AT[at]
+    loader_cls = loader()
+    saved = tmp_path / "checkpoints"
+
+    def run(module: Llama, out: str, ckpt_path=None):
+        saver = L.pytorch.callbacks.ModelCheckpoint(saved, filename="{step}", save_top_k=-1, **schedule)
+        return fit_llama(
+            module, tmp_path / out, callbacks=[saver], loader_cls=loader_cls, ckpt_path=ckpt_path, **length, **kwargs
+        )
+
+    full = make()
+    trainer = run(full, "full")
+    assert trainer.global_step == 6 and len(full.batches) == 12 and len(full.norms) == 6
+    before = {f.name: f.read_bytes() for f in saved.iterdir()}
+    resumed = make()
+    trainer = run(resumed, "resumed", ckpt_path=saved / f"step={step}.ckpt")
+    after = {f.name: f.read_bytes() for f in saved.iterdir()}
+    assert trainer.global_step == 6
+    assert len(resumed.norms) == 6 - step  # it stepped the remaining steps only, on the remaining batches
+    assert all(torch.equal(a, b) for a, b in zip(resumed.batches, full.batches[2 * step :], strict=True))
+    assert_equal(full, resumed)
+    assert_same_state(full.opt.state_dict(), resumed.opt.state_dict())
+    return full, resumed, step, before, after
+
+
+def assert_same_state(a, b, where="state_dict") -> None:
+    """Equal optimizer state_dicts: every tensor bit for bit, everything else equal."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same_state(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+@pytest.mark.parametrize("at", list(RESUME_AT))
+def test_lightning_resumes_plain_torch_adamw_exactly(tmp_path, at):
+    """The control: where Lightning itself resumes exactly (fp32 torch.optim.AdamW, no clipping, no
+    fusedopt): the resumed run trains the uninterrupted run's remaining batches, to its weights and
+    optimizer state."""
+    fit_and_resume(tmp_path, at, lambda: Llama(torch.optim.AdamW), callback=False)
+    # (mid-epoch, the resumed run's ModelCheckpoint saves step 2 again after its first batch, inside the
+    # accumulation window: over the checkpoint it resumed from, without that batch's gradients)
+
+
+@pytest.mark.parametrize("at", list(RESUME_AT))
+def test_llama_resumes_bit_for_bit(tmp_path, at):
+    """fused=True with the callback, bf16-true (bf16 weights and their correction), 8-bit moments,
+    accumulate_grad_batches=2, clipping at 1.0, resumed from the control's checkpoints: the weights, the
+    optimizer's state_dict (moments, corrections, the clipping history) and the logged grad_norm of every
+    resumed step equal the uninterrupted run's."""
+    full, resumed, step, before, after = fit_and_resume(
+        tmp_path, at, lambda: Llama(**LLAMA_OPT), precision="bf16-true", gradient_clip_val=CLIP
+    )
+    # The resumed run saved its own later steps (next to the first run's), not the step it resumed from again
+    # inside its first accumulation window (Lightning's ModelCheckpoint would: the callback marks it saved).
+    assert all(after[name] == data for name, data in before.items())
+    later = [name for name in before if int(name.removeprefix("step=").removesuffix(".ckpt")) > step]
+    assert sorted(after.keys() - before.keys()) == sorted(name.replace(".ckpt", "-v1.ckpt") for name in later)
+    assert resumed.opt.max_grad_norm == CLIP and resumed.opt.accumulation_steps == 2
+    assert all(p.dtype == torch.bfloat16 for p in resumed.parameters())
+    state = resumed.opt.state_dict()  # compressed, compared with the uninterrupted run's above
+    assert sum("exp_avg.codes" in s for s in state["state"].values()) == 16  # 8-bit moments of the matrices
+    assert all("master_correction" in s for s in state["state"].values())  # the bf16 weights' correction
+    assert len(state["fusedopt"]["release_clipping"]["params"]) == len(state["state"])  # the clipping history
+    norms = [n.item() for n in full.norms]
+    assert all(n > CLIP for n in norms[step:]), norms  # the resumed steps were clipped
+    assert logged_norms(tmp_path / "full") == dict(enumerate(norms))
+    assert logged_norms(tmp_path / "resumed") == {i: n for i, n in enumerate(norms) if i >= step}

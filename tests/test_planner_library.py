@@ -59,6 +59,8 @@ def test_the_planners_defaults_are_the_optimizers(name):
     for key in OPTIMIZER_OPTIONS:
         if key == "max_grad_norm":  # not given: no clipping
             assert opt.max_grad_norm is None
+        elif key == "seed":  # not given: the optimizer's choice (0, or one per one-parameter optimizer)
+            assert options[key] is None and isinstance(opt.seed, int) and opt.seed >= 0
         else:
             assert options[key] == getattr(opt, key), key
 

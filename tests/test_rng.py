@@ -188,11 +188,20 @@ def test_default_seed_groups():
     assert [rng.default_slot(rng.default_seed(s)) for s in (0, 1, 7, 2**20)] == [0, 1, 7, 2**20]
     assert all(rng.valid_seed(rng.default_seed(s)) for s in (0, 2**30 - 1))
     assert rng.default_slot(0) is None and rng.default_slot(rng.default_seed(3) ^ 1) is None
+
+    class Owner:  # stands for an optimizer
+        pass
+
     seeds = rng.DefaultSeeds()
-    first = [seeds.assign() for _ in range(3)]
+    owners = [Owner() for _ in range(3)]
+    first = [seeds.assign(o) for o in owners]
     assert [rng.default_slot(s) for s, _ in first] == [0, 1, 2] and len({g for _, g in first}) == 1
+    del owners[1]  # dropped unused: its slot is the next one's, and no later slot shifts
+    assert rng.default_slot(seeds.assign(keep := Owner())[0]) == 1
     seeds.used(first[1][1])  # one of them is used: the next optimizer starts a new group
-    second = [seeds.assign() for _ in range(2)]
+    second_owners = [Owner() for _ in range(2)]
+    second = [seeds.assign(o) for o in second_owners]
     assert [s for s, _ in second] == [s for s, _ in first[:2]] and second[0][1] != first[0][1]
     seeds.used(first[0][1])  # a use in an earlier group changes nothing
-    assert rng.default_slot(seeds.assign()[0]) == 2
+    assert rng.default_slot(seeds.assign(Owner())[0]) == 2
+    del keep

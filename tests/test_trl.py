@@ -278,3 +278,71 @@ def test_other_trl_trainers_take_the_mixin(tmp_path):
     trainer = dpo(trl.DPOTrainer, model, optimizers=(opt, None))
     with pytest.raises(RuntimeError, match=r"gradient_accumulation_steps=2.*MyTrainer\(FusedOptTrainerMixin, trl"):
         trainer.train()
+
+
+def assert_same_state(a, b, where="state_dict"):
+    """Two optimizer state_dicts (nested dicts, lists and tensors) equal bit for bit, dtypes included."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            assert_same_state(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_sft_trainer_resume_with_clipping_is_bit_for_bit(tmp_path, fused):
+    """FusedOptSFTTrainer with accumulation 2, clipping that changes the run, 8-bit moments and bf16 weights
+    (with their correction), resumed from checkpoint-3 of 6: the resumed run's logged losses, grad norms and
+    learning rates, its weights and its whole optimizer state_dict (with fused=True, the clipping history
+    release estimates the global norm from) equal the uninterrupted run's bit for bit, and each logged
+    grad_norm is the optimizer's."""
+    opt_kwargs = dict(fused=fused, state_bits=8, min_compress_numel=0)
+
+    def run(out, clip, resume=None):
+        record = RecordNorms()
+        model = tiny_llama().to(torch.bfloat16)  # bf16 weights (bf16=False: no autocast)
+        trainer = FusedOptSFTTrainer(
+            model=model,
+            args=sft_config(out, max_steps=6, save_strategy="steps", save_steps=3, max_grad_norm=clip),
+            train_dataset=token_dataset(),
+            processing_class=tokenizer(),
+            optimizer_cls_and_kwargs=(fusedopt.AdamW, opt_kwargs),
+            callbacks=[record],
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        assert step_logs(trainer, "grad_norm")[-len(record.norms) :] == record.norms  # the optimizer's norm
+        return trainer, model, record.norms
+
+    unclipped, unclipped_model, _ = run(tmp_path / "unclipped", clip=1e4)  # configured, never reached
+    # clips every step, the first resumed one included: under release its clipping estimates the global norm
+    # from the history saved in checkpoint-3 (without it, from the gradients seen so far: another update)
+    clip = min(step_logs(unclipped, "grad_norm")) / 2
+    full, full_model, full_seen = run(tmp_path / "full", clip)
+    opt = fused_optimizer(full.optimizer)
+    assert opt.fused == fused and opt.max_grad_norm == clip and opt.accumulation_steps == (2 if fused else 1)
+    assert all(p.dtype == torch.bfloat16 for p in full_model.parameters())
+    assert len(full_seen) == 6
+    norms = step_logs(full, "grad_norm")
+    assert norms[0] == step_logs(unclipped, "grad_norm")[0]  # the same first gradients
+    assert all(n > clip for n in norms)  # every update clipped
+    a, u = params(full_model), params(unclipped_model)
+    changed = sum(int((a[n] != u[n]).sum()) for n in a) / sum(p.numel() for p in a.values())
+    assert changed > 0.5  # clipping changed the run: most bf16 weights differ from the unclipped run's (~0.9)
+
+    resumed, resumed_model, resumed_seen = run(tmp_path / "resumed", clip, str(tmp_path / "full" / "checkpoint-3"))
+    assert resumed.state.global_step == 6 and len(resumed_seen) == 3  # it trained steps 4-6 only
+    assert not (tmp_path / "resumed" / "checkpoint-3").exists()
+    for key in ("loss", "grad_norm", "learning_rate"):  # the resumed log starts with the checkpoint's 3 steps
+        logged = step_logs(full, key)
+        assert len(logged) == 6 and all(v is not None for v in logged), key
+        assert step_logs(resumed, key) == logged, key
+    assert len(set(step_logs(full, "learning_rate"))) >= 4  # warm-up and decay: the schedule was restored
+    assert_equal(params(resumed_model), a)
+    assert_same_state(fused_optimizer(resumed.optimizer).state_dict(), opt.state_dict())

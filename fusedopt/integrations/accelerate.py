@@ -220,17 +220,20 @@ def _drivers() -> tuple[object | None, Accelerator | None]:
     module = sys.modules.get("transformers.trainer")
     trainer_cls = getattr(module, "Trainer", None)
     trainer = accelerator = None
-    frames = [sys._getframe()] + list(sys._current_frames().values())
-    for frame in frames:
-        while frame is not None:
-            name = frame.f_code.co_name
-            if name in ("training_step", "_inner_training_loop", "backward"):
-                owner = frame.f_locals.get("self")
-                if trainer is None and trainer_cls is not None and isinstance(owner, trainer_cls):
-                    trainer = owner
-                elif accelerator is None and isinstance(owner, Accelerator):
-                    accelerator = owner
-            frame = frame.f_back
+    frames = [sys._getframe(1)] + list(sys._current_frames().values())
+    try:
+        for frame in frames:
+            while frame is not None:
+                name = frame.f_code.co_name
+                if name in ("training_step", "_inner_training_loop", "backward"):
+                    owner = frame.f_locals.get("self")
+                    if trainer is None and trainer_cls is not None and isinstance(owner, trainer_cls):
+                        trainer = owner
+                    elif accelerator is None and isinstance(owner, Accelerator):
+                        accelerator = owner
+                frame = frame.f_back
+    finally:
+        del frames, frame  # frames held here would keep every frame's locals (the optimizer) alive: a cycle
     return trainer, accelerator
 
 

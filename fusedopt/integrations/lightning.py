@@ -29,12 +29,17 @@ with ``fused=False`` otherwise, Lightning clips by value as usual); an overridde
 gone); a ``grad_scaler`` that is not the Trainer's. A ``clip_gradients`` call of your own (manual
 optimization) with a norm other than the optimizer's ``max_grad_norm`` raises when it is made.
 Checkpoints are Lightning's own; it loads the optimizer's ``state_dict()`` after these hand-overs, so a
-resumed optimizer keeps its clipping history.
+resumed optimizer keeps its clipping history. A resumed fit marks its restored step as saved for each
+``ModelCheckpoint(every_n_train_steps=...)``: Lightning does not keep the step such a callback saved last,
+so it would save the step it resumed from again at the end of the first batch, inside an accumulation
+window, where a ``fused=True`` optimizer's ``state_dict()`` refuses (the window's gradients would be lost)
+and any other would overwrite that checkpoint with one that loses them.
 """
 
 from __future__ import annotations
 
 from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -165,6 +170,17 @@ class FusedOptCallback(Callback):
                 self._handles.append(opt.register_step_post_hook(_grad_norm_logger(trainer, name)))
 
     # --- during fit -----------------------------------------------------------------------------
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        """After a checkpoint is restored: its step counts as saved by every ModelCheckpoint that saves
+        every n steps (their last saved step is not in Lightning's checkpoint), so none saves it again at
+        the end of the first batch, inside an accumulation window."""
+        step = trainer.global_step
+        for callback in trainer.checkpoint_callbacks:
+            if not isinstance(callback, ModelCheckpoint) or callback._every_n_train_steps < 1:
+                continue
+            if step % callback._every_n_train_steps == 0 and callback._last_global_step_saved < step:
+                callback._last_global_step_saved = step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         """accumulate_grad_batches becomes the releasing optimizers' accumulation_steps before each batch's
