@@ -12,6 +12,15 @@ ends on Lightning's short window of one batch).
   ``16-mixed`` the precision plugin's scaler is handed to a releasing optimizer.
 * The logged ``grad_norm`` is the optimizer's ``grad_norm`` after each step.
 * What cannot work is refused when fitting starts, before any training step, naming the fix.
+
+The issue's acceptance, on a tiny Llama (``transformers.LlamaForCausalLM`` from a config) with
+``fused=True``, ``accumulate_grad_batches=2`` and ``gradient_clip_val=1.0``:
+
+* under ``bf16-true`` and ``bf16-mixed`` the logged ``grad_norm`` is the optimizer's after each step, and
+  clipping took effect: the norms are above 1.0 and the weights differ from a run with clipping off;
+* ``trainer.fit(model, ckpt_path=...)`` resumes bit for bit (weights, the optimizer's compressed state and
+  clipping history, the logged norms) from a mid-epoch checkpoint (with torchdata's ``StatefulDataLoader``)
+  and from an end-of-epoch one, where Lightning resumes plain ``torch.optim.AdamW`` exactly (the control).
 """
 
 from __future__ import annotations
@@ -320,7 +329,7 @@ def test_importing_fusedopt_does_not_import_lightning():
 # --- a tiny Llama: bf16-true and bf16-mixed, and resuming from a checkpoint ---------------------
 
 CLIP = 1.0  # the Llama tests' gradient_clip_val: their gradient norms at lr=1e-2 are about 1.3-2.2
-LLAMA_OPT = dict(fused=True, max_grad_norm=None, state_bits=8, min_compress_numel=0)  # 8-bit moments everywhere
+LLAMA_OPT = dict(fused=True, max_grad_norm=None, state_bits=8, min_compress_numel=0)  # 8-bit moments of every matrix
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -488,6 +497,10 @@ def assert_same_state(a, b, where="state_dict") -> None:
         assert a == b, where
 
 
+RESUMED_INTO_ITS_DIRECTORY = pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")
+
+
+@RESUMED_INTO_ITS_DIRECTORY
 @pytest.mark.parametrize("at", list(RESUME_AT))
 def test_lightning_resumes_plain_torch_adamw_exactly(tmp_path, at):
     """The control: where Lightning itself resumes exactly (fp32 torch.optim.AdamW, no clipping, no
@@ -498,14 +511,16 @@ def test_lightning_resumes_plain_torch_adamw_exactly(tmp_path, at):
     # accumulation window: over the checkpoint it resumed from, without that batch's gradients)
 
 
+@RESUMED_INTO_ITS_DIRECTORY
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
 @pytest.mark.parametrize("at", list(RESUME_AT))
-def test_llama_resumes_bit_for_bit(tmp_path, at):
-    """fused=True with the callback, bf16-true (bf16 weights and their correction), 8-bit moments,
-    accumulate_grad_batches=2, clipping at 1.0, resumed from the control's checkpoints: the weights, the
-    optimizer's state_dict (moments, corrections, the clipping history) and the logged grad_norm of every
-    resumed step equal the uninterrupted run's."""
+def test_llama_resumes_bit_for_bit(tmp_path, at, precision):
+    """fused=True with the callback, 8-bit moments, accumulate_grad_batches=2, clipping at 1.0, bf16-true
+    (bf16 weights and their correction) or bf16-mixed, resumed where the control resumes exactly: the
+    weights, the optimizer's state_dict (moments, corrections, the clipping history) and the logged
+    grad_norm of every resumed step equal the uninterrupted run's."""
     full, resumed, step, before, after = fit_and_resume(
-        tmp_path, at, lambda: Llama(**LLAMA_OPT), precision="bf16-true", gradient_clip_val=CLIP
+        tmp_path, at, lambda: Llama(**LLAMA_OPT), precision=precision, gradient_clip_val=CLIP
     )
     # The resumed run saved its own later steps (next to the first run's), not the step it resumed from again
     # inside its first accumulation window (Lightning's ModelCheckpoint would: the callback marks it saved).
@@ -513,10 +528,11 @@ def test_llama_resumes_bit_for_bit(tmp_path, at):
     later = [name for name in before if int(name.removeprefix("step=").removesuffix(".ckpt")) > step]
     assert sorted(after.keys() - before.keys()) == sorted(name.replace(".ckpt", "-v1.ckpt") for name in later)
     assert resumed.opt.max_grad_norm == CLIP and resumed.opt.accumulation_steps == 2
-    assert all(p.dtype == torch.bfloat16 for p in resumed.parameters())
+    bf16_weights = precision == "bf16-true"
+    assert {p.dtype for p in resumed.parameters()} == {torch.bfloat16 if bf16_weights else torch.float32}
     state = resumed.opt.state_dict()  # compressed, compared with the uninterrupted run's above
     assert sum("exp_avg.codes" in s for s in state["state"].values()) == 16  # 8-bit moments of the matrices
-    assert all("master_correction" in s for s in state["state"].values())  # the bf16 weights' correction
+    assert all(("master_correction" in s) == bf16_weights for s in state["state"].values())  # bf16's correction
     assert len(state["fusedopt"]["release_clipping"]["params"]) == len(state["state"])  # the clipping history
     norms = [n.item() for n in full.norms]
     assert all(n > CLIP for n in norms[step:]), norms  # the resumed steps were clipped
