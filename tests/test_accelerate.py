@@ -279,3 +279,78 @@ def test_setup_and_routed_clipping_refuse_what_they_cannot_do():
 def test_importing_fusedopt_does_not_import_accelerate():
     code = "import sys, fusedopt, fusedopt.integrations; assert 'accelerate' not in sys.modules, 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def train_llama(fused: bool, max_norm: float):
+    """The accelerate loop on a tiny Llama: 8 micro-batches of 2 x 16 random tokens, 4 windows of 2;
+    ``clip_grad_norm_`` at the optimizer's max_grad_norm. Returns the weights, the norms clip_grad_norm_
+    returned (as tensors) and the optimizer's grad_norm after each step."""
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = tiny_llama()
+    opt = fusedopt.AdamW(model.parameters(), lr=1e-2, fused=fused, max_grad_norm=max_norm)
+    model, prepared = accelerator.prepare(model, opt)
+    assert setup(accelerator, prepared) is opt and opt.accumulation_steps == (2 if fused else 1)
+    gen = torch.Generator().manual_seed(1)
+    norms, opt_norms = [], []
+    for _ in range(8):
+        tokens = torch.randint(0, 64, (2, 16), generator=gen)
+        with accelerator.accumulate(model):
+            accelerator.backward(model(input_ids=tokens, labels=tokens).loss)
+            if accelerator.sync_gradients:
+                norms.append(accelerator.clip_grad_norm_(model.parameters(), max_norm))
+            prepared.step()
+            if accelerator.sync_gradients:
+                opt_norms.append(opt.grad_norm.clone())
+            prepared.zero_grad()
+    return params(model), torch.stack(norms), torch.stack(opt_norms)
+
+
+LLAMA_CLIP = 0.5  # under half of every step's norm here (1.1 to 1.25): every step clips
+
+
+def test_tiny_llama_clips_through_the_optimizer():
+    """A tiny Llama in the accelerate loop with accumulation 2: fused=True's clip_grad_norm_ returns the
+    optimizer's norm bit for bit (before clipping, above max_norm at every step) and the update was clipped.
+    Unclipped, fused=True equals fused=False bit for bit; clipped, only the first step's norm is equal (the
+    same gradients): under release the coefficient comes from a one-pass estimate of the global norm, the
+    first step's from the part seen so far (docs/semantics.md, "Clipping"), so the weights are only close."""
+    weights, norms, opt_norms = train_llama(fused=True, max_norm=LLAMA_CLIP)
+    assert len(norms) == 4 and torch.equal(norms, opt_norms)  # the optimizer's norm of each step
+    assert float(norms.min()) > LLAMA_CLIP  # every step clipped
+
+    unclipped, unclipped_norms, _ = train_llama(fused=True, max_norm=1e4)
+    unfused_unclipped, unfused_unclipped_norms, _ = train_llama(fused=False, max_norm=1e4)
+    assert float(unclipped_norms.max()) < 1e4
+    assert torch.equal(unclipped_norms, unfused_unclipped_norms)  # nothing clips: bit for bit
+    assert_equal(unclipped, unfused_unclipped)
+    assert torch.equal(norms[0], unclipped_norms[0])  # the same first gradients
+
+    def distance(a, b):
+        return sum(((a[n] - b[n]) ** 2).sum() for n in a).sqrt().item()
+
+    initial = params(tiny_llama())
+    travelled = distance(unclipped, initial)
+    assert distance(weights, unclipped) > 0.05 * travelled  # clipping mattered (about 0.12 of it)
+
+    unfused, unfused_norms, _ = train_llama(fused=False, max_norm=LLAMA_CLIP)
+    assert float(unfused_norms.min()) > LLAMA_CLIP
+    assert torch.equal(norms[0], unfused_norms[0])
+    # later norms differ by the weights (measured: 1% at most)
+    torch.testing.assert_close(norms, unfused_norms, rtol=0.03, atol=0)
+    # measured 0.10 of the distance travelled; torch's exact clipping moves the weights by 0.02 of it
+    assert distance(weights, unfused) < 0.2 * travelled

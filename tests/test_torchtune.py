@@ -270,6 +270,49 @@ def test_recipe_fused_equals_stock_recipe_unfused(tmp_path, initial_weights):
     assert float(logged.max()) < MAX_NORM
 
 
+CLIP = 0.5  # half every step's (normalised) norm here (about 1): every step clips
+
+
+def test_recipe_fused_clips_through_the_optimizer(tmp_path, initial_weights):
+    """The real recipe, accumulation 2, a max_grad_norm that clips every step: fusedopt's recipe with
+    fused=True logs the optimizer's norm of each step (before clipping, above max_grad_norm) and the update
+    was clipped; torchtune's own clip_grad_norm in the stock recipe with fused=False clips by the same first
+    norm (the same gradients) and trains close to it: under release the clipping coefficient comes from a
+    one-pass estimate of the global norm (docs/semantics.md, "Clipping"), so only the first norm is equal."""
+    opt_norms = []
+    ours = _run(
+        ft.FullFinetuneRecipeSingleDevice,
+        _recipe_config(tmp_path, optimizer={"max_grad_norm": CLIP}),
+        on_step=lambda opt, *_: opt_norms.append(opt.grad_norm.clone()),
+    )
+    assert ours._optimizer.fused and ours._optimizer.accumulation_steps == 2
+    logged = torch.stack([r["grad_norm"] for r in ours._metric_logger.records])
+    assert len(logged) == 3 and torch.equal(logged, torch.stack(opt_norms))  # the optimizer's, bit for bit
+    assert float(logged.min()) > CLIP  # every step clipped
+
+    unclipped = _run(ft.FullFinetuneRecipeSingleDevice, _recipe_config(tmp_path))  # MAX_NORM: never clips
+    unclipped_norms = torch.stack([r["grad_norm"] for r in unclipped._metric_logger.records])
+    assert float(unclipped_norms.max()) < MAX_NORM
+    assert torch.equal(logged[0], unclipped_norms[0])  # the same first gradients
+    weights, unclipped_weights = ours._model.state_dict(), unclipped._model.state_dict()
+    assert max((weights[n] - unclipped_weights[n]).abs().max().item() for n in weights) > 1e-4  # clipping mattered
+
+    stock = _run(
+        ft.StockFullFinetuneRecipeSingleDevice,
+        _recipe_config(tmp_path, clip_grad_norm=CLIP, optimizer={"fused": False, "max_grad_norm": None}),
+    )
+    stock_norms = torch.stack([r["grad_norm"] for r in stock._metric_logger.records])
+    torch.testing.assert_close(logged[0], stock_norms[0], rtol=1e-6, atol=0)  # the same gradients, before clipping
+    torch.testing.assert_close(logged, stock_norms, rtol=1e-4, atol=0)  # later steps: close (measured 1e-5)
+
+    def distance(a, b):
+        return sum(((a[n] - b[n]) ** 2).sum() for n in a).sqrt().item()
+
+    stock_weights = stock._model.state_dict()
+    # the estimate's clipping is nearer torch's exact clipping than that is to not clipping (measured 0.55)
+    assert distance(weights, stock_weights) < 0.75 * distance(stock_weights, unclipped_weights)
+
+
 def test_stock_recipe_refuses_a_releasing_optimizer(tmp_path, initial_weights):
     cfg = _recipe_config(tmp_path)
     recipe = ft.StockFullFinetuneRecipeSingleDevice(cfg=cfg)
