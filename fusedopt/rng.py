@@ -28,19 +28,19 @@ bits of the word it is given, so a 12-bit field is a word whose low 20 bits are 
 stochastic rounding resolves probabilities to 2**-12 (moments) or 2**-8 (a 24-bit master,
 whose grid is 2**-8 of a bf16 ulp: exactly what it can hold).
 
-Default seeds (``DefaultSeeds``). An optimizer built without ``seed`` over several parameters uses
-seed 0, as before. One built without ``seed`` over ONE parameter (torchtune's optimizer-in-backward
-builds one per parameter; so does any per-parameter scheme) would then draw the stream of index 0
-of seed 0, as every other such optimizer: identical rounding errors across parameters. Instead it
-takes a default seed (``default_seed(slot)``) at construction: the optimizers built one after
-another before any of them is used (updated, or its seed read) form a group, and each takes the
-lowest slot no live member of its group holds (the k-th takes slot k unless one was dropped unused). So per-parameter optimizers built together take distinct seeds in their construction
-order, and an optimizer built after a group started training (a second run, a retry, a comparison in
-a test) starts a new group at slot 0: the same program draws the same streams in a fresh process and
-in a long-lived one. The seed is the optimizer's ``seed``, saved in its state dict: a resumed
-optimizer continues the saved stream whatever slot it took. A default seed is
-``2**62 | slot << 32 | fmix32(slot ^ DEFAULT_SALT)``: its low 32 bits (what the hash reads) lie far
-from the small seeds people pass, and the slot can be read back (``default_slot``).
+Default seeds (``DefaultSeeds``). An optimizer built without ``seed`` over several parameters uses seed
+0, as before. One built without ``seed`` over ONE parameter (torchtune's optimizer-in-backward builds
+one per parameter; so does any per-parameter scheme) would then draw the stream of index 0 of seed 0, as
+every other such optimizer: identical rounding errors across parameters. Instead it takes a default seed
+(``default_seed(slot)``) at construction: the optimizers built one after another before any of them is
+used (updated, or its seed read) form a group, and each takes the lowest slot no live member of its
+group holds (the k-th takes slot k unless one was dropped unused). So per-parameter optimizers built
+together take distinct seeds in their construction order, and an optimizer built after a group started
+training (a second run, a retry, a comparison in a test) starts a new group at slot 0: the same program
+draws the same streams in a fresh process and in a long-lived one. The seed is the optimizer's ``seed``,
+saved in its state dict: a resumed optimizer continues the saved stream whatever slot it took. A default
+seed is ``2**62 | slot << 32 | fmix32(slot ^ DEFAULT_SALT)``: its low 32 bits (what the hash reads) lie
+far from the small seeds people pass, and the slot can be read back (``default_slot``).
 """
 
 from __future__ import annotations

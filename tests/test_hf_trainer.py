@@ -179,16 +179,16 @@ def test_trainer_clips_through_a_releasing_optimizer_and_logs_its_grad_norm(tmp_
     the run is the optimizer's own clipping, bit for bit, and the logged norm is its exact norm."""
     clip, unclipped_params = unclipped
     _, ref_norms = _torch_clipped_reference(tmp_path / "ref", clip)
-    # The optimizer's own clipping: a releasing optimizer that clips, under a plain Trainer that does not.
-    with pytest.warns(UserWarning, match="plain Hugging Face Trainer drives a fused=True optimizer"):
-        plain, plain_model = train(
-            transformers.Trainer,
-            tmp_path / "plain",
-            opt_kwargs=dict(fused=True, lr=1e-2, max_grad_norm=clip),
-            max_grad_norm=0,
-        )
-    assert all(n in (None, 0.0) for n in step_logs(plain, "grad_norm"))  # a plain Trainer finds no gradients
+    # The optimizer's own clipping: a releasing optimizer that clips, under a plain Trainer that does not (the
+    # norm it logs is routed to the optimizer's)
+    plain, plain_model = train(
+        transformers.Trainer,
+        tmp_path / "plain",
+        opt_kwargs=dict(fused=True, lr=1e-2, max_grad_norm=clip),
+        max_grad_norm=0,
+    )
     model, seen = _train_recording_norms(tmp_path / "ours", fused=True, clip=clip)
+    assert step_logs(plain, "grad_norm") == seen
     torch.testing.assert_close(seen[0], ref_norms[0], rtol=1e-5, atol=0)  # the same first gradients: exact
     ours, reference = params(model), params(plain_model)
     for name in ours:
@@ -196,27 +196,30 @@ def test_trainer_clips_through_a_releasing_optimizer_and_logs_its_grad_norm(tmp_
     _assert_clipping_mattered(model, unclipped_params)  # fused=True equals fused=False where nothing clips
 
 
-def test_plain_trainer_asked_to_clip_a_releasing_optimizer_clips_nothing_and_was_told(tmp_path, monkeypatch, unclipped):
-    """A plain Trainer asked to clip, with a releasing optimizer built without max_grad_norm: its
-    clipping finds no gradients, so the run is the unclipped one, bit for bit (clipping at that
-    threshold changes this run: the tests above); building the optimizer warned, naming the fix."""
+def test_a_plain_trainers_clipping_and_logged_norm_go_through_a_releasing_optimizer(tmp_path, monkeypatch, unclipped):
+    """A plain Trainer clips, and takes the norm it logs, through its accelerator's clip_grad_norm_, which
+    finds no gradients after a releasing backward: it is routed to the optimizer. At the optimizer's own
+    threshold the run is FusedOptTrainer's, bit for bit, logging the optimizer's norm; asked to clip a
+    releasing optimizer that does not, it is refused at the first step, naming the setting (and building
+    that optimizer warned)."""
     clip, _ = unclipped
-    monkeypatch.setattr(release_notices, "_release_warned", False)
-    with pytest.warns(UserWarning, match="FusedOptTrainer") as record:
-        plain, plain_model = train(
-            transformers.Trainer, tmp_path / "plain", opt_kwargs=dict(fused=True, lr=1e-2), max_grad_norm=clip
-        )
-    ours = [str(w.message) for w in record if "fusedopt" in str(w.message)]
-    assert len(ours) == 2, ours  # building it; its first backward under a plain Trainer
-    assert "max_grad_norm=1.0" in ours[0] and "FusedOptTrainer" in ours[0]
-    assert f"clips by TrainingArguments.max_grad_norm={clip}" in ours[1] and "the optimizer does not clip" in ours[1]
-    assert all(n in (None, 0.0) for n in step_logs(plain, "grad_norm"))
-    none, none_model = train(FusedOptTrainer, tmp_path / "none", opt_kwargs=dict(fused=True), max_grad_norm=0)
-    assert all(n is None for n in step_logs(none, "grad_norm"))  # FusedOptTrainer: no clipping, no norm
-    assert step_logs(plain, "loss") == step_logs(none, "loss")
-    a, b = params(plain_model), params(none_model)
+    plain, plain_model = train(
+        transformers.Trainer, tmp_path / "plain", opt_kwargs=dict(fused=True, lr=1e-2, max_grad_norm=clip),
+        max_grad_norm=clip,
+    )  # fmt: skip
+    ours, ours_model = train(FusedOptTrainer, tmp_path / "ours", opt_kwargs=dict(fused=True), max_grad_norm=clip)
+    norms = step_logs(plain, "grad_norm")
+    assert norms == step_logs(ours, "grad_norm") and all(n > 0 for n in norms) and any(n > clip for n in norms)
+    assert step_logs(plain, "loss") == step_logs(ours, "loss")
+    a, b = params(plain_model), params(ours_model)
     for name in a:
         assert torch.equal(a[name], b[name]), name
+    monkeypatch.setattr(release_notices, "_release_warned", False)
+    with (
+        pytest.warns(UserWarning, match="FusedOptTrainer"),
+        pytest.raises(ValueError, match=r"max_grad_norm=None.*TrainingArguments.max_grad_norm"),
+    ):
+        train(transformers.Trainer, tmp_path / "none", opt_kwargs=dict(fused=True, lr=1e-2), max_grad_norm=clip)
 
 
 def test_fused_opt_trainer_builds_a_releasing_optimizer_without_the_clipping_warning(tmp_path, monkeypatch):
@@ -391,20 +394,19 @@ def test_plain_trainer_refuses_an_accumulation_mismatch_at_the_first_backward(tm
             assert torch.equal(p, before[name]), name
         assert not fused_optimizer(trainer.optimizer).state
 
-    # given the Trainer's accumulation, a plain Trainer trains as FusedOptTrainer (without clipping in either,
-    # the plain Trainer's logged grad_norm aside, and warns about that once)
-    with pytest.warns(UserWarning, match="plain Hugging Face Trainer") as record:
-        plain, plain_model = train(
-            transformers.Trainer,
-            tmp_path / "plain",
-            opt_kwargs=dict(fused=True, accumulation_steps=2, lr=1e-2, max_grad_norm=None),
-            gradient_accumulation_steps=2,
-            max_grad_norm=0,
-        )
-    assert sum("plain Hugging Face Trainer" in str(w.message) for w in record) == 1
+    # given the Trainer's accumulation, a plain Trainer trains as FusedOptTrainer (without clipping in either:
+    # no norm is logged, where the plain Trainer's own would be a 0 from the released gradients)
+    plain, plain_model = train(
+        transformers.Trainer,
+        tmp_path / "plain",
+        opt_kwargs=dict(fused=True, accumulation_steps=2, lr=1e-2, max_grad_norm=None),
+        gradient_accumulation_steps=2,
+        max_grad_norm=0,
+    )
     ours, ours_model = train(
         FusedOptTrainer, tmp_path / "ours", opt_kwargs=dict(fused=True), gradient_accumulation_steps=2, max_grad_norm=0
     )
+    assert all(n is None for n in step_logs(plain, "grad_norm") + step_logs(ours, "grad_norm"))
     assert step_logs(plain, "loss") == step_logs(ours, "loss")
     a, b = params(plain_model), params(ours_model)
     for name in a:

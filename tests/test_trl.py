@@ -7,11 +7,11 @@ but fp32 (``bf16=False``), gradient accumulation 2 and ``max_grad_norm``.
   ``grad_norm`` (not 0).
 * With clipping that changes the run: ``fused=False`` equals a plain ``SFTTrainer`` clipping with torch's
   ``clip_grad_norm_``; ``fused=True`` is the releasing optimizer's own clipping, bit for bit (a plain
-  ``SFTTrainer`` driving that optimizer, which warns that the grad_norm it logs is not the optimizer's).
+  ``SFTTrainer`` driving that optimizer, whose logged grad_norm is routed to the optimizer's).
 * The first thing a TRL user tries, a plain ``SFTTrainer`` with ``optimizer_cls_and_kwargs=(fusedopt.AdamW,
   dict(fused=True, max_grad_norm=1.0))``: with accumulation it is refused at the first backward, before any
-  update, naming ``gradient_accumulation_steps`` and ``FusedOptSFTTrainer``; without, it trains and warns
-  once that its logged grad_norm of 0 is not the optimizer's.
+  update, naming ``gradient_accumulation_steps`` and ``FusedOptSFTTrainer``; without, it trains, clipping and
+  logging the norm through the optimizer; an optimizer that does not clip under its max_grad_norm is refused.
 * TRL's other trainers take ``FusedOptTrainerMixin`` (``DPOTrainer`` here).
 """
 
@@ -172,20 +172,21 @@ def test_sft_trainer_clips_through_the_optimizer(tmp_path, unfused):
     assert max((a[n] - unfused_params[n]).abs().max().item() for n in a) > 1e-4  # clipping changed the run
 
     # fused=True: the releasing optimizer's own clipping (against its estimate of the global norm), bit for
-    # bit as under a plain SFTTrainer that leaves clipping to it (and warns that its grad_norm is not the norm)
+    # bit as under a plain SFTTrainer that leaves clipping to it, whose norm for its log is routed to the optimizer
     record = RecordNorms()
     fused, fused_model = sft(FusedOptSFTTrainer, tmp_path / "fused", dict(fused=True), [record], max_grad_norm=clip)
     norms = step_logs(fused, "grad_norm")
     assert norms == record.norms and all(n > 0 for n in norms)
     torch.testing.assert_close(norms[0], ref_norms[0], rtol=1e-5, atol=0)  # the same first gradients
-    with pytest.warns(UserWarning, match="plain Hugging Face SFTTrainer drives a fused=True optimizer"):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fusedopt")
         plain, plain_model = sft(
             trl.SFTTrainer,
             tmp_path / "plain",
             dict(fused=True, accumulation_steps=2, lr=1e-2, max_grad_norm=clip),
             max_grad_norm=0,
         )
-    assert all(n == 0.0 for n in step_logs(plain, "grad_norm"))  # what a plain Trainer logs under release
+    assert step_logs(plain, "grad_norm") == norms  # the optimizer's norm, not the 0 of the released gradients
     assert step_logs(plain, "loss") == step_logs(fused, "loss")
     assert_equal(params(fused_model), params(plain_model))
     assert max((params(fused_model)[n] - unfused_params[n]).abs().max().item() for n in a) > 1e-4
@@ -213,14 +214,24 @@ def test_plain_sft_trainer_with_a_releasing_optimizer(tmp_path):
     assert_equal(params(model), before)
     assert not fused_optimizer(trainer.optimizer).state  # no update, no state
 
-    # without accumulation it trains, logging a grad_norm of 0, and says once that this is not the norm
-    with pytest.warns(UserWarning, match="FusedOptSFTTrainer") as record:
+    # without accumulation it trains; its clipping (SFTConfig's max_grad_norm=1.0, the optimizer's) and the norm
+    # it logs go through the optimizer
+    record = RecordNorms()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fusedopt")
         plain, _ = sft(
-            trl.SFTTrainer, tmp_path / "plain", dict(fused=True, max_grad_norm=1.0), gradient_accumulation_steps=1
+            trl.SFTTrainer,
+            tmp_path / "plain",
+            dict(fused=True, max_grad_norm=1.0),
+            [record],
+            gradient_accumulation_steps=1,
         )
-    ours = [w for w in record if "plain Hugging Face SFTTrainer" in str(w.message)]
-    assert len(ours) == 1 and "logs a grad_norm of 0" in str(ours[0].message)
-    assert plain.state.global_step == 4 and all(n == 0.0 for n in step_logs(plain, "grad_norm"))
+    norms = step_logs(plain, "grad_norm")
+    assert plain.state.global_step == 4 and norms == record.norms and all(n > 0 for n in norms)
+
+    # an optimizer that does not clip under a Trainer that does: refused at the first step, naming the setting
+    with pytest.raises(ValueError, match=r"max_grad_norm=None.*TrainingArguments.max_grad_norm"):
+        sft(trl.SFTTrainer, tmp_path / "none", dict(fused=True, max_grad_norm=None), gradient_accumulation_steps=1)
 
 
 def test_other_trl_trainers_take_the_mixin(tmp_path):

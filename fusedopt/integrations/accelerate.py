@@ -48,6 +48,7 @@ from fusedopt.sharding import as_sharded, is_sharded
 _SET_UP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # optimizers whose first releasing backward was looked at (the once-per-optimizer warnings)
 _SEEN: weakref.WeakSet = weakref.WeakSet()
+_PLAIN_TRAINER: weakref.WeakSet = weakref.WeakSet()  # optimizers a plain Trainer's clipping was routed to
 
 
 def fused_optimizer(optimizer) -> FusedOptimizer | None:
@@ -85,11 +86,16 @@ def setup(accelerator: Accelerator, optimizer) -> FusedOptimizer:
                 "grad_scaler unset, setup() hands the accelerator's over"
             )
         opt.grad_scaler = scaler
+    _route(accelerator, opt)
+    return opt
+
+
+def _route(accelerator, opt: FusedOptimizer) -> None:
+    """``accelerator.clip_grad_norm_`` / ``clip_grad_value_`` of ``opt``'s parameters through ``opt``."""
     _SET_UP[opt] = weakref.ref(accelerator)
     if "clip_grad_norm_" not in vars(accelerator):  # once per accelerator: route its clipping
         accelerator.clip_grad_norm_ = _ClipGradNorm(accelerator, type(accelerator).clip_grad_norm_)
         accelerator.clip_grad_value_ = _ClipGradValue(accelerator, type(accelerator).clip_grad_value_)
-    return opt
 
 
 def _optimizers_of(accelerator) -> list[FusedOptimizer]:
@@ -133,15 +139,23 @@ class _ClipGradNorm:
         max_norm, norm_only = float(max_norm), math.isinf(float(max_norm))
         if float(norm_type) != 2.0:
             raise ValueError(f"norm_type={norm_type}: a fusedopt optimizer clips by the L2 norm (norm_type=2)")
+        if norm_only and opt.max_grad_norm is None and opt in _PLAIN_TRAINER:
+            return None  # a plain Trainer's norm for its log, which an optimizer that does not clip never took
         if opt.max_grad_norm is None or not (norm_only or max_norm == opt.max_grad_norm):
             released = "gradient release (fused=True) freed the gradients during backward, so there are none to clip"
             if not opt.fused:
                 released = "clipping here and in the optimizer's step() would clip twice"
             fix = "some max_grad_norm" if norm_only else f"max_grad_norm={max_norm}"
+            trainer = ""
+            if opt in _PLAIN_TRAINER:
+                trainer = (
+                    " (a plain Hugging Face Trainer clips by TrainingArguments.max_grad_norm: give the optimizer the "
+                    "same, or train with FusedOptTrainer / FusedOptSFTTrainer, which hands it over)"
+                )
             raise ValueError(
                 f"accelerator.clip_grad_norm_(..., max_norm={max_norm}) of a fusedopt optimizer with max_grad_norm="
                 f"{opt.max_grad_norm}: {released}. Clip through the optimizer: build it with {fix}; "
-                "accelerator.clip_grad_norm_ then returns its norm (opt.grad_norm)"
+                f"accelerator.clip_grad_norm_ then returns its norm (opt.grad_norm){trainer}"
             )
         if opt.fused:
             pending = _pending_norm(opt)  # a window accelerate ended early leaves its update to step()
@@ -202,16 +216,16 @@ def check_release_window(optimizer: FusedOptimizer, p: torch.Tensor, n: int) -> 
     optimizer whose ``accumulation_steps`` differs from the accumulation of the framework stepping it: at
     its first backward where a Hugging Face Trainer or an ``Accelerator(gradient_accumulation_steps=N > 1)``
     is seen driving it, and at any backward that would update while accelerate's ``GradientState`` says the
-    window goes on (``sync_gradients`` False). At its first backward, warns once when a norm pass after
-    backward (a plain Trainer's, or ``accelerator.clip_grad_norm_`` without ``setup``) would find no
-    gradients. After the first backward it costs a few dictionary lookups per pass."""
+    window goes on (``sync_gradients`` False). At its first backward, routes a plain Trainer's clipping and
+    logged norm to the optimizer, and warns once about an ``accelerator.clip_grad_norm_`` without ``setup``
+    (it would find no gradients). After the first backward it costs a few dictionary lookups per pass."""
     if n == optimizer.accumulation_steps and GradientState._shared_state.get("sync_gradients", True) is False:
         _refuse_mismatch(optimizer, p, *_drivers(), accumulating=True)
     if optimizer not in _SEEN:
         trainer, accelerator = _drivers()
         _refuse_mismatch(optimizer, p, trainer, accelerator, accumulating=False)
         _SEEN.add(optimizer)
-        _warn_unrouted_norm(optimizer, trainer, accelerator)
+        _route_or_warn(optimizer, trainer, accelerator)
 
 
 def _drivers() -> tuple[object | None, Accelerator | None]:
@@ -299,27 +313,20 @@ def _refuse_mismatch(optimizer: FusedOptimizer, p: torch.Tensor, trainer, accele
     )
 
 
-def _warn_unrouted_norm(optimizer: FusedOptimizer, trainer, accelerator) -> None:
+def _route_or_warn(optimizer: FusedOptimizer, trainer, accelerator) -> None:
     """Once per releasing optimizer: a plain Hugging Face Trainer, or an Accelerator without ``setup``,
-    computes gradient norms after backward, where release left none."""
+    computes gradient norms after backward, where release left none. A plain Trainer's are routed to the
+    optimizer (it calls its accelerator's ``clip_grad_norm_``); an Accelerator of a loop of your own is
+    warned about (``setup`` routes it)."""
     if trainer is not None:
         from fusedopt.integrations.huggingface import FusedOptTrainerMixin  # transformers is imported
 
-        if isinstance(trainer, FusedOptTrainerMixin):
+        if isinstance(trainer, FusedOptTrainerMixin) or _SET_UP.get(optimizer) is not None:
             return
-        clip = optimizer.max_grad_norm
-        own = f"clips at its own max_grad_norm={clip}, and opt.grad_norm is the norm"
-        own = "does not clip" if clip is None else own
-        warnings.warn(
-            f"fusedopt: a plain Hugging Face {type(trainer).__name__} drives a fused=True optimizer. It computes the "
-            "grad_norm it logs, and clips by TrainingArguments.max_grad_norm="
-            f"{trainer.args.max_grad_norm}, from p.grad after backward, where gradient release left no gradients: it "
-            f"logs a grad_norm of 0 and clips nothing (the optimizer {own}). Train with {trainer_fix(trainer)}, "
-            "which clips through the optimizer by TrainingArguments.max_grad_norm and logs the optimizer's grad_norm "
-            "(shown once per optimizer)",
-            UserWarning,
-            stacklevel=2,
-        )
+        # a plain Trainer clips and takes the norm it logs through its accelerator's clip_grad_norm_: route it
+        # to the optimizer, which returns its own norm, or refuses a threshold it does not clip by
+        _PLAIN_TRAINER.add(optimizer)
+        _route(trainer.accelerator, optimizer)
     elif accelerator is not None and _SET_UP.get(optimizer) is None:
         warnings.warn(
             "fusedopt: accelerate's Accelerator drives a fused=True optimizer not given to "
