@@ -122,7 +122,14 @@ def parse_args(argv=None):
     p.add_argument("--vocab-pieces", type=int, default=None, help="embedding and LM head in N row pieces each")
     p.add_argument("--chunked-loss", action="store_true", help="the loss without the full logits")
     p.add_argument("--master-weight-bits", default=None, help="override the default master_weight_bits (24, 32, none)")
+    p.add_argument(
+        "--memory-cap-gib",
+        type=float,
+        default=None,
+        help="CUDA: let the allocator use at most this much (e.g. 22.35 to try a 24 GB card on a larger one)",
+    )
     p.add_argument("--out", default="out/finetune_hf")
+    p.add_argument("--no-save", action="store_true", help="do not save the model and optimizer at the end")
     p.add_argument("--summary-json", help="write losses and the memory summary to this JSON file")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -186,9 +193,23 @@ def main(argv=None) -> int:
         print("error: byte-level data needs a vocabulary of at least 256", file=sys.stderr)
         return 2
     config.use_cache = False
+    if args.memory_cap_gib is not None:
+        if device.type != "cuda":
+            print("error: --memory-cap-gib caps a CUDA device's allocator", file=sys.stderr)
+            return 2
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total), device)
     torch.manual_seed(args.seed)
     if args.init or args.resume:
         model = transformers.AutoModelForCausalLM.from_pretrained(args.init or args.resume, local_files_only=True)
+    elif device.type == "cuda":  # built on the GPU in its dtype: an fp32 copy of a large model on the CPU is slow
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with device:
+                model = transformers.AutoModelForCausalLM.from_config(config)
+        finally:
+            torch.set_default_dtype(default_dtype)
     else:
         model = transformers.AutoModelForCausalLM.from_config(config)
     model.to(device=device, dtype=dtype)
@@ -258,18 +279,22 @@ def main(argv=None) -> int:
             print("non-finite loss; stopping", file=sys.stderr)
             return 1
 
-    os.makedirs(args.out, exist_ok=True)
-    model.save_pretrained(args.out)
-    torch.save(
-        {
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "step": args.steps,
-            "schedule": saved_schedule(args),
-        },
-        os.path.join(args.out, "optimizer.pt"),
-    )
-    print(f"saved to {args.out}")
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30
+        print(f"peak over the run: {peak[0]:.2f} GiB allocated, {peak[1]:.2f} GiB reserved")
+    if not args.no_save:
+        os.makedirs(args.out, exist_ok=True)
+        model.save_pretrained(args.out)
+        torch.save(
+            {
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "step": args.steps,
+                "schedule": saved_schedule(args),
+            },
+            os.path.join(args.out, "optimizer.pt"),
+        )
+        print(f"saved to {args.out}")
     print(summarize(memory, num_params))
     if args.summary_json:
         with open(args.summary_json, "w") as f:

@@ -1,0 +1,99 @@
+"""Executed instructions, time and DRAM bytes per element of each configuration's step kernels, under ncu.
+
+    bash benchmarks/kernel_counters.sh          # each configuration of CONFIGS in its own ncu process
+    python3 benchmarks/kernel_counters.py --summarize out/counters_*.csv
+
+Under ncu (``--profile-from-start off --csv``, one process per configuration: ``kernel_counters.sh``)
+this script steps each configuration (``fusedopt-profile --config`` strings; one bf16 tensor of
+8192 x 16384) twice unprofiled, then once between ``cudaProfilerStart`` and ``cudaProfilerStop``, so
+ncu profiles exactly that step's launches; it prints the order. ``--summarize`` reads ncu's CSV and
+prints per configuration and kernel: launches, GPU time, executed thread instructions per element
+and DRAM bytes per element (the dynamic counts that ``kernel_instructions.py``'s static ones
+approximate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import os
+import sys
+
+CONFIGS = (
+    "torch.AdamW:fused=True",
+    "fusedopt.AdamW",
+    "fusedopt.AdamW:state_bits=4",
+    "fusedopt.AdamW:state_format='norm2-root4'",
+    "fusedopt.AdamW:state_format='norm2-root4',master_weight_bits=None",
+    "fusedopt.AdamW:max_grad_norm=1.0",
+    "fusedopt.Adafactor",
+)
+SHAPE = (8192, 16384)
+MARK = "profiled configuration:"
+
+
+def run(configs) -> None:
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import harness
+    from step_speed import build
+
+    from fusedopt.profile import parse_config
+
+    for text in configs:
+        config = parse_config(text)
+        lr = None if config.optimizer.endswith("Adafactor") else 1e-4
+        opt = build(config, [SHAPE], torch.bfloat16, "cuda", 1e-2 if "Adafactor" in text else 1.0, lr)
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        opt.step()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        print(f"{MARK} {text}", flush=True)
+        del opt
+        harness.sync("cuda")
+        torch.cuda.empty_cache()
+
+
+def summarize(paths: list[str]) -> None:
+    """ncu's --csv outputs, one per configuration (run with ``--configs`` one at a time), as one table."""
+    elements = SHAPE[0] * SHAPE[1]
+    print("| configuration | kernel | launches | us | instructions per element | DRAM B per element |")
+    print("|---|---|---|---|---|---|")
+    for path in paths:
+        with open(path) as f:
+            lines = f.read().splitlines()
+        config = next((line.split(MARK, 1)[1].strip() for line in lines if MARK in line), path)
+        launches = collections.OrderedDict()  # ncu's launch ID -> {metric: value}, and the kernel's name
+        for r in csv.DictReader(line for line in lines if line.startswith('"')):
+            entry = launches.setdefault(r["ID"], {"name": r["Kernel Name"].split("(")[0]})
+            entry[r["Metric Name"]] = float(r["Metric Value"].replace(",", ""))
+        grouped = collections.OrderedDict()
+        for entry in launches.values():
+            g = grouped.setdefault(entry["name"], collections.Counter())
+            g["launches"] += 1
+            g.update({k: v for k, v in entry.items() if k != "name"})
+        for name, g in grouped.items():
+            dram = g["dram__bytes_read.sum"] + g["dram__bytes_write.sum"]
+            print(
+                f"| {config} | {name[:48]} | {g['launches']} | {g['gpu__time_duration.sum'] / 1e3:.1f} | "
+                f"{g['smsp__thread_inst_executed.sum'] / elements:.1f} | {dram / elements:.2f} |"
+            )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="*", default=CONFIGS)
+    parser.add_argument("--summarize", nargs="+", metavar="CSV", help="read ncu's CSV outputs instead of running")
+    args = parser.parse_args(argv)
+    if args.summarize:
+        summarize(args.summarize)
+    else:
+        run(args.configs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Static SASS instructions per element of fusedopt's step kernels, per configuration, on any machine.
+
+    python benchmarks/kernel_instructions.py                     # the default, norm2-root4, block4, Adafactor
+    python benchmarks/kernel_instructions.py --configs "fusedopt.AdamW:state_bits=32" --opcodes 12
+
+No GPU needed: each configuration takes one step on the CPU under Triton's interpreter (a child
+process) while every kernel launch is recorded (argument types, 16-byte alignment, constexprs,
+options); this process then compiles each recorded launch for sm_90 with Triton's own ptxas and
+counts the instructions of its SASS. The kernels are straight-line code (no loops over elements), so
+a program's static count divided by the elements it owns approximates the executed instructions
+per element, per thread of the program (the work the issue slots see); a one-off branch (the check
+kernel's last program) is counted as if every program took it, so check kernels read high.
+
+The local Triton may differ from the GPU machine's: compare counts made with one Triton only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+DEFAULT_CONFIGS = (
+    "fusedopt.AdamW",
+    "fusedopt.AdamW:master_weight_bits=None",
+    "fusedopt.AdamW:state_bits=4",
+    "fusedopt.AdamW:state_format='norm2-root4'",
+    "fusedopt.AdamW:state_format='norm2-root4',master_weight_bits=None",
+    "fusedopt.AdamW:state_bits=32,master_weight_bits=32",
+    "fusedopt.Adafactor",
+)
+SHAPE = (96, 320)  # odd-sized rows (Adafactor's factors) and a multiple of 16 elements (vector accesses)
+# elements each program owns, by kernel name (a kernel missing here is reported per program)
+ELEMENTS = {"_update_kernel": "BLOCK", "_check_kernel": "CHECK"}
+
+
+def _capture(configs: list[str], out: str) -> None:
+    """Child process: one step of each configuration under the interpreter; every launch recorded."""
+    from fusedopt.kernels import launcher, update
+    from fusedopt.profile import parse_config
+
+    records = []
+    original = launcher.DirectLauncher._launch_through_triton
+
+    def record(self, grid, runtime_args, config):
+        args = []
+        for a in runtime_args:
+            if isinstance(a, torch.Tensor):
+                args.append(["tensor", str(a.dtype).removeprefix("torch."), a.data_ptr() % 16 == 0])
+            elif isinstance(a, bool) or not isinstance(a, (int, float)):
+                raise TypeError(f"unrecorded argument type {type(a).__name__}")
+            else:
+                args.append(["int" if isinstance(a, int) else "float", a, None])
+        name = self.fn.fn.__name__ if hasattr(self.fn, "fn") else self.fn.__name__
+        records.append(
+            dict(config=current, kernel=name, args=args, constexprs=config.constexprs, options=config.options)
+        )
+        return original(self, grid, runtime_args, config)
+
+    launcher.DirectLauncher._launch_through_triton = record
+    sizes = dict(BLOCK=update.BLOCK, CHECK=update.CHECK_TILE * update.CHECK_TILES)
+    for current in configs:
+        torch.manual_seed(0)
+        config = parse_config(current)
+        p = torch.nn.Parameter(torch.randn(SHAPE, dtype=torch.bfloat16))
+        p.grad = torch.randn_like(p)
+        opt = config.build([p], device_type="cpu")
+        opt.step()
+    with open(out, "w") as f:
+        json.dump(dict(records=records, sizes=sizes), f, default=lambda v: v if not isinstance(v, tuple) else list(v))
+
+
+class _NoGPU:
+    """Triton's active driver for compiling sm_90 code on a machine without a GPU (nothing launches)."""
+
+    def __init__(self):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", 90, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def _fake_argument(kind, value, aligned):
+    if kind == "tensor":
+        t = torch.zeros(64, dtype=getattr(torch, value))
+        return t if aligned else t[1:]
+    return value
+
+
+def _sass(kernel_fn, record) -> str:
+    args = [_fake_argument(*a) for a in record["args"]]
+    compiled = kernel_fn.warmup(*args, grid=(1,), **record["constexprs"], **record["options"])
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        from triton import knobs
+
+        cuobjdump = knobs.nvidia.cuobjdump.path
+        return subprocess.run([cuobjdump, "-sass", f.name], check=True, capture_output=True, text=True).stdout
+
+
+_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+def count(sass: str) -> collections.Counter:
+    """Opcodes (with modifiers) of the SASS, without the padding NOPs and the final self-branch."""
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        m = _INSTRUCTION.search(line)
+        if m and not m.group(2).startswith("NOP"):
+            ops[m.group(2)] += 1
+    ops["BRA"] -= 1  # the trailing `BRA self` after EXIT
+    return +ops
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="*", default=DEFAULT_CONFIGS, help="fusedopt-profile --config strings")
+    parser.add_argument("--opcodes", type=int, default=0, help="also the N most frequent opcodes per kernel")
+    parser.add_argument("--out", help="results JSON")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "launches.json")
+        env = dict(os.environ, TRITON_INTERPRET="1", FUSEDOPT_BACKEND="triton")
+        code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import kernel_instructions as k; "
+        code += f"k._capture({list(args.configs)!r}, {path!r})"
+        subprocess.run([sys.executable, "-c", code], env=env, check=True)
+        with open(path) as f:
+            captured = json.load(f)
+    from triton.runtime import driver
+
+    driver.set_active(_NoGPU())
+    import importlib
+
+    modules = [importlib.import_module(f"fusedopt.kernels.{m}") for m in ("update", "factored", "clipping", "norms")]
+    seen, results = set(), []
+    for record in captured["records"]:
+        key = json.dumps([record["config"], record["kernel"], record["constexprs"]], sort_keys=True)
+        if key in seen:
+            continue
+        seen.add(key)
+        fn = next(getattr(m, record["kernel"]) for m in modules if hasattr(m, record["kernel"]))
+        ops = count(_sass(fn, record))
+        per = ELEMENTS.get(record["kernel"])
+        elements = captured["sizes"][per] if per else None
+        warps = record["options"].get("num_warps", 4)
+        total = sum(ops.values())
+        # per element of one thread: a program's instructions run once per warp, each thread owning
+        # elements / (32 * warps) of the program's elements
+        per_element = total * 32 * warps / elements if elements else None
+        results.append(
+            dict(config=record["config"], kernel=record["kernel"], instructions=total, warps=warps)
+            | dict(elements_per_program=elements, per_element=per_element, opcodes=dict(ops.most_common()))
+        )
+    print("| configuration | kernel | SASS instructions per program | warps | per element |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        per = "" if r["per_element"] is None else f"{r['per_element']:.1f}"
+        print(f"| {r['config']} | {r['kernel']} | {r['instructions']} | {r['warps']} | {per} |")
+        if args.opcodes:
+            top = list(r["opcodes"].items())[: args.opcodes]
+            print("|   | " + ", ".join(f"{op} {n}" for op, n in top) + " | | | |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
