@@ -11,9 +11,10 @@ per-parameter workspace (row and column sums, partial sums) is allocated once, a
 2. ``_cols_kernel`` (factored only; programs over column blocks and spans of ``SPLIT_ROWS`` rows):
    per column and span, the sum of g**2, added up in span order by (3). Every sum is made in a
    fixed order: no float atomics, so ``fused=True`` and ``fused=False`` give the same bits.
-3. ``_factors_kernel`` (one program per slice b): the new row and column statistics (lerp towards
-   the means with weight ``t**beta2_decay``, committed only for a finite gradient) and the slice's
-   row mean; its program 0 also computes the step size ``alpha = max(eps2, RMS(p)) * min(lr, 1/sqrt(t))``.
+3. ``_factors_kernel`` (per slice b, one program for the rows and one per chunk of columns): the new
+   row and column statistics (lerp towards the means with weight ``t**beta2_decay``, committed only
+   for a finite gradient) and the slice's row mean; its program 0 also computes the step size
+   ``alpha = max(eps2, RMS(p)) * min(lr, 1/sqrt(t))``.
 4. ``_usq_kernel`` (programs over element tiles): ``u = g / sqrt(max(v, eps1**2))`` with
    ``v = row * col / max(row mean, eps1)`` (or the element-wise moment), and each tile's sum of u**2.
 5. ``_norm_kernel`` (one program): RMS(u) -> the clipping scale, Fira's limiter on the norm, the
@@ -52,6 +53,7 @@ SCRATCH_WORDS = 8
 BLOCK = 1024  # elements per program of the element-wise kernels (a multiple of every quantisation block)
 NUM_WARPS = 4
 REDUCE_TILE = 4096  # elements of a reduction program's tile
+FACTOR_CHUNK = 1024  # rows or columns of one chunk of _factors_kernel
 SPLIT_ROWS = 512  # rows of one column-sum program (more programs for tall matrices; partial sums in order)
 _NONE = tl.constexpr(Family.NONE)
 SCALARS = ("lr", "beta2_decay", "eps1", "eps2", "d", "decay", "beta1", "growth_limit", "beta3", "came_eps")
@@ -185,6 +187,7 @@ def _factors_kernel(
     n_all_rows,  # B * R: the rows whose p**2 sums program 0 adds
     n_elements,
     n_splits,  # partial column sums per column (_cols_kernel's row splits)
+    n_col_chunks,  # programs per slice: one for the rows, then one per CHUNK columns
     lr,
     beta2_decay,
     eps2,
@@ -193,7 +196,9 @@ def _factors_kernel(
     CAME_STATS: tl.constexpr,  # CAME's confidence statistics (after _norm_kernel), not the second moment
     CHUNK: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(0)
+    b = (pid // (1 + n_col_chunks)).to(tl.int64)
+    part = pid % (1 + n_col_chunks)  # 0: the slice's rows; k > 0: its columns' k-th chunk
     if CAME_STATS:
         flag = tl.load(scratch_ptr + 2)  # _norm_kernel moved the flag to the status word
     else:
@@ -207,18 +212,19 @@ def _factors_kernel(
         t = tl.load(step_ptr) + ok.to(tl.float32)
         w = _one_minus_beta2(t, beta2_decay)
     if FACTORED:
-        total = tl.zeros([CHUNK], tl.float32)
-        for r0 in range(0, n_rows, CHUNK):
-            idx = r0 + tl.arange(0, CHUNK)
-            mask = idx < n_rows
-            old = tl.load(row_ptr + b * n_rows + idx, mask=mask, other=0.0)
-            mean = tl.load(rowsq_ptr + b * n_rows + idx, mask=mask, other=0.0) / (n_cols * 1.0)
-            new = _lerp(old, mean, w)
-            total += tl.where(mask, new, 0.0)
-            tl.store(row_ptr + b * n_rows + idx, new, mask=mask & okt)
-        tl.store(rowmean_ptr + b, tl.sum(total, axis=0) / (n_rows * 1.0))
-        for c0 in range(0, n_cols, CHUNK):
-            idx = c0 + tl.arange(0, CHUNK)
+        if part == 0:
+            total = tl.zeros([CHUNK], tl.float32)
+            for r0 in range(0, n_rows, CHUNK):
+                idx = r0 + tl.arange(0, CHUNK)
+                mask = idx < n_rows
+                old = tl.load(row_ptr + b * n_rows + idx, mask=mask, other=0.0)
+                mean = tl.load(rowsq_ptr + b * n_rows + idx, mask=mask, other=0.0) / (n_cols * 1.0)
+                new = _lerp(old, mean, w)
+                total += tl.where(mask, new, 0.0)
+                tl.store(row_ptr + b * n_rows + idx, new, mask=mask & okt)
+            tl.store(rowmean_ptr + b, tl.sum(total, axis=0) / (n_rows * 1.0))
+        else:  # the columns, a chunk per program: their partial sums are the longest loop
+            idx = (part - 1) * CHUNK + tl.arange(0, CHUNK)
             mask = idx < n_cols
             old = tl.load(col_ptr + b * n_cols + idx, mask=mask, other=0.0)
             total_sq = tl.zeros([CHUNK], tl.float32)
@@ -227,7 +233,7 @@ def _factors_kernel(
             mean = total_sq / (n_rows * 1.0)
             tl.store(col_ptr + b * n_cols + idx, _lerp(old, mean, w), mask=mask & okt)
     if not CAME_STATS:  # nested, not `and`: a constexpr and a runtime condition
-        if b == 0:
+        if pid == 0:
             acc = tl.zeros([CHUNK], tl.float32)
             for r0 in range(0, n_all_rows, CHUNK):
                 idx = r0 + tl.arange(0, CHUNK)
@@ -240,11 +246,26 @@ def _factors_kernel(
 
 
 @triton.jit
-def _factors_at(offs, mask, row_ptr, col_ptr, rowmean_ptr, n_rows, n_cols):
-    """The row statistic, column statistic and slice row mean of each element (1.0 where masked)."""
-    row_index = offs // n_cols
-    slice_index = row_index // n_rows
-    col_index = slice_index * n_cols + offs % n_cols
+def _factors_at(offs, start, mask, row_ptr, col_ptr, rowmean_ptr, n_rows, n_cols, WIDE: tl.constexpr):
+    """The row statistic, column statistic and slice row mean of each element (1.0 where masked).
+
+    ``offs``: the tile's elements, ``start`` its first (the tile is consecutive elements). ``WIDE``: a
+    row has at least as many elements as the tile, so the tile spans at most two rows and the
+    indices need one division per program instead of 64-bit divisions per element."""
+    if WIDE:
+        row0 = start // n_cols
+        first_slice = row0 // n_rows
+        col = (start - row0 * n_cols).to(tl.int32) + (offs - start).to(tl.int32)
+        over = col >= n_cols  # the element is in the tile's second row
+        col = tl.where(over, col - n_cols, col)
+        row_index = row0 + over.to(tl.int64)
+        # the second row starts the next slice when the first is its slice's last
+        slice_index = first_slice + (over & (row0 - first_slice * n_rows == n_rows - 1)).to(tl.int64)
+        col_index = slice_index * n_cols + col
+    else:
+        row_index = offs // n_cols
+        slice_index = row_index // n_rows
+        col_index = slice_index * n_cols + offs % n_cols
     r = tl.load(row_ptr + row_index, mask=mask, other=1.0)
     c = tl.load(col_ptr + col_index, mask=mask, other=1.0)
     mean = tl.load(rowmean_ptr + slice_index, mask=mask, other=1.0)
@@ -252,10 +273,13 @@ def _factors_at(offs, mask, row_ptr, col_ptr, rowmean_ptr, n_rows, n_cols):
 
 
 @triton.jit
-def _u(g, offs, mask, row_ptr, col_ptr, rowmean_ptr, v_ptr, w, eps1, n_rows, n_cols, FACTORED: tl.constexpr):
+def _u(
+    g, offs, start, mask, row_ptr, col_ptr, rowmean_ptr, v_ptr, w, eps1, n_rows, n_cols,
+    FACTORED: tl.constexpr, WIDE: tl.constexpr,
+):  # fmt: skip
     """u = g / sqrt(max(v, eps1**2)) and the new element-wise moment (unfactored; else v)."""
     if FACTORED:
-        r, c, mean = _factors_at(offs, mask, row_ptr, col_ptr, rowmean_ptr, n_rows, n_cols)
+        r, c, mean = _factors_at(offs, start, mask, row_ptr, col_ptr, rowmean_ptr, n_rows, n_cols, WIDE)
         v = tl.div_rn(r * c, tl.maximum(mean, eps1))
     else:
         v = _lerp(tl.load(v_ptr + offs, mask=mask, other=0.0), g * g, w)
@@ -279,14 +303,16 @@ def _usq_kernel(
     eps1,
     HAS_ACCUM: tl.constexpr,
     FACTORED: tl.constexpr,
+    WIDE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    start = pid.to(tl.int64) * BLOCK_SIZE
+    offs = start + tl.arange(0, BLOCK_SIZE)
     mask = offs < n_elements
     g = _load_grad(grad_ptr, accum_ptr, offs, mask, HAS_ACCUM)
     w = tl.load(scratch_ptr + 5).to(tl.float32, bitcast=True)
-    u, _ = _u(g, offs, mask, row_ptr, col_ptr, rowmean_ptr, v_ptr, w, _f32(eps1), n_rows, n_cols, FACTORED)
+    u, _ = _u(g, offs, start, mask, row_ptr, col_ptr, rowmean_ptr, v_ptr, w, _f32(eps1), n_rows, n_cols, FACTORED, WIDE)
     tl.store(part_ptr + pid, tl.sum(tl.where(mask, u * u, 0.0), axis=0))
 
 
@@ -305,9 +331,19 @@ def _norm_kernel(
     CHUNK: tl.constexpr,
 ):
     acc = tl.zeros([CHUNK], tl.float32)
-    for i0 in range(0, n_parts, CHUNK):
+    # one program: bound by load latency, so eight chunks' loads are issued before the first add (the
+    # adds stay chunk by chunk, in order: the sum of a rolled loop, bit for bit)
+    for i0 in range(0, n_parts, 8 * CHUNK):
         idx = i0 + tl.arange(0, CHUNK)
-        acc += tl.load(part_ptr + idx, mask=idx < n_parts, other=0.0)
+        x0 = tl.load(part_ptr + idx, mask=idx < n_parts, other=0.0)
+        x1 = tl.load(part_ptr + idx + CHUNK, mask=idx + CHUNK < n_parts, other=0.0)
+        x2 = tl.load(part_ptr + idx + 2 * CHUNK, mask=idx + 2 * CHUNK < n_parts, other=0.0)
+        x3 = tl.load(part_ptr + idx + 3 * CHUNK, mask=idx + 3 * CHUNK < n_parts, other=0.0)
+        x4 = tl.load(part_ptr + idx + 4 * CHUNK, mask=idx + 4 * CHUNK < n_parts, other=0.0)
+        x5 = tl.load(part_ptr + idx + 5 * CHUNK, mask=idx + 5 * CHUNK < n_parts, other=0.0)
+        x6 = tl.load(part_ptr + idx + 6 * CHUNK, mask=idx + 6 * CHUNK < n_parts, other=0.0)
+        x7 = tl.load(part_ptr + idx + 7 * CHUNK, mask=idx + 7 * CHUNK < n_parts, other=0.0)
+        acc = (((((((acc + x0) + x1) + x2) + x3) + x4) + x5) + x6) + x7
     total = tl.sum(acc, axis=0)
     rms_u = tl.sqrt_rn(total / (n_elements * 1.0))
     scale = 1.0 / tl.maximum(rms_u / _f32(d), 1.0)
@@ -356,6 +392,7 @@ def _came_res_kernel(
     M_MIN_E: tl.constexpr,
     NB: tl.constexpr,
     QBLOCK: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     start = tl.program_id(0).to(tl.int64) * (NB * QBLOCK)
     offs = tile_offsets(start, NB, QBLOCK)
@@ -365,7 +402,7 @@ def _came_res_kernel(
         g = -g
     scale = tl.load(scratch_ptr + 4).to(tl.float32, bitcast=True)
     w = tl.load(scratch_ptr + 5).to(tl.float32, bitcast=True)
-    u, _ = _u(g, offs, mask, row_ptr, col_ptr, rowmean_ptr, row_ptr, w, _f32(eps1), n_rows, n_cols, True)
+    u, _ = _u(g, offs, start, mask, row_ptr, col_ptr, rowmean_ptr, row_ptr, w, _f32(eps1), n_rows, n_cols, True, WIDE)
     u_hat = u * scale
     m = load_moment(
         m_ptr, m_scale_ptr, start, n_elements, n_pairs, M_FAMILY, M_BITS, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E,
@@ -423,6 +460,7 @@ def _apply_kernel(
     M_TOP: tl.constexpr,
     NB: tl.constexpr,
     QBLOCK: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     start = tl.program_id(0).to(tl.int64) * (NB * QBLOCK)
     offs = tile_offsets(start, NB, QBLOCK)
@@ -435,7 +473,7 @@ def _apply_kernel(
     alpha = tl.load(scratch_ptr + 3).to(tl.float32, bitcast=True)
     scale = tl.load(scratch_ptr + 4).to(tl.float32, bitcast=True)
     w = tl.load(scratch_ptr + 5).to(tl.float32, bitcast=True)
-    u, v = _u(g, offs, mask, row_ptr, col_ptr, rowmean_ptr, v_ptr, w, _f32(eps1), n_rows, n_cols, FACTORED)
+    u, v = _u(g, offs, start, mask, row_ptr, col_ptr, rowmean_ptr, v_ptr, w, _f32(eps1), n_rows, n_cols, FACTORED, WIDE)
     if not FACTORED:
         tl.store(v_ptr + offs, v, mask=commit)
     update = u * scale
@@ -449,7 +487,7 @@ def _apply_kernel(
         m = _lerp(m, update, 1.0 - _f32(beta1))
         update = m
         if CAME:  # m / sqrt(S), S the factored confidence statistic
-            r, c, mean = _factors_at(offs, mask, res_row_ptr, res_col_ptr, res_rowmean_ptr, n_rows, n_cols)
+            r, c, mean = _factors_at(offs, start, mask, res_row_ptr, res_col_ptr, res_rowmean_ptr, n_rows, n_cols, WIDE)
             update = m * (1.0 / tl.sqrt_rn(tl.div_rn(r * c, mean)))
         store_moment(
             m,
@@ -488,7 +526,7 @@ def _apply_kernel(
 _ROWS = DirectLauncher(_rows_kernel, tensors=7, ints=2)
 _SUM_ROWS = DirectLauncher(_sum_rows_kernel, tensors=2, ints=2)
 _COLS = DirectLauncher(_cols_kernel, tensors=3, ints=4)
-_FACTORS = DirectLauncher(_factors_kernel, tensors=8, ints=5)
+_FACTORS = DirectLauncher(_factors_kernel, tensors=8, ints=6)
 _USQ = DirectLauncher(_usq_kernel, tensors=8, ints=3)
 _NORM = DirectLauncher(_norm_kernel, tensors=5, ints=2)
 _CAME_RES = DirectLauncher(_came_res_kernel, tensors=9, ints=4)
@@ -605,6 +643,11 @@ class PreparedFactored:
         self.row_tile = (_pow2(cols, 256), max(1, min(_pow2(all_rows, 1024), REDUCE_TILE // _pow2(cols, 256))))
         self.row_programs = -(-all_rows // self.row_tile[1])
         self.col_blocks = -(-cols // col_block)
+        # _factors_kernel: per slice, a program for the rows and one per FACTOR_CHUNK columns
+        self.col_chunks = -(-cols // FACTOR_CHUNK) if self.factored else 0
+        self.factor_programs = slices * (1 + self.col_chunks) if self.factored else 1
+        # a tile of the element-wise kernels spans at most two rows: no divisions per element
+        self.wide = self.factored and cols >= BLOCK
         self.col_programs = slices * self.col_blocks * self.splits
         self.fira = "update_norm" in state
         self.configs = {False: self._configs(False), True: self._configs(True)}
@@ -618,16 +661,21 @@ class PreparedFactored:
         return dict(
             rows=_config(HAS_ACCUM=has_accum, **self.master, BR=row_br, BC=row_bc),
             cols=_config(HAS_ACCUM=has_accum, SQUARE=True, SPLIT=split, BR=col_br, BC=col_bc),
-            factors=_config(FACTORED=self.factored, CAME_STATS=False, CHUNK=1024),
-            usq=_config(HAS_ACCUM=has_accum, FACTORED=self.factored, BLOCK_SIZE=BLOCK),
+            factors=_config(FACTORED=self.factored, CAME_STATS=False, CHUNK=FACTOR_CHUNK),
+            usq=_config(HAS_ACCUM=has_accum, FACTORED=self.factored, WIDE=self.wide, BLOCK_SIZE=BLOCK),
             norm=_config(FIRA=self.fira, CHUNK=1024),
             came_res=_config(
-                HAS_ACCUM=has_accum, MAXIMIZE=self.maximize, **m_args, NB=self.apply["NB"], QBLOCK=self.apply["QBLOCK"]
+                HAS_ACCUM=has_accum,
+                MAXIMIZE=self.maximize,
+                **m_args,
+                NB=self.apply["NB"],
+                QBLOCK=self.apply["QBLOCK"],
+                WIDE=self.wide,
             ),
             sum_rows=_config(BR=row_br, BC=row_bc),
             came_cols=_config(HAS_ACCUM=False, SQUARE=False, SPLIT=split, BR=col_br, BC=col_bc),
-            came_factors=_config(FACTORED=True, CAME_STATS=True, CHUNK=1024),
-            apply=_config(HAS_ACCUM=has_accum, MAXIMIZE=self.maximize, **self.apply),
+            came_factors=_config(FACTORED=True, CAME_STATS=True, CHUNK=FACTOR_CHUNK),
+            apply=_config(HAS_ACCUM=has_accum, MAXIMIZE=self.maximize, **self.apply, WIDE=self.wide),
         )
 
     def _go(self, name: str, launcher, grid: int, args: tuple, variant) -> None:
@@ -649,8 +697,8 @@ class PreparedFactored:
             args = (grad, acc, self.colsq, rows, cols, self.col_blocks, self.splits)
             go("cols", _COLS, self.col_programs, args, variant)
         args = (self.row, self.col, self.rowsq, self.colsq, self.rowp, self.rowmean, self.step, self.scratch)
-        args += (rows, cols, all_rows, n, self.splits, lr, beta2_decay, eps2, 0.0)
-        go("factors", _FACTORS, self.slices, args, variant)
+        args += (rows, cols, all_rows, n, self.splits, self.col_chunks, lr, beta2_decay, eps2, 0.0)
+        go("factors", _FACTORS, self.factor_programs, args, variant)
         args = (grad, acc, self.row, self.col, self.rowmean, self.v, self.parts, self.scratch, n, rows, cols, eps1)
         go("usq", _USQ, self.programs, args, variant)
         args = (self.parts, self.norm, self.step, self.skipped, self.scratch, self.programs, n, d, growth_limit)
@@ -667,8 +715,9 @@ class PreparedFactored:
             args = (res, res, self.res_colsq, rows, cols, self.col_blocks, self.splits)
             go("came_cols", _COLS, self.col_programs, args, variant)
             args = (self.res_row, self.res_col, self.res_rowsum, self.res_colsq, self.res_rowsum, self.res_rowmean)
-            args += (self.step, self.scratch, rows, cols, all_rows, n, self.splits, 0.0, 0.0, 0.0, 1.0 - beta3)
-            go("came_factors", _FACTORS, self.slices, args, variant)
+            args += (self.step, self.scratch, rows, cols, all_rows, n, self.splits, self.col_chunks)
+            args += (0.0, 0.0, 0.0, 1.0 - beta3)
+            go("came_factors", _FACTORS, self.factor_programs, args, variant)
         args = (self.param, corr, grad, acc, self.m, self.m_scales, self.row, self.col, self.rowmean, self.v)
         args += (self.res_row, self.res_col, self.res_rowmean, self.step, self.scratch)
         args += (n, (n + 1) // 2, rows, cols, *self.keys, lr, eps1, decay, beta1)

@@ -273,6 +273,29 @@ def test_kernel_tall_matrix(monkeypatch, device):
     torch.testing.assert_close(out[1][1]["col_var"], out[0][1]["col_var"], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("beta1,extra", [(None, {}), (0.9, dict(beta3=0.99))])
+def test_kernel_rows_as_long_as_a_tile(monkeypatch, device, beta1, extra):
+    """Rows of at least a tile's elements (the kernels index rows without per-element divisions): tiles
+    that start mid-row, span two rows and cross from one slice of a 3-D tensor into the next (rows of
+    1100 and 1030 elements; 5 rows a slice), and several chunks of columns, against the reference."""
+    shapes = [(3, 5, 1100), (2, 1030)]
+    grads = [[g.to(device) for g in gs] for gs in _grads(shapes, 2)]
+    out = []
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("FUSEDOPT_BACKEND", backend)
+        params = [p.detach().to(device).requires_grad_() for p in _params(shapes)]
+        opt = fusedopt.Adafactor(params, lr=0.05, beta1=beta1, state_bits=32, **extra)
+        _run(opt, params, grads, fused=False)
+        out.append((params, opt))
+    (pa, oa), (pb, ob) = out
+    assert ob._dispatch._prepared[pb[0]].launch.wide
+    for x, y in zip(pa, pb):
+        torch.testing.assert_close(y, x, rtol=PARITY_RTOL, atol=PARITY_ATOL)
+        for key in oa.state[x]:
+            if torch.is_tensor(oa.state[x][key]) and oa.state[x][key].is_floating_point():
+                torch.testing.assert_close(ob.state[y][key], oa.state[x][key], rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("beta1,extra", [(None, {}), (0.9, {}), (0.9, dict(beta3=0.99, growth_limit=1.01))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_fused_equals_unfused(monkeypatch, device, dtype, beta1, extra):
