@@ -36,14 +36,14 @@ DEFAULT_CONFIGS = (
     "fusedopt.AdamW:state_bits=32,master_weight_bits=32",
     "fusedopt.Adafactor",
 )
-SHAPE = (96, 320)  # odd-sized rows (Adafactor's factors) and a multiple of 16 elements (vector accesses)
+SHAPE = (24, 1104)  # rows longer than a tile (as a model's matrices) and a multiple of 16 elements (vector accesses)
 # elements each program owns, by kernel name (a kernel missing here is reported per program)
-ELEMENTS = {"_update_kernel": "BLOCK", "_check_kernel": "CHECK"}
+ELEMENTS = {"_update_kernel": "BLOCK", "_check_kernel": "CHECK", "_usq_kernel": "FACTORED", "_apply_kernel": "FACTORED"}
 
 
 def _capture(configs: list[str], out: str) -> None:
     """Child process: one step of each configuration under the interpreter; every launch recorded."""
-    from fusedopt.kernels import launcher, update
+    from fusedopt.kernels import factored, launcher, update
     from fusedopt.profile import parse_config
 
     records = []
@@ -65,7 +65,7 @@ def _capture(configs: list[str], out: str) -> None:
         return original(self, grid, runtime_args, config)
 
     launcher.DirectLauncher._launch_through_triton = record
-    sizes = dict(BLOCK=update.BLOCK, CHECK=update.CHECK_TILE * update.CHECK_TILES)
+    sizes = dict(BLOCK=update.BLOCK, CHECK=update.CHECK_TILE * update.CHECK_TILES, FACTORED=factored.BLOCK)
     for current in configs:
         torch.manual_seed(0)
         config = parse_config(current)
