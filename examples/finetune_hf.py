@@ -197,8 +197,9 @@ def main(argv=None) -> int:
         if device.type != "cuda":
             print("error: --memory-cap-gib caps a CUDA device's allocator", file=sys.stderr)
             return 2
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total), device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total), index)
     torch.manual_seed(args.seed)
     if args.init or args.resume:
         model = transformers.AutoModelForCausalLM.from_pretrained(args.init or args.resume, local_files_only=True)
