@@ -41,9 +41,12 @@ SHAPE = (24, 1104)  # rows longer than a tile (as a model's matrices) and a mult
 ELEMENTS = {"_update_kernel": "BLOCK", "_check_kernel": "CHECK", "_usq_kernel": "FACTORED", "_apply_kernel": "FACTORED"}
 
 
-def _capture(configs: list[str], out: str) -> None:
+def _capture(configs: list[str], out: str, root_grid_tile=None) -> None:
     """Child process: one step of each configuration under the interpreter; every launch recorded."""
     from fusedopt.kernels import factored, launcher, update
+
+    if root_grid_tile:
+        update.ROOT_GRID_TILE = tuple(root_grid_tile)
     from fusedopt.profile import parse_config
 
     records = []
@@ -105,7 +108,18 @@ def _fake_argument(kind, value, aligned):
     return value
 
 
-def _sass(kernel_fn, record) -> str:
+def _registers(cubin: bytes) -> int:
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True, text=True)
+    found = re.search(r"REG:(\d+)", out.stdout)
+    return int(found.group(1)) if found else -1
+
+
+def _sass(kernel_fn, record) -> tuple[str, int]:
     args = [_fake_argument(*a) for a in record["args"]]
     compiled = kernel_fn.warmup(*args, grid=(1,), **record["constexprs"], **record["options"])
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -114,7 +128,8 @@ def _sass(kernel_fn, record) -> str:
         from triton import knobs
 
         cuobjdump = knobs.nvidia.cuobjdump.path
-        return subprocess.run([cuobjdump, "-sass", f.name], check=True, capture_output=True, text=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", f.name], check=True, capture_output=True, text=True).stdout
+    return sass, _registers(compiled.asm["cubin"])
 
 
 _INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
@@ -135,13 +150,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="*", default=DEFAULT_CONFIGS, help="fusedopt-profile --config strings")
     parser.add_argument("--opcodes", type=int, default=0, help="also the N most frequent opcodes per kernel")
+    parser.add_argument("--root-grid-tile", help="ELEMENTSxWARPS of norm2-root4's programs (update.ROOT_GRID_TILE)")
     parser.add_argument("--out", help="results JSON")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "launches.json")
         env = dict(os.environ, TRITON_INTERPRET="1", FUSEDOPT_BACKEND="triton")
         code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import kernel_instructions as k; "
-        code += f"k._capture({list(args.configs)!r}, {path!r})"
+        tile = [int(x) for x in args.root_grid_tile.split("x")] if args.root_grid_tile else None
+        code += f"k._capture({list(args.configs)!r}, {path!r}, {tile!r})"
         subprocess.run([sys.executable, "-c", code], env=env, check=True)
         with open(path) as f:
             captured = json.load(f)
@@ -158,26 +175,29 @@ def main(argv=None) -> int:
             continue
         seen.add(key)
         fn = next(getattr(m, record["kernel"]) for m in modules if hasattr(m, record["kernel"]))
-        ops = count(_sass(fn, record))
+        sass, registers = _sass(fn, record)
+        ops = count(sass)
         per = ELEMENTS.get(record["kernel"])
-        elements = captured["sizes"][per] if per else None
         warps = record["options"].get("num_warps", 4)
+        elements = captured["sizes"][per] if per else None
+        if record["kernel"] == "_update_kernel":  # the tile this configuration launched with
+            elements = record["constexprs"]["NB"] * record["constexprs"]["QBLOCK"]
         total = sum(ops.values())
         # per element of one thread: a program's instructions run once per warp, each thread owning
         # elements / (32 * warps) of the program's elements
         per_element = total * 32 * warps / elements if elements else None
         results.append(
-            dict(config=record["config"], kernel=record["kernel"], instructions=total, warps=warps)
+            dict(config=record["config"], kernel=record["kernel"], instructions=total, warps=warps, registers=registers)
             | dict(elements_per_program=elements, per_element=per_element, opcodes=dict(ops.most_common()))
         )
-    print("| configuration | kernel | SASS instructions per program | warps | per element |")
-    print("|---|---|---|---|---|")
+    print("| configuration | kernel | SASS instructions per program | warps | registers | per element |")
+    print("|---|---|---|---|---|---|")
     for r in results:
         per = "" if r["per_element"] is None else f"{r['per_element']:.1f}"
-        print(f"| {r['config']} | {r['kernel']} | {r['instructions']} | {r['warps']} | {per} |")
+        print(f"| {r['config']} | {r['kernel']} | {r['instructions']} | {r['warps']} | {r['registers']} | {per} |")
         if args.opcodes:
             top = list(r["opcodes"].items())[: args.opcodes]
-            print("|   | " + ", ".join(f"{op} {n}" for op, n in top) + " | | | |")
+            print("|   | " + ", ".join(f"{op} {n}" for op, n in top) + " | | | | |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

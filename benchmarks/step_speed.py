@@ -116,6 +116,12 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=5, help="timed steps per configuration and round (median)")
     parser.add_argument("--formats", nargs="*", default=(), help="also fusedopt AdamW with these state formats")
     parser.add_argument("--configs", nargs="*", default=(), help="also these fusedopt-profile --config strings")
+    parser.add_argument(
+        "--root-grid-tiles",
+        nargs="*",
+        default=(),
+        help="also --formats, --configs built with these ELEMENTSxWARPS tiles (update.ROOT_GRID_TILE)",
+    )
     parser.add_argument("--lineup", nargs="*", default=(), help="also these line-up keys (plain steps)")
     parser.add_argument("--baseline", help="the configuration ratios are to (default: torch's fused AdamW)")
     parser.add_argument("--model", help="the parameters of this fusedopt.profile.models preset (e.g. 1b)")
@@ -130,6 +136,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu for a smoke test")
     parser.add_argument("--out", default=None, help="results JSON")
     args = parser.parse_args(argv)
+    from fusedopt.kernels import update
     from fusedopt.profile import parse_config
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -152,6 +159,12 @@ def main(argv=None) -> int:
     for text in dict.fromkeys(texts):
         config = parse_config(text)
         names[config.label] = (config, dtype, step_bytes(config, dtype))
+    tiles = {}  # name -> the update.ROOT_GRID_TILE it is built under (--root-grid-tiles)
+    for tile in args.root_grid_tiles:
+        for text in [f"fusedopt.AdamW:state_format='{f}'" for f in args.formats] + list(args.configs):
+            config = parse_config(text)
+            tiles[f"{config.label} tile {tile}"] = tuple(int(x) for x in tile.split("x"))
+            names[f"{config.label} tile {tile}"] = (config, dtype, step_bytes(config, dtype))
     for entry in harness.select(",".join(args.lineup), "step") if args.lineup else ():
         if entry.release:
             raise SystemExit(f"line-up key {entry.key}: a release configuration has no optimizer step to time")
@@ -164,7 +177,8 @@ def main(argv=None) -> int:
             if why:
                 raise RuntimeError(why)
             lr = None if config.optimizer.endswith("Adafactor") else args.lr
-            optimizers[name] = build(config, shapes, param_dtype, device, 1e-2 if args.adafactor else 1.0, lr)
+            with mock.patch.object(update, "ROOT_GRID_TILE", tiles.get(name, update.ROOT_GRID_TILE)):
+                optimizers[name] = build(config, shapes, param_dtype, device, 1e-2 if args.adafactor else 1.0, lr)
         except Exception as exc:  # one configuration failing must not end the run
             failed[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             print(f"{name}: not timed ({failed[name]})", flush=True)

@@ -48,7 +48,7 @@ _ROUNDER_BITS = tl.constexpr(0x4B400000)
 
 
 @triton.jit
-def _small_int_to_f32(i):
+def small_int_to_f32(i):
     """int32 in [0, 2**23) -> fp32, exactly."""
     return (i | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
@@ -175,7 +175,7 @@ def load_block(
     scales = tl.load(scale_ptr + blocks, mask=blocks < n_blocks, other=127).to(tl.int32)
     e = tl.minimum(tl.maximum(scales - 127, MIN_E), 127)
     if POWER > 0:
-        x = _level(_small_int_to_f32(codes & QMAX), POWER) * _pow2(e - K)[:, None]
+        x = _level(small_int_to_f32(codes & QMAX), POWER) * _pow2(e - K)[:, None]
     else:  # minifloat levels: 2**M + L(c) is the float with c in its top mantissa/exponent bits
         M: tl.constexpr = -POWER
         unit = _pow2(e - K)[:, None]

@@ -13,7 +13,7 @@ the padding's codes are still stored).
 import triton
 import triton.language as tl
 
-from fusedopt.kernels.moments import block_rows, commit_mask
+from fusedopt.kernels.moments import block_rows, commit_mask, small_int_to_f32
 
 BLOCK = tl.constexpr(64)  # elements per block (fusedopt.codecs.normalised.BLOCK)
 _BIG = tl.constexpr(2.0**60)  # the reference's saturation of q
@@ -47,6 +47,16 @@ def block_rms(q, R: tl.constexpr):
 
 
 @triton.jit
+def floor_small(y):
+    """``floor(y)`` as int32 for fp32 ``y`` in [0, 2**22), exactly, without the quarter-rate floor and
+    float -> int conversions: ``y + 1.5 * 2**23`` holds round(y) in its low mantissa bits; one less where
+    that rounded up."""
+    rounded = y + 12582912.0
+    down = (rounded - 12582912.0 > y).to(tl.int32)
+    return (rounded.to(tl.int32, bitcast=True) - 0x4B400000) - down
+
+
+@triton.jit
 def load_normalised(codes_ptr, scales_ptr, r, start, n_elements, BITS: tl.constexpr, R: tl.constexpr):
     """Decode the program's ``R`` blocks to ``m`` ``[R, 64]``; ``r``: the square root of the decoded
     frame (0 past the tensor's end)."""
@@ -61,7 +71,8 @@ def load_normalised(codes_ptr, scales_ptr, r, start, n_elements, BITS: tl.conste
     f3 = packed >> 6
     codes = tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), [R, BLOCK])
     TOP: tl.constexpr = 3  # 2**BITS - 1
-    q = (2.0 * codes.to(tl.float32) - TOP) * tl.div_rn(scales, TOP * 1.0)[:, None]
+    # the code as fp32 by a bit trick: an int -> float conversion issues at a quarter of the fp32 rate
+    q = (2.0 * small_int_to_f32(codes) - TOP) * tl.div_rn(scales, TOP * 1.0)[:, None]
     return q * r
 
 
@@ -91,8 +102,8 @@ def store_normalised(
     unit = ((half.to(tl.int32, bitcast=True) + 0xFFFF) & -65536).to(tl.float32, bitcast=True)
     t = (q * tl.div_rn(1.0, tl.maximum(unit, _TINY))[:, None] + 1.0) * (TOP / 2)
     t = tl.minimum(tl.maximum(t, 0.0), TOP * 1.0)
-    codes = tl.minimum(tl.floor(t + u), TOP * 1.0)
-    codes = tl.where(unit[:, None] > 0, codes, 0.0).to(tl.int32)  # a zero block: the zero encoding
+    codes = tl.minimum(floor_small(t + u), TOP)
+    codes = tl.where(unit[:, None] > 0, codes, 0)  # a zero block: the zero encoding
     blocks, has_block = block_rows(start, n_elements, BLOCK, R)
     block_commit = (tl.zeros([R], tl.int32) + status) == 0
     tl.store(scales_ptr + blocks, unit.to(tl.bfloat16), mask=has_block & block_commit)  # exact: a bf16 value

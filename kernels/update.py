@@ -54,6 +54,9 @@ _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", 
 # tiles and warp counts (benchmarks/RESULTS.md).
 BLOCK = 1024
 NUM_WARPS = 2
+# (elements, warps) of a program whose moments use the root-grid / normalised codes (norm2-root4): their
+# decode and encode hold more values per element in registers (benchmarks/RESULTS.md)
+ROOT_GRID_TILE = (1024, 2)
 MAX_REGISTERS = None  # per thread (Triton's maxnreg); None: the compiler's choice
 CHECK_TILE = 2048  # elements per iteration of the finite check
 CHECK_TILES = 8  # iterations per check program (fewer programs: fewer ticket atomics)
@@ -695,7 +698,8 @@ class PreparedUpdate:
         self.scratch, self.step, self.skipped = scratch, step, skipped
         # plain integer division: triton.cdiv is a JIT function, ~7 us per call from Python
         self.check_programs = -(-max(n, 1) // (CHECK_TILE * CHECK_TILES))
-        self.programs = -(-n // BLOCK)
+        block, warps = _tile(m_fmt, v_fmt)
+        self.programs = -(-n // block)
         corr_bits = 0 if correction is None else (16 if correction.dtype == torch.int16 else 8)
         self.configs = [  # [has_accum]
             _update_config(
@@ -707,12 +711,12 @@ class PreparedUpdate:
                 *flags,
                 m_fmt,
                 v_fmt,
-                BLOCK,
-                NUM_WARPS,
+                block,
+                warps,
                 MAX_REGISTERS,
                 # 64-bit indices past 2**31, and hash indices from a `first` the 32-bit tiles cannot take
                 # (a tile row must start at a multiple of its length: hashing.tile_bits)
-                first + n >= 2**31 - BLOCK or first % max(32, _tile_row(m_fmt, v_fmt)) != 0,
+                first + n >= 2**31 - block or first % max(32, _tile_row(m_fmt, v_fmt)) != 0,
             )  # fmt: skip
             for has_accum in (False, True)
         ]
@@ -819,6 +823,13 @@ def scaled_config(config: LaunchConfig) -> LaunchConfig:
 def bucket_config(config: LaunchConfig) -> LaunchConfig:
     """The bucketed variant of a single-parameter update configuration."""
     return LaunchConfig({**config.constexprs, "BUCKET": True}, config.options)
+
+
+def _tile(m_fmt: KernelFormat, v_fmt: KernelFormat) -> tuple[int, int]:
+    """(elements, warps) of one update program for these moments."""
+    if Family.ROOT_GRID in (m_fmt.family, v_fmt.family) or Family.NORMALISED in (m_fmt.family, v_fmt.family):
+        return ROOT_GRID_TILE
+    return BLOCK, NUM_WARPS
 
 
 def _tile_row(m_fmt: KernelFormat, v_fmt: KernelFormat) -> int:
