@@ -55,8 +55,9 @@ _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", 
 BLOCK = 1024
 NUM_WARPS = 2
 # (elements, warps) of a program whose moments use the root-grid / normalised codes (norm2-root4): their
-# decode and encode hold more values per element in registers (benchmarks/RESULTS.md)
-ROOT_GRID_TILE = (1024, 2)
+# decode and encode hold more values per element, and 16 elements a thread took 209 registers (A/B of
+# step_speed.py --root-grid-tiles, benchmarks/RESULTS.md); any multiple of their blocks gives the same bits
+ROOT_GRID_TILE = (1024, 4)
 MAX_REGISTERS = None  # per thread (Triton's maxnreg); None: the compiler's choice
 CHECK_TILE = 2048  # elements per iteration of the finite check
 CHECK_TILES = 8  # iterations per check program (fewer programs: fewer ticket atomics)

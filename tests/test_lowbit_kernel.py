@@ -102,6 +102,19 @@ def test_the_kernel_stores_the_references_bits(monkeypatch, device, fmt, shape):
     _assert_identical(ref, got)
 
 
+@pytest.mark.parametrize("tile", [(256, 2), (512, 2), (2048, 8)], ids=lambda t: f"{t[0]}x{t[1]}")
+def test_any_tile_of_whole_blocks_stores_the_references_bits(monkeypatch, device, tile):
+    """The update's tile for these formats (``update.ROOT_GRID_TILE``) is a speed choice: programs of
+    two to sixteen root-grid blocks, the last one partial, store the reference's bits (bf16 weights, a
+    24-bit master, so the parameter's own draws are tiled too)."""
+    monkeypatch.setattr(update, "ROOT_GRID_TILE", tile)
+    shape = (37, 41)
+    ref = _train("reference", device, monkeypatch, PAIRED[0], [shape], dtype=torch.bfloat16, master=24)
+    got = _train("triton", device, monkeypatch, PAIRED[0], [shape], dtype=torch.bfloat16, master=24)
+    assert got[2]._dispatch._prepared[next(iter(got[2]._dispatch._prepared))].launch.programs == -(-1517 // tile[0])
+    _assert_identical(ref, got)
+
+
 CASES = [
     pytest.param(fmt, dtype, master, fused, id=f"{fmt}-{str(dtype)[6:]}-{master}-{mode}")
     for fmt in PAIRED
