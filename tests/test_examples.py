@@ -204,6 +204,19 @@ def test_finetune_hf_with_the_vocabulary_in_pieces_saves_the_unsplit_model(tmp_p
     assert len(optimizer["param_groups"][0]["params"]) == len(list(model.parameters())) + 2 * (3 - 1)
 
 
+def test_finetune_hf_memory_cap_and_no_save(tmp_path, monkeypatch, capsys):
+    """``--memory-cap-gib`` caps a CUDA allocator and is refused on the CPU before any model is built;
+    ``--no-save`` trains and writes nothing."""
+    pytest.importorskip("transformers")
+    example = _load_example("finetune_hf", monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    base = ["--device", "cpu", *_standin_args(), "--seq-len", "16", "--micro-batch", "1", "--steps", "1"]
+    assert example.main([*base, "--memory-cap-gib", "1", "--out", "capped"]) == 2
+    assert "--memory-cap-gib caps a CUDA device's allocator" in capsys.readouterr().err
+    assert example.main([*base, "--no-save", "--out", "unsaved"]) == 0
+    assert "step 1/1" in capsys.readouterr().out and not (tmp_path / "unsaved").exists()
+
+
 def test_finetune_hf_resume_follows_the_saved_schedule(tmp_path, monkeypatch, capsys):
     pytest.importorskip("transformers")
     example = _load_example("finetune_hf", monkeypatch)
