@@ -177,7 +177,8 @@ def main(argv=None) -> int:
             if why:
                 raise RuntimeError(why)
             lr = None if config.optimizer.endswith("Adafactor") else args.lr
-            with mock.patch.object(update, "ROOT_GRID_TILE", tiles.get(name, update.ROOT_GRID_TILE)):
+            tile = tiles.get(name)  # only for --root-grid-tiles: an older fusedopt has no such setting
+            with mock.patch.object(update, "ROOT_GRID_TILE", tile) if tile else contextlib.nullcontext():
                 optimizers[name] = build(config, shapes, param_dtype, device, 1e-2 if args.adafactor else 1.0, lr)
         except Exception as exc:  # one configuration failing must not end the run
             failed[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
