@@ -183,3 +183,22 @@ class OutOfMemory(torch.autograd.Function):
             OutOfMemory.armed = False
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
         return grad
+
+
+def tiny_llama(dtype=torch.float32, **config):
+    """A two-layer ``LlamaForCausalLM`` of width 32 over a 64-token vocabulary, built from a config
+    (nothing downloaded) after ``torch.manual_seed(0)``; ``config`` overrides LlamaConfig fields."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    shape = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**shape, **config})).to(dtype)

@@ -26,6 +26,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import tiny_llama
 
 accelerate = pytest.importorskip("accelerate")
 
@@ -279,21 +280,6 @@ def test_setup_and_routed_clipping_refuse_what_they_cannot_do():
 def test_importing_fusedopt_does_not_import_accelerate():
     code = "import sys, fusedopt, fusedopt.integrations; assert 'accelerate' not in sys.modules, 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
-
-
-def tiny_llama():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
 
 
 def train_llama(fused: bool, max_norm: float):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import OutOfMemory
+from helpers import OutOfMemory, tiny_llama
 
 import fusedopt
 from fusedopt.sharding import as_sharded, is_sharded, local
@@ -1028,17 +1028,7 @@ def _trainer_with_fsdp2(rank, world_size, out):
             ("fused=False", FusedOptTrainer, (fusedopt.AdamW, dict(state_bits=32, fused=False))),
             ("fused=True", FusedOptTrainer, (fusedopt.AdamW, dict(state_bits=32, fused=True))),
         ):
-            config = transformers.LlamaConfig(
-                vocab_size=64,
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                num_key_value_heads=1,
-                max_position_embeddings=64,
-            )
-            torch.manual_seed(0)
-            model = transformers.LlamaForCausalLM(config)
+            model = tiny_llama()
             args = transformers.TrainingArguments(
                 output_dir=str(out / "trainer"),
                 per_device_train_batch_size=2,
@@ -1081,7 +1071,7 @@ def _trainer_with_fsdp2(rank, world_size, out):
     assert not any(unreleased) and seen == [True] * 4, (unreleased, seen)  # taken over before the first backward
     assert_equal(fused, ours, "Trainer + FSDP2, fused=True against fused=False, parameters")
     assert fused_losses == losses
-    before = [p.detach() for p in transformers.LlamaForCausalLM(config).parameters()]
+    before = [p.detach() for p in tiny_llama().parameters()]
     assert not any(torch.equal(a, b) for a, b in zip(ours, before)), "nothing was trained"
     for got, want in zip(ours, runs["torch"][0]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import warnings
 
+import helpers
 import pytest
 import torch
 
@@ -60,18 +61,7 @@ class TokenDataset(torch.utils.data.Dataset):
 
 
 def tiny_llama(dtype=torch.float32, dropout: float = 0.0):
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        attention_dropout=dropout,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).to(dtype)
+    return helpers.tiny_llama(dtype, attention_dropout=dropout)
 
 
 def training_args(out, **overrides):

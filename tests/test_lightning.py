@@ -32,6 +32,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import tiny_llama
 
 L = pytest.importorskip("lightning")
 
@@ -344,22 +345,6 @@ class Tokens(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return self.ids[i]
-
-
-def tiny_llama():
-    """tests/test_hf_trainer.py's: a LlamaForCausalLM from a config (nothing downloaded)."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
 
 
 class Llama(L.LightningModule):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import statistics
 import warnings
 
+import helpers
 import pytest
 import torch
 
@@ -60,19 +61,7 @@ def token_dataset(n: int = 16, seq_len: int = 10):
 
 
 def tiny_llama():
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
+    return helpers.tiny_llama(vocab_size=VOCAB, pad_token_id=0, eos_token_id=1)
 
 
 def sft_config(out, **overrides):
