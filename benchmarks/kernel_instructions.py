@@ -37,8 +37,9 @@ DEFAULT_CONFIGS = (
     "fusedopt.Adafactor",
 )
 SHAPE = (24, 1104)  # rows longer than a tile (as a model's matrices) and a multiple of 16 elements (vector accesses)
-# elements each program owns, by kernel name (a kernel missing here is reported per program)
-ELEMENTS = {"_update_kernel": "BLOCK", "_check_kernel": "CHECK", "_usq_kernel": "FACTORED", "_apply_kernel": "FACTORED"}
+# elements each program owns, by kernel name (the update's: its launch's tile; a kernel missing here is
+# reported per program)
+ELEMENTS = {"_check_kernel": "CHECK", "_usq_kernel": "FACTORED", "_apply_kernel": "FACTORED"}
 
 
 def _capture(configs: list[str], out: str, root_grid_tile=None) -> None:
@@ -68,7 +69,7 @@ def _capture(configs: list[str], out: str, root_grid_tile=None) -> None:
         return original(self, grid, runtime_args, config)
 
     launcher.DirectLauncher._launch_through_triton = record
-    sizes = dict(BLOCK=update.BLOCK, CHECK=update.CHECK_TILE * update.CHECK_TILES, FACTORED=factored.BLOCK)
+    sizes = dict(CHECK=update.CHECK_TILE * update.CHECK_TILES, FACTORED=factored.BLOCK)
     for current in configs:
         torch.manual_seed(0)
         config = parse_config(current)
@@ -108,28 +109,20 @@ def _fake_argument(kind, value, aligned):
     return value
 
 
-def _registers(cubin: bytes) -> int:
+def _sass(kernel_fn, record) -> tuple[str, int]:
+    """The SASS of the recorded launch compiled for sm_90, and its registers per thread."""
     from triton import knobs
 
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True, text=True)
-    found = re.search(r"REG:(\d+)", out.stdout)
-    return int(found.group(1)) if found else -1
-
-
-def _sass(kernel_fn, record) -> tuple[str, int]:
     args = [_fake_argument(*a) for a in record["args"]]
     compiled = kernel_fn.warmup(*args, grid=(1,), **record["constexprs"], **record["options"])
+    cuobjdump = knobs.nvidia.cuobjdump.path
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        from triton import knobs
-
-        cuobjdump = knobs.nvidia.cuobjdump.path
         sass = subprocess.run([cuobjdump, "-sass", f.name], check=True, capture_output=True, text=True).stdout
-    return sass, _registers(compiled.asm["cubin"])
+        usage = subprocess.run([cuobjdump, "-res-usage", f.name], check=True, capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+)", usage)
+    return sass, int(found.group(1)) if found else -1
 
 
 _INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")

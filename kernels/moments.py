@@ -54,6 +54,15 @@ def small_int_to_f32(i):
 
 
 @triton.jit
+def floor_small(y):
+    """``floor(y)`` as int32 for fp32 ``y`` in [0, 2**22), exactly, without the floor and float -> int
+    conversions: the rounder holds round(y) in its low mantissa bits; one less where that rounded up."""
+    rounded = y + _ROUNDER
+    down = (rounded - _ROUNDER > y).to(tl.int32)
+    return (rounded.to(tl.int32, bitcast=True) - _ROUNDER_BITS) - down
+
+
+@triton.jit
 def _uniform(rbits):
     """The top 23 bits of a uint32 draw as fp32 in [0, 1): (rbits >> 9) * 2**-23, exactly."""
     return ((rbits >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0

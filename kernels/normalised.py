@@ -13,7 +13,7 @@ the padding's codes are still stored).
 import triton
 import triton.language as tl
 
-from fusedopt.kernels.moments import block_rows, commit_mask, small_int_to_f32
+from fusedopt.kernels.moments import block_rows, commit_mask, floor_small, small_int_to_f32
 
 BLOCK = tl.constexpr(64)  # elements per block (fusedopt.codecs.normalised.BLOCK)
 _BIG = tl.constexpr(2.0**60)  # the reference's saturation of q
@@ -44,16 +44,6 @@ def block_rms(q, R: tl.constexpr):
     s = _pair_sums(s, R, 4)
     s = _pair_sums(s, R, 2)
     return tl.sqrt_rn(tl.reshape(s, [R]) * (1.0 / 64))
-
-
-@triton.jit
-def floor_small(y):
-    """``floor(y)`` as int32 for fp32 ``y`` in [0, 2**22), exactly, without the quarter-rate floor and
-    float -> int conversions: ``y + 1.5 * 2**23`` holds round(y) in its low mantissa bits; one less where
-    that rounded up."""
-    rounded = y + 12582912.0
-    down = (rounded - 12582912.0 > y).to(tl.int32)
-    return (rounded.to(tl.int32, bitcast=True) - 0x4B400000) - down
 
 
 @triton.jit
