@@ -20,6 +20,13 @@ the loss with ``fusedopt.chunked_cross_entropy`` (default chunk: 0), given the h
     python benchmarks/fit_7b.py --shape llama3-8b --config norm2-root4-nomaster --budget-gib 22.35 \
         --vocab-pieces 8 --chunked-loss 0 --steps 200 --out $OUT/fit_llama3.json
 
+``--profile-steps N`` runs N more steps under ``torch.profiler`` and reports the GPU time per step of
+every kernel, and of the optimizer's (the update, its finite check, clipping and norms; torch's
+fused AdamW), whatever the eager model leaves idle between launches:
+
+    python benchmarks/fit_7b.py --shape llama3-8b --config norm2-root4-nomaster --opt max_grad_norm=1.0 \
+        --budget-gib 22.35 --vocab-pieces 8 --chunked-loss 0 --steps 12 --profile-steps 3
+
 ``--config`` names one of ``CONFIGS`` (fusedopt.AdamW or fusedopt.Adafactor, its keyword arguments
 and peak lr); ``--opt k=v,...`` adds or overrides keyword arguments (``master_weight_bits=None``,
 ``state_format=norm2-root4``...).
@@ -63,6 +70,37 @@ CONFIGS = {
 }
 
 
+# kernel names (substrings) of the optimizer's GPU work: fusedopt's update, check, clipping and norm
+# kernels; torch's fused AdamW and its multi-tensor norm and scale (clip_grad_norm_)
+OPTIMIZER_KERNELS = ("_update_kernel", "_check_kernel", "_release_clip", "_sum_squares", "_factors", "_usq_kernel",
+                     "_apply_kernel", "_norm_kernel", "FusedAdam", "multi_tensor_apply")  # fmt: skip
+
+
+def profile_steps(step, steps: int) -> dict:
+    """GPU time per step (ms) of each kernel over ``steps`` calls of ``step`` under torch.profiler, the
+    optimizer's kernels (OPTIMIZER_KERNELS) and all of them summed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = {}
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", None)
+        us = event.self_cuda_time_total if us is None else us
+        if us > 0:
+            per_kernel[event.key] = per_kernel.get(event.key, 0.0) + us / 1000 / steps
+    optimizer = {k: v for k, v in per_kernel.items() if any(name in k for name in OPTIMIZER_KERNELS)}
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
+    return {
+        "gpu_ms_per_step": sum(per_kernel.values()),
+        "optimizer_ms_per_step": sum(optimizer.values()),
+        "optimizer_kernels_ms": {k[:120]: round(v, 3) for k, v in sorted(optimizer.items(), key=lambda kv: -kv[1])},
+        "top_kernels_ms": {k[:120]: round(v, 3) for k, v in top},
+    }
+
+
 def _value(text: str):
     if text == "None":
         return None
@@ -99,6 +137,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--vocab-pieces", type=int, default=None, help="split the embedding and head (split_rows)")
     parser.add_argument("--chunked-loss", type=int, default=None, help="tokens per chunked-loss chunk (0: default)")
+    parser.add_argument("--profile-steps", type=int, default=0, help="then N steps under torch.profiler (CUDA)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -126,28 +165,34 @@ def main(argv=None) -> int:
     chunk = None if args.chunked_loss is None else args.chunked_loss or default_chunk_size(shape.vocab)
     n_params = sum(p.numel() for p in model.parameters())
     opt = opt_class(model.parameters(), lr=lr, fused=True, **kwargs)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps + args.profile_steps))
     gen = torch.Generator().manual_seed(0)
-    losses, times, error = [], [], None
+    losses, times, error, profiled = [], [], None, None
+
+    def step():
+        starts = torch.randint(0, train.numel() - args.seq - 2, (args.batch,), generator=gen).to(device)
+        x, y = windows(train, starts, args.seq)
+        if chunk is None:
+            loss = next_token_loss(model, x, y)
+        else:
+            loss = fusedopt.chunked_cross_entropy(model.hidden_states(x), head_weight(model.lm_head), y, chunk)
+        loss.backward()  # fusedopt's fused=True: every parameter is updated inside backward
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        return loss.detach()
+
     try:
         for _ in range(args.steps):
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            starts = torch.randint(0, train.numel() - args.seq - 2, (args.batch,), generator=gen).to(device)
-            x, y = windows(train, starts, args.seq)
-            if chunk is None:
-                loss = next_token_loss(model, x, y)
-            else:
-                loss = fusedopt.chunked_cross_entropy(model.hidden_states(x), head_weight(model.lm_head), y, chunk)
-            loss.backward()  # fusedopt's fused=True: every parameter is updated inside backward
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sched.step()
-            losses.append(loss.detach())
+            losses.append(step())
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
+        if args.profile_steps and cuda:
+            profiled = profile_steps(step, args.profile_steps)
     except torch.OutOfMemoryError as exc:
         error = f"out of memory at step {len(times)}: {str(exc).splitlines()[0]}"
     losses = [float(v) for v in torch.stack(losses).cpu()] if losses else []
@@ -174,6 +219,7 @@ def main(argv=None) -> int:
         "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB if cuda else None,
         "persistent_gib": torch.cuda.memory_allocated(device) / GIB if cuda else None,  # weights + state
+        "profile": profiled,
         "corpus": digest,
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",

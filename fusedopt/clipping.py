@@ -159,19 +159,16 @@ class ReleaseClipping:
         when none yet); exact once every gradient was seen."""
         return self._stats[SLOT["total"]].sqrt().float() if self._has_total else None
 
-    def clip(
-        self, indices: list[int], grads: list[list[torch.Tensor]], sq: torch.Tensor | None = None
-    ) -> torch.Tensor | None:
+    def clip(self, indices: list[int], grads: list[list[torch.Tensor]], sq: torch.Tensor | None = None) -> torch.Tensor:
         """Clip a batch of released gradients. ``indices``: the parameters' indices; ``grads``: each
-        one's gradient (and its accumulated buffer), all on one device. Returns the coefficient (fp32
-        0-d) the caller multiplies every gradient of the batch by (the update kernel's
-        ``grad_scale``); or None where the coefficients differ per parameter (``adagc``, sharded
-        gradients), which are then applied here, in place (``scale_``).
+        one's gradient (and its accumulated buffer), all on one device. Returns each parameter's
+        coefficient (an fp32 vector on that device) its gradients are multiplied by (the update
+        kernel's ``grad_scale``): NaN where the squared norm of the gradient (plus its buffer) is
+        not finite, which skips that update (the kernel needs to read nothing else to know).
 
         ``sq``: the whole gradients' squared norms (float64 vector) where ``grads`` are one rank's
-        shards of them (summed over the ranks: every rank then computes the same coefficients). A
-        non-finite one makes that parameter's coefficient NaN, so every rank skips it, not only the
-        rank whose shard held the non-finite values."""
+        shards of them (summed over the ranks: every rank then computes the same coefficients, and
+        skips a parameter whose shard on any rank held the non-finite values)."""
         grad = grads[0][0]
         if not grad.is_cuda or is_default_stream_current(grad.get_device()):
             return self._clip(indices, grads, sq)
@@ -179,18 +176,15 @@ class ReleaseClipping:
         # gradient made ready on a side stream is clipped on the default stream, after it
         current = torch.cuda.current_stream(grad.device)
         with on_default_stream(grad, after_current=True):
-            coefficient = self._clip(indices, grads, sq)
-        if coefficient is not None:
-            coefficient.record_stream(current)  # the update reads it there
-        return coefficient
+            coefficients = self._clip(indices, grads, sq)
+        coefficients.record_stream(current)  # the update reads it there
+        return coefficients
 
-    def _clip(self, indices, grads, sq) -> torch.Tensor | None:
-        skip_nonfinite = sq is not None
+    def _clip(self, indices, grads, sq) -> torch.Tensor:
         device = grads[0][0].device
         self._ensure(device, max(indices) + 1)
         adagc = self.method == "adagc"
-        per_param = adagc or skip_nonfinite
-        coefficients = torch.empty(len(indices) if per_param else (), dtype=torch.float32, device=self._device)
+        coefficients = torch.empty(len(indices), dtype=torch.float32, device=self._device)
         first = not self._window_open
         history = (self._stats, self._last, self._average, self._updates)
         singles = [entry[0] for entry in grads if len(entry) == 1]
@@ -211,22 +205,14 @@ class ReleaseClipping:
             x, index = x.to(self._device), self._index_tensor(indices)
             if self._kernel is not None:
                 self._kernel(
-                    x, index, history, coefficients, first=first, square=square, adagc=adagc,
-                    skip_nonfinite=skip_nonfinite, warmup=ADAGC_WARMUP,
-                )  # fmt: skip
-            else:
-                coefficients.copy_(
-                    self._reference(x, index, *history, first=first, square=square, skip_nonfinite=skip_nonfinite)
+                    x, index, history, coefficients, first=first, square=square, adagc=adagc, warmup=ADAGC_WARMUP
                 )
+            else:
+                coefficients.copy_(self._reference(x, index, *history, first=first, square=square))
         if first:  # the kernel kept the last window's total
             self._has_last_total = self._has_total
         self._window_open = self._has_total = self._has_known = True
-        coefficients = coefficients.to(device)
-        if not per_param:
-            return coefficients
-        for entry, c in zip(grads, coefficients.unbind()):
-            scale_(entry, c)
-        return None
+        return coefficients.to(device)
 
     def _ensure(self, device: torch.device, size: int) -> None:
         """The buffers, on ``device`` at the first batch, with room for ``size`` parameters."""
@@ -259,9 +245,9 @@ class ReleaseClipping:
             self._indices[key] = cached = queued_copy(torch.tensor(indices, dtype=torch.int64), self._device)
         return cached
 
-    def _reference(self, x, index, stats, last_all, average_all, updates_all, *, first, square, skip_nonfinite):
+    def _reference(self, x, index, stats, last_all, average_all, updates_all, *, first, square):
         """The kernel's arithmetic as torch ops (``kernels/clipping.py``): folds a batch into the
-        history and returns its coefficient(s), fp32."""
+        history and returns each parameter's coefficient, fp32 (NaN: its squared norm is not finite)."""
         sq = (x.square() if square else x).double()
         finite = torch.isfinite(sq)
         sq_finite = torch.where(finite, sq, 0.0)
@@ -304,10 +290,7 @@ class ReleaseClipping:
         for name, value in (("known", known), ("seen", seen), ("seen_with_history", seen_with_history),
                             ("seen_last", seen_last), ("total", total)):  # fmt: skip
             stats[SLOT[name]] = value
-        if self.method != "adagc" and not skip_nonfinite:
-            return coefficient.float()
-        out = coefficients.float()
-        return torch.where(finite, out, torch.nan) if skip_nonfinite else out
+        return torch.where(finite, coefficients.float(), torch.nan)
 
     def state_dict(self, pids: dict[int, int]) -> dict:
         """The history the estimates use, for a checkpoint (``pids``: parameter index -> saved id).

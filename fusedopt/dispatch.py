@@ -213,10 +213,11 @@ class PreparedEntry:
 
 
 class _Pending:
-    __slots__ = ("members", "grads", "scalars", "grad_scale")
+    __slots__ = ("members", "grads", "scalars", "grad_scales")
 
-    def __init__(self, scalars: tuple, grad_scale: torch.Tensor | None):
-        self.members, self.grads, self.scalars, self.grad_scale = [], [], scalars, grad_scale
+    def __init__(self, scalars: tuple, scaled: bool):
+        self.members, self.grads, self.scalars = [], [], scalars
+        self.grad_scales: list[torch.Tensor] | None = [] if scaled else None  # each member's coefficient
 
 
 def _takes_grad_scale(launch) -> bool:
@@ -351,7 +352,8 @@ class UpdateDispatcher:
     def queue(self, p: torch.Tensor, grad: torch.Tensor, accum, checked: CheckedUpdate, grad_scale=None) -> None:
         """Run a checked update, or queue it in a bucket (it has run once ``flush()`` returns;
         ``grad`` must stay unchanged until then). ``grad_scale``: a clipping coefficient (fp32 0-d
-        device tensor) the gradients are multiplied by, or None."""
+        device tensor) the gradients are multiplied by, or None; NaN skips the update (the gradient
+        pipeline's finite check, ``fusedopt.gradients``)."""
         grad = local(grad)
         launch = checked.launch
         if launch is None or not self._buckets_on or accum is not None or not _takes_grad_scale(launch):
@@ -465,14 +467,16 @@ class UpdateDispatcher:
         joins = prepared.bucketable if prepared.bucketable is not None else self._can_join(prepared)
         if not (joins and bucket.gradient_bucketable(grad, prepared.head[0].dtype)):
             return False
-        # a bucket shares its coefficient: gradients clipped together (one release batch, one step)
-        key = (prepared.configs[0].key, group_index, None if grad_scale is None else id(grad_scale))
+        # clipped and unclipped updates are launched apart (the kernels' SCALE_GRAD variants)
+        key = (prepared.configs[0].key, group_index, grad_scale is not None)
         pending = self._pending.get(key)
         if pending is None:
-            pending = self._pending[key] = _Pending(scalars, grad_scale)
+            pending = self._pending[key] = _Pending(scalars, grad_scale is not None)
         pending.members.append(prepared)
         self._waiting.add(id(prepared))
         pending.grads.append(grad)
+        if grad_scale is not None:
+            pending.grad_scales.append(grad_scale)
         if len(pending.members) == bucket.BUCKET_TENSORS:
             del self._pending[key]
             self._launch_bucket(pending)
@@ -497,7 +501,8 @@ class UpdateDispatcher:
         self._waiting.difference_update(map(id, members))
         with self.observed():
             if len(members) == 1:
-                members[0].launch(pending.grads[0], None, pending.scalars, pending.grad_scale)
+                scales = pending.grad_scales
+                members[0].launch(pending.grads[0], None, pending.scalars, None if scales is None else scales[0])
                 return
             key = tuple(map(id, members))
             built = self._built.get(key)
@@ -505,4 +510,4 @@ class UpdateDispatcher:
                 if len(self._built) >= _MAX_BUILT:
                     self._built.clear()
                 built = self._built[key] = _kernels()[1].PreparedBucket(members)  # holds the members
-            built.launch(pending.grads, pending.scalars, pending.grad_scale)
+            built.launch(pending.grads, pending.scalars, pending.grad_scales)

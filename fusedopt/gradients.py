@@ -8,6 +8,10 @@ the update (the kernel's ``grad_scale``, an fp32 0-d device tensor; None: the gr
   parameter, in the order released;
 * ``step()``, for every gradient still waiting (all of them with ``fused=False``).
 
+A coefficient carries the finite check too: it is NaN exactly where the norm of its gradients is
+not finite (a value not finite, or squares that overflow fp32), and that update is skipped, so
+the update kernel reads one coefficient instead of the whole gradient to know.
+
 The stages, in order:
 
 0. **Multiply** by the optimizer's ``grad_multiplier``, if set (a loss normalised after backward:
@@ -33,6 +37,7 @@ from .clipping import ReleaseClipping, exact_coefficient, squared_norm
 from .dispatch import release_clip_kernel, total_norm
 from .loss_scaling import ReleasedUnscaling, inverse, unscale_
 from .sharding import is_sharded, local, sum_over_shards
+from .streams import queued_copy
 
 Batch = list[tuple[torch.Tensor, list[torch.Tensor]]]
 
@@ -176,10 +181,11 @@ class GradientPipeline:
     def _clip_exact(self, batch: Batch, max_norm: float) -> list:
         """``torch.nn.utils.clip_grad_norm_`` over the finite gradients of this step (no host sync): the
         coefficient of every update, on its gradient's device. A gradient whose norm is not finite adds
-        nothing to the norm the coefficient comes from, so only its own update skips (torch's norm
-        would be NaN or inf: every update skipped, or made from a zero gradient); while every norm is
-        finite the coefficient is torch's, bit for bit. ``grad_norm`` is the norm of them all, as
-        torch's and release's: not finite when a gradient is not."""
+        nothing to the norm the coefficient comes from, and its own coefficient is NaN: only its update
+        skips (torch's norm would be NaN or inf: every update skipped, or made from a zero gradient),
+        and the update kernel learns it from the coefficient without reading the gradient again.
+        While every norm is finite the coefficient is torch's, bit for bit. ``grad_norm`` is the norm
+        of them all, as torch's and release's: not finite when a gradient is not."""
         tensors = [g for _, grads in batch for g in grads]
         self._exact_norm, norms = total_norm(tensors)
         norm = self._exact_norm
@@ -188,25 +194,19 @@ class GradientPipeline:
         finite = torch.isfinite(norms)
         finite_norm = torch.linalg.vector_norm(torch.where(finite, norms, 0.0))
         coefficient = exact_coefficient(torch.where(torch.isfinite(norm), norm, finite_norm), max_norm)
-        shards: dict[torch.dtype, tuple[list, list]] = {}
-        for i, t in enumerate(tensors):
-            if is_sharded(t):
-                shard = local(t)
-                firsts, indices = shards.setdefault(shard.dtype, ([], []))
-                firsts.append(shard.as_strided((min(1, shard.numel()),), (1,)))
-                indices.append(i)
-        if shards:  # a rank whose shard is finite skips it too: a NaN in the shard's first element
-            keep = torch.where(finite, 1.0, torch.nan)
-            for dtype, (firsts, indices) in shards.items():
-                factors = keep.to(dtype)
-                torch._foreach_mul_(firsts, [factors[i : i + 1] for i in indices])
-        on_device = {coefficient.device: coefficient}
+        if len(tensors) != len(batch):  # accumulated buffers: an update is finite if all its tensors are
+            owners = [i for i, (_, grads) in enumerate(batch) for _ in grads]
+            bad = torch.zeros(len(batch), dtype=torch.float32, device=finite.device)
+            bad.index_add_(0, queued_copy(torch.tensor(owners), finite.device), (~finite).float())
+            finite = bad == 0
+        each = torch.where(finite, coefficient, torch.nan)
+        on_device = {each.device: each.unbind()}
         scales = []
-        for _, grads in batch:
+        for i, (_, grads) in enumerate(batch):
             device = local(grads[0]).device
             if device not in on_device:
-                on_device[device] = coefficient.to(device)
-            scales.append(on_device[device])
+                on_device[device] = each.to(device).unbind()
+            scales.append(on_device[device][i])
         return scales
 
     def _clip_estimated(self, batch: Batch, *, note_nonfinite: bool, whole: bool) -> list:
@@ -226,17 +226,18 @@ class GradientPipeline:
             if not pending:
                 return
             indices, grads = [self._store.param_index(p) for p, _ in pending], [g for _, g in pending]
-            coefficient, sq = None, None
+            sq = None
             if pending_groups:
                 sq = sum_over_shards(torch.stack([squared_norm(g) for g in grads]).double(), pending_groups)
                 if note_nonfinite:
                     self._unscaling.note_nonfinite(~torch.isfinite(sq).all())
             if clipping is not None:
-                coefficient = clipping.clip(indices, grads, sq)
-            elif sq is not None:  # loss scaling alone: a gradient not finite on any rank is skipped on all
-                for entry, finite in zip(grads, torch.isfinite(sq).unbind()):
-                    torch._foreach_mul_(entry, torch.where(finite, 1.0, torch.nan))
-            scales.extend([coefficient] * len(pending))
+                scales.extend(clipping.clip(indices, grads, sq).unbind())
+            else:
+                if sq is not None:  # loss scaling alone: a gradient not finite on any rank is skipped on all
+                    for entry, finite in zip(grads, torch.isfinite(sq).unbind()):
+                        torch._foreach_mul_(entry, torch.where(finite, 1.0, torch.nan))
+                scales.extend([None] * len(pending))
             pending.clear()
 
         for p, grads in batch:

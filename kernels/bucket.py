@@ -104,38 +104,55 @@ class PreparedBucket:
         self.launches: dict = {}  # resolved direct launches (launch_remembered)
 
     def launch(
-        self, grads: list[torch.Tensor], scalars: tuple[tuple, tuple], grad_scale: torch.Tensor | None = None
+        self,
+        grads: list[torch.Tensor],
+        scalars: tuple[tuple, tuple],
+        grad_scales: list[torch.Tensor] | None = None,
     ) -> None:
         """Update every member from its gradient (``grads[i]`` for member i; same dtype, contiguous,
-        16-byte aligned: ``gradient_bucketable``), multiplied by ``grad_scale`` (fp32 0-d) if given."""
-        if len(grads) != len(self.members):
+        16-byte aligned: ``gradient_bucketable``), multiplied by its coefficient ``grad_scales[i]``
+        (fp32 0-d tensors on the members' device; NaN skips the member, as ``PreparedUpdate.launch``)
+        if given."""
+        if len(grads) != len(self.members) or (grad_scales is not None and len(grad_scales) != len(grads)):
             raise ValueError(f"a bucket of {len(self.members)} parameters got {len(grads)} gradients")
-        base = grads[0]
-        address, size = base.data_ptr(), base.element_size()
-        deltas = list(NO_GRAD_DELTAS)
-        for i, g in enumerate(grads):
-            deltas[i] = (g.data_ptr() - address) // size + GRAD_DELTA_BIAS
         args, check_args = scalars
+        deltas = _deltas(grads)
         # nothing in the launch keys varies (the gradients' dtype and alignment are the members'):
         # one resolved direct launch each
-        scaled = grad_scale is not None
-        scale = grad_scale if scaled else self.head[0]
+        scaled = grad_scales is not None
+        if scaled:  # the check reads each member's coefficient, not its gradient: a program each
+            check = (grads[0], grads[0], self.scratch, self.step, self.skipped, self.table, grad_scales[0], 0)
+            check_args = (*check, *_deltas(grad_scales), *check_args)
+            check_programs = len(self.members)
+        else:
+            check = (grads[0], grads[0], self.scratch, self.step, self.skipped, self.table, self.head[0], 0)
+            check_args = (*check, *deltas, *check_args)
+            check_programs = self.check_programs
         launch_remembered(
             update._launch_check,
             self.launches,
             ("check", scaled),
-            self.check_programs,
-            (base, base, self.scratch, self.step, self.skipped, self.table, scale, 0, *deltas, *check_args),
+            check_programs,
+            check_args,
             self.check_configs[scaled],
         )
         runtime_args = (
-            *self.head, base, self.head[0], *self.state_tensors, self.table, scale, *self.ints, *deltas,
-            *args,
+            *self.head, grads[0], self.head[0], *self.state_tensors, self.table, *self.ints, *deltas, *args
         )  # fmt: skip
         update_launcher = update._launch_update
         launch_remembered(
             update_launcher, self.launches, ("update", scaled), self.programs, runtime_args, self.update_configs[scaled]
         )
+
+
+def _deltas(tensors: list[torch.Tensor]) -> list[int]:
+    """Each tensor's address as an element offset from the first one's (+ GRAD_DELTA_BIAS), padded
+    to BUCKET_TENSORS: the kernels' per-member arguments."""
+    deltas = list(NO_GRAD_DELTAS)
+    address, size = tensors[0].data_ptr(), tensors[0].element_size()
+    for i, t in enumerate(tensors):
+        deltas[i] = (t.data_ptr() - address) // size + GRAD_DELTA_BIAS
+    return deltas
 
 
 def _starts(programs: list[int]) -> tuple[list[int], int]:

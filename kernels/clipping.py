@@ -46,14 +46,12 @@ def _release_clip_kernel(
     last_ptr,
     average_ptr,
     updates_ptr,  # int32
-    coef_ptr,  # fp32 out: one coefficient (PER_PARAM=False) or one per parameter
+    coef_ptr,  # fp32 out: one coefficient per parameter (NaN where its squared norm is not finite)
     n,
     first,  # 1: the first batch of a window
     ADAGC_WARMUP: tl.constexpr,
     SQUARE: tl.constexpr,
     ADAGC: tl.constexpr,
-    SKIP_NONFINITE: tl.constexpr,  # a non-finite squared norm: that parameter's coefficient is NaN
-    PER_PARAM: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offs = tl.arange(0, BLOCK)
@@ -64,7 +62,7 @@ def _release_clip_kernel(
     index = tl.load(index_ptr + offs, mask=mask, other=0)
     _fold(
         x.to(tl.float64), index, offs, mask, stats_ptr, last_ptr, average_ptr, updates_ptr, coef_ptr, first,
-        ADAGC_WARMUP, ADAGC, SKIP_NONFINITE, PER_PARAM, BLOCK,
+        ADAGC_WARMUP, ADAGC, BLOCK,
     )  # fmt: skip
 
 
@@ -91,7 +89,6 @@ def _release_clip_gradients_kernel(
     first,
     ADAGC_WARMUP: tl.constexpr,
     ADAGC: tl.constexpr,
-    PER_PARAM: tl.constexpr,
     BLOCK: tl.constexpr,  # >= members
     ALIGNED: tl.constexpr,  # every gradient's address and size in bytes multiples of 16: vector loads
 ):
@@ -116,7 +113,7 @@ def _release_clip_gradients_kernel(
         index = tl.load(table_ptr + offs * TABLE_COLS + COL_INDEX, mask=mask, other=0)
         _fold(
             sq, index, offs, mask, stats_ptr, last_ptr, average_ptr, updates_ptr, coef_ptr, first, ADAGC_WARMUP,
-            ADAGC, False, PER_PARAM, BLOCK,
+            ADAGC, BLOCK,
         )  # fmt: skip
         tl.atomic_xchg(ticket_ptr, 0)
 
@@ -124,10 +121,11 @@ def _release_clip_gradients_kernel(
 @triton.jit
 def _fold(
     sq, index, offs, mask, stats_ptr, last_ptr, average_ptr, updates_ptr, coef_ptr, first,
-    ADAGC_WARMUP: tl.constexpr, ADAGC: tl.constexpr, SKIP_NONFINITE: tl.constexpr, PER_PARAM: tl.constexpr,
-    BLOCK: tl.constexpr,
+    ADAGC_WARMUP: tl.constexpr, ADAGC: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Fold the batch's squared norms ``sq`` (float64) into the history; write its coefficient(s)."""
+    """Fold the batch's squared norms ``sq`` (float64) into the history; write each parameter's
+    coefficient, NaN where its squared norm is not finite (its update then skips without reading
+    its gradient again: ``GradientPipeline``)."""
     finite = tl.abs(sq) < float("inf")  # false for NaN too
     sq_finite = tl.where(finite & mask, sq, 0.0)
     # the first batch of a window starts its sums (a select, not a branch: one straight program)
@@ -168,13 +166,8 @@ def _fold(
         average = tl.where(averaged, tl.where(finite, decayed, average), clipped)
         tl.store(average_ptr + index, average, mask=mask)
         tl.store(updates_ptr + index, updates + 1, mask=mask)
-    out = coefficients.to(tl.float32)
-    if SKIP_NONFINITE:
-        out = tl.where(finite, out, float("nan"))
-    if PER_PARAM:
-        tl.store(coef_ptr + offs, out, mask=mask)
-    else:
-        tl.store(coef_ptr + offs, out, mask=offs == 0)
+    out = tl.where(finite, coefficients.to(tl.float32), float("nan"))
+    tl.store(coef_ptr + offs, out, mask=mask)
     tl.store(last_ptr + index, new_last, mask=mask)
     tl.store(stats_ptr + KNOWN, known)
     tl.store(stats_ptr + SEEN, seen)
@@ -215,19 +208,16 @@ class ReleaseClipKernel:
         first: bool,
         square: bool,
         adagc: bool,
-        skip_nonfinite: bool,
         warmup: int,
     ) -> None:
         """Fold a batch (its norms ``x``, or squared norms, and parameter indices ``index``) into the
-        ``history`` (``stats``, ``last``, ``average``, ``updates``) and write its coefficient(s) into
-        ``coefficients`` (fp32: one element, or one per parameter where ``adagc`` or ``skip_nonfinite``)."""
+        ``history`` (``stats``, ``last``, ``average``, ``updates``) and write each parameter's
+        coefficient into ``coefficients`` (fp32, one per parameter; NaN: not finite)."""
         n = x.numel()
         block = max(16, triton.next_power_of_2(n))
-        per_param = adagc or skip_nonfinite
         config = _config(
-            ("norms", warmup, square, adagc, skip_nonfinite, block), ADAGC_WARMUP=warmup, SQUARE=square, ADAGC=adagc,
-            SKIP_NONFINITE=skip_nonfinite, PER_PARAM=per_param, BLOCK=block,
-        )  # fmt: skip
+            ("norms", warmup, square, adagc, block), ADAGC_WARMUP=warmup, SQUARE=square, ADAGC=adagc, BLOCK=block
+        )
         _LAUNCH(1, (x, index, *history, coefficients, n, int(first)), config)
 
     @staticmethod
@@ -252,8 +242,8 @@ class ReleaseClipKernel:
         members = len(grads)
         block = max(16, triton.next_power_of_2(members))
         config = _config(
-            ("gradients", warmup, adagc, block, aligned), ADAGC_WARMUP=warmup, ADAGC=adagc, PER_PARAM=adagc,
-            BLOCK=block, ALIGNED=aligned,
+            ("gradients", warmup, adagc, block, aligned), ADAGC_WARMUP=warmup, ADAGC=adagc, BLOCK=block,
+            ALIGNED=aligned,
         )  # fmt: skip
         args = (grads[0], table, partials, *history, coefficients, members, programs, int(first))
         _LAUNCH_GRADIENTS(programs, args, config)

@@ -2,11 +2,13 @@
 
 Two kernels per parameter update:
 
-1. ``_check_kernel`` reads the gradient once and finds out whether it is finite. Its last
-   program (a ticket counter) commits the step bookkeeping on the device: ``step += ok``,
-   ``skipped += !ok``, a status word the update reads and AdamW's bias corrections for the
-   new step (fp64 math once per parameter, not once per update program). No host
-   synchronisation.
+1. ``_check_kernel`` finds out whether the gradient is finite and commits the step bookkeeping
+   on the device: ``step += ok``, ``skipped += !ok``, a status word the update reads and AdamW's
+   bias corrections for the new step (fp64 math once per parameter, not once per update
+   program). No host synchronisation. Unclipped, it reads the gradient (its last program, a
+   ticket counter, commits); clipped, the coefficient already says it (``fusedopt.gradients``:
+   NaN where the gradient's norm is not finite): one program per parameter reads that one word
+   and hands the coefficient to the update through the scratch words.
 2. ``_update_kernel`` reads gradient, parameter (and correction) and the encoded moments,
    applies AdamW / SGD / Lion in fp32 registers exactly as ``fusedopt.reference`` orders the
    operations, writes the parameter and re-encodes the moments (new block scales included).
@@ -61,9 +63,10 @@ ROOT_GRID_TILE = (1024, 4)
 MAX_REGISTERS = None  # per thread (Triton's maxnreg); None: the compiler's choice
 CHECK_TILE = 2048  # elements per iteration of the finite check
 CHECK_TILES = 8  # iterations per check program (fewer programs: fewer ticket atomics)
-# int32 words of the per-parameter scratch buffer: non-finite flag, ticket, status,
-# step_size and 1/sqrt(bias_correction2) as fp32 bit patterns
+# int32 words of the per-parameter scratch buffer: non-finite flag, ticket, status, then as fp32 bit
+# patterns step_size, 1/sqrt(bias_correction2) and the clipping coefficient (SCALE_GRAD)
 SCRATCH_WORDS = 8
+_FLAG, _TICKET, _STATUS, _STEP_SIZE, _INV_BC2_SQRT, _COEFFICIENT = (tl.constexpr(i) for i in range(6))
 # Bucketed launches (kernels/bucket.py): one launch updates up to BUCKET_TENSORS parameters of one
 # configuration. Each parameter's pointers are the first member's plus a delta from a per-member
 # table row; the gradients' deltas change every step and arrive as integer arguments, biased
@@ -148,10 +151,10 @@ def _bucket_member(table_ptr, start_col: tl.constexpr):
 
 
 @triton.jit
-def _grad_pointer(
-    grad_ptr, member, gd0, gd1, gd2, gd3, gd4, gd5, gd6, gd7, gd8, gd9, gd10, gd11, gd12, gd13, gd14, gd15
+def _member_delta(
+    member, gd0, gd1, gd2, gd3, gd4, gd5, gd6, gd7, gd8, gd9, gd10, gd11, gd12, gd13, gd14, gd15
 ):  # fmt: skip
-    """Member ``member``'s gradient: ``grad_ptr`` plus its delta (the arguments carry GRAD_DELTA_BIAS)."""
+    """Member ``member``'s delta among the per-step arguments (which carry GRAD_DELTA_BIAS)."""
     d = tl.where(member == 0, gd0, gd1)
     d = tl.where(member == 2, gd2, d)
     d = tl.where(member == 3, gd3, d)
@@ -167,7 +170,16 @@ def _grad_pointer(
     d = tl.where(member == 13, gd13, d)
     d = tl.where(member == 14, gd14, d)
     d = tl.where(member == 15, gd15, d)
-    return grad_ptr + tl.multiple_of(d - _GRAD_DELTA_BIAS, 128 // grad_ptr.dtype.element_ty.primitive_bitwidth)
+    return d - _GRAD_DELTA_BIAS
+
+
+@triton.jit
+def _grad_pointer(
+    grad_ptr, member, gd0, gd1, gd2, gd3, gd4, gd5, gd6, gd7, gd8, gd9, gd10, gd11, gd12, gd13, gd14, gd15
+):  # fmt: skip
+    """Member ``member``'s gradient: ``grad_ptr`` plus its delta (16-byte aligned, as ``_rebase``)."""
+    d = _member_delta(member, gd0, gd1, gd2, gd3, gd4, gd5, gd6, gd7, gd8, gd9, gd10, gd11, gd12, gd13, gd14, gd15)
+    return grad_ptr + tl.multiple_of(d, 128 // grad_ptr.dtype.element_ty.primitive_bitwidth)
 
 
 @triton.jit
@@ -188,13 +200,13 @@ def _bias_corrections(step, lr, log2_beta1_hi, log2_beta1_lo, log2_beta2_hi, log
 def _check_kernel(
     grad_ptr,  # this step's gradient
     accum_ptr,  # gradient accumulated by the optimizer (HAS_ACCUM)
-    scratch_ptr,  # int32[SCRATCH_WORDS]: flag, ticket, status, step_size, 1/sqrt(bc2)
+    scratch_ptr,  # int32[SCRATCH_WORDS]: flag, ticket, status, step_size, 1/sqrt(bc2), coefficient
     step_ptr,  # fp32 0-d step count
     skipped_ptr,  # int64 0-d skipped-update counter
     table_ptr,  # BUCKET: int64 rows of the members' deltas, sizes and first programs
-    grad_scale_ptr,  # SCALE_GRAD: fp32 0-d coefficient of the gradients (clipping)
+    grad_scale_ptr,  # SCALE_GRAD: fp32 0-d coefficient of the gradients (clipping; NaN: not finite)
     n_elements,
-    # BUCKET: the members' gradient deltas (+ GRAD_DELTA_BIAS)
+    # BUCKET: the members' gradient deltas (+ GRAD_DELTA_BIAS); SCALE_GRAD: their coefficients' deltas
     gd0,
     gd1,
     gd2,
@@ -221,53 +233,82 @@ def _check_kernel(
     TILE: tl.constexpr,
     TILES: tl.constexpr,
     BUCKET: tl.constexpr,  # one launch over several parameters (kernels/bucket.py)
-    SCALE_GRAD: tl.constexpr,  # the gradients are multiplied by *grad_scale_ptr
+    SCALE_GRAD: tl.constexpr,  # the gradients are multiplied by *grad_scale_ptr, whose NaN is the verdict
 ):
-    if BUCKET:
-        member, program, row = _bucket_member(table_ptr, COL_CHECK_START)
-        grad_ptr = _grad_pointer(
-            grad_ptr, member, gd0, gd1, gd2, gd3, gd4, gd5, gd6, gd7, gd8, gd9, gd10, gd11, gd12, gd13, gd14, gd15
-        )
-        scratch_ptr = _rebase(scratch_ptr, row, COL_SCRATCH)
-        step_ptr = _rebase(step_ptr, row, COL_STEP)
-        n_elements = tl.multiple_of(tl.load(row + COL_N).to(tl.int32), 16)
-        programs = tl.load(row + COL_CHECK_PROGRAMS).to(tl.int32)
-    else:
-        program = tl.program_id(0)
-        programs = tl.num_programs(0)
-    start = program.to(tl.int64) * (TILE * TILES)
-    # g * 0 is +-0 for a finite g and NaN for an inf or a NaN, and a NaN survives every add: one
-    # multiply-add per element, and one reduction per program rather than one (with two block
-    # barriers) per tile
-    poison = tl.zeros([TILE], tl.float32)
-    # unrolled: every tile's loads are issued before the first is used (a rolled loop waited for
-    # each tile's loads in turn: measurably slower, benchmarks/RESULTS.md)
-    for i in tl.static_range(TILES):
-        offs = start + i * TILE + tl.arange(0, TILE).to(tl.int64)
-        mask = offs < n_elements
-        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_ACCUM:
-            g += tl.load(accum_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        poison += g * 0.0
-    bad = tl.max((poison != poison).to(tl.int32), axis=0)
-    if SCALE_GRAD:  # a NaN coefficient (a gradient not finite on another rank) skips the update
+    if SCALE_GRAD:
+        # The coefficient is NaN exactly where the gradient's norm is not finite (fusedopt.gradients):
+        # no gradient read, one program per parameter. It passes the coefficient on to the update.
+        if BUCKET:  # program i: member i
+            member = tl.program_id(0)
+            row = table_ptr + member * _TABLE_COLS
+            delta = _member_delta(
+                member, gd0, gd1, gd2, gd3, gd4, gd5, gd6, gd7, gd8, gd9, gd10, gd11, gd12, gd13, gd14, gd15
+            )  # fmt: skip
+            grad_scale_ptr += delta
+            scratch_ptr = _rebase(scratch_ptr, row, COL_SCRATCH)
+            step_ptr = _rebase(step_ptr, row, COL_STEP)
         grad_scale = tl.load(grad_scale_ptr)
-        bad = tl.maximum(bad, (grad_scale != grad_scale).to(tl.int32))
-    tl.atomic_max(scratch_ptr, bad, mask=bad > 0)
-    ticket = tl.atomic_add(scratch_ptr + 1, 1)
-    if ticket == programs - 1:  # the parameter's last program: every flag is in
-        final = tl.atomic_xchg(scratch_ptr, 0)
-        tl.store(scratch_ptr + 2, final)
-        step = tl.load(step_ptr) + (1 - final).to(tl.float32)
-        tl.store(step_ptr, step)
-        if BIAS_CORRECTIONS:
-            step_size, inv_bc2_sqrt = _bias_corrections(
-                step, lr, log2_beta1_hi, log2_beta1_lo, log2_beta2_hi, log2_beta2_lo
+        tl.store(scratch_ptr + _COEFFICIENT, grad_scale.to(tl.int32, bitcast=True))
+        _commit_step(
+            (grad_scale != grad_scale).to(tl.int32), scratch_ptr, step_ptr, skipped_ptr, lr, log2_beta1_hi,
+            log2_beta1_lo, log2_beta2_hi, log2_beta2_lo, BIAS_CORRECTIONS,
+        )  # fmt: skip
+    else:
+        if BUCKET:
+            member, program, row = _bucket_member(table_ptr, COL_CHECK_START)
+            grad_ptr = _grad_pointer(
+                grad_ptr, member, gd0, gd1, gd2, gd3, gd4, gd5, gd6, gd7, gd8, gd9, gd10, gd11, gd12, gd13, gd14, gd15
             )
-            tl.store(scratch_ptr + 3, step_size.to(tl.int32, bitcast=True))
-            tl.store(scratch_ptr + 4, inv_bc2_sqrt.to(tl.int32, bitcast=True))
-        tl.atomic_add(skipped_ptr, final.to(tl.int64), mask=final != 0)  # atomic: a bucket's members race
-        tl.store(scratch_ptr + 1, 0)
+            scratch_ptr = _rebase(scratch_ptr, row, COL_SCRATCH)
+            step_ptr = _rebase(step_ptr, row, COL_STEP)
+            n_elements = tl.multiple_of(tl.load(row + COL_N).to(tl.int32), 16)
+            programs = tl.load(row + COL_CHECK_PROGRAMS).to(tl.int32)
+        else:
+            program = tl.program_id(0)
+            programs = tl.num_programs(0)
+        start = program.to(tl.int64) * (TILE * TILES)
+        # g * 0 is +-0 for a finite g and NaN for an inf or a NaN, and a NaN survives every add: one
+        # multiply-add per element, and one reduction per program rather than one (with two block
+        # barriers) per tile
+        poison = tl.zeros([TILE], tl.float32)
+        # unrolled: every tile's loads are issued before the first is used (a rolled loop waited for
+        # each tile's loads in turn: measurably slower, benchmarks/RESULTS.md)
+        for i in tl.static_range(TILES):
+            offs = start + i * TILE + tl.arange(0, TILE).to(tl.int64)
+            mask = offs < n_elements
+            g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_ACCUM:
+                g += tl.load(accum_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            poison += g * 0.0
+        bad = tl.max((poison != poison).to(tl.int32), axis=0)
+        tl.atomic_max(scratch_ptr + _FLAG, bad, mask=bad > 0)
+        ticket = tl.atomic_add(scratch_ptr + _TICKET, 1)
+        if ticket == programs - 1:  # the parameter's last program: every flag is in
+            final = tl.atomic_xchg(scratch_ptr + _FLAG, 0)
+            _commit_step(
+                final, scratch_ptr, step_ptr, skipped_ptr, lr, log2_beta1_hi, log2_beta1_lo, log2_beta2_hi,
+                log2_beta2_lo, BIAS_CORRECTIONS,
+            )  # fmt: skip
+            tl.store(scratch_ptr + _TICKET, 0)
+
+
+@triton.jit
+def _commit_step(
+    bad, scratch_ptr, step_ptr, skipped_ptr, lr, log2_beta1_hi, log2_beta1_lo, log2_beta2_hi, log2_beta2_lo,
+    BIAS_CORRECTIONS: tl.constexpr,
+):  # fmt: skip
+    """The check's verdict ``bad`` (1: skip) for the update: the status word, the step count, AdamW's
+    bias corrections for the new step, the skipped counter."""
+    tl.store(scratch_ptr + _STATUS, bad)
+    step = tl.load(step_ptr) + (1 - bad).to(tl.float32)
+    tl.store(step_ptr, step)
+    if BIAS_CORRECTIONS:
+        step_size, inv_bc2_sqrt = _bias_corrections(
+            step, lr, log2_beta1_hi, log2_beta1_lo, log2_beta2_hi, log2_beta2_lo
+        )
+        tl.store(scratch_ptr + _STEP_SIZE, step_size.to(tl.int32, bitcast=True))
+        tl.store(scratch_ptr + _INV_BC2_SQRT, inv_bc2_sqrt.to(tl.int32, bitcast=True))
+    tl.atomic_add(skipped_ptr, bad.to(tl.int64), mask=bad != 0)  # atomic: a bucket's members race
 
 
 @triton.jit(do_not_specialize=["key_shared", "key_param", "first"] + [f"gd{i}" for i in range(BUCKET_TENSORS)])
@@ -281,9 +322,8 @@ def _update_kernel(
     v_ptr,  # AdamW second moment
     v_scale_ptr,
     step_ptr,  # step count, already advanced by the check kernel
-    scratch_ptr,  # the check kernel's words: [2] non-zero: the gradient was not finite
+    scratch_ptr,  # the check kernel's words: the status (non-zero: skip), bias corrections, coefficient
     table_ptr,  # BUCKET: int64 rows of the members' deltas, sizes, keys and first programs
-    grad_scale_ptr,  # SCALE_GRAD: fp32 0-d coefficient of the gradients (clipping)
     n_elements,
     n_pairs,  # (n_elements + 1) // 2: bytes of 4-bit codes
     key_shared,  # host parts of the hash keys (uint32): the word shared by the roundings,
@@ -348,7 +388,7 @@ def _update_kernel(
     QBLOCK: tl.constexpr,  # elements per quantisation block (the tile's row)
     INDEX_64: tl.constexpr,  # element offsets need 64 bits
     BUCKET: tl.constexpr,  # one launch over several parameters (kernels/bucket.py)
-    SCALE_GRAD: tl.constexpr,  # the gradients are multiplied by *grad_scale_ptr
+    SCALE_GRAD: tl.constexpr,  # the gradients are multiplied by the clipping coefficient
 ):
     if BUCKET:  # this program's member: its pointers, size and keys
         member, program, row = _bucket_member(table_ptr, COL_UPDATE_START)
@@ -372,7 +412,7 @@ def _update_kernel(
         program = tl.program_id(0)
     # A non-finite gradient (the check kernel's status) only masks the stores: branching on it
     # would hold every program for one memory round trip before its loads could start.
-    status = tl.load(scratch_ptr + 2)
+    status = tl.load(scratch_ptr + _STATUS)
     # fp32 scalars everywhere (the interpreter would otherwise compute with Python doubles)
     lr, beta1, beta2, eps, decay = _as_f32(lr), _as_f32(beta1), _as_f32(beta2), _as_f32(eps), _as_f32(decay)
     weight_decay, lerp_weight, one_minus_beta2 = (
@@ -392,8 +432,8 @@ def _update_kernel(
     offs = tile_offsets(start, NB, QBLOCK)
     mask = offs < n_elements
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0)
-    if SCALE_GRAD:
-        grad_scale = tl.load(grad_scale_ptr)
+    if SCALE_GRAD:  # the clipping coefficient, as the check kernel passed it on
+        grad_scale = tl.load(scratch_ptr + _COEFFICIENT).to(tl.float32, bitcast=True)
         g = _scaled(g, grad_scale)
     g = g.to(tl.float32)
     if HAS_ACCUM:
@@ -426,8 +466,8 @@ def _update_kernel(
         # sqrt(v) is the stored root (RootGridCodec.roots)
         root = tl.reshape(tl.where(mask, tl.reshape(v_roots, [NB, QBLOCK]), 0.0), [NORM_ROWS, _NORM_BLOCK])
         m = tl.reshape(load_normalised(m_ptr, m_scale_ptr, root, start, n_elements, M_BITS, NORM_ROWS), [NB, QBLOCK])
-    step_size = tl.load(scratch_ptr + 3).to(tl.float32, bitcast=True)  # AdamW's bias corrections
-    inv_bias_correction2_sqrt = tl.load(scratch_ptr + 4).to(tl.float32, bitcast=True)
+    step_size = tl.load(scratch_ptr + _STEP_SIZE).to(tl.float32, bitcast=True)  # AdamW's bias corrections
+    inv_bias_correction2_sqrt = tl.load(scratch_ptr + _INV_BC2_SQRT).to(tl.float32, bitcast=True)
     # Issue every load before any arithmetic: the compiler would otherwise sink some next to
     # their first use, and each program would wait for memory more than once.
     tl.debug_barrier()
@@ -540,7 +580,7 @@ def _update_kernel(
 # runtime arguments: tensors, then ints (the gradient deltas last: always int64, not in the
 # launch key), then floats (see PreparedUpdate)
 CHECK_ARGS = dict(tensors=7, ints=1 + BUCKET_TENSORS, unkeyed_ints=BUCKET_TENSORS)
-UPDATE_ARGS = dict(tensors=12, ints=5 + BUCKET_TENSORS, unkeyed_ints=BUCKET_TENSORS)
+UPDATE_ARGS = dict(tensors=11, ints=5 + BUCKET_TENSORS, unkeyed_ints=BUCKET_TENSORS)
 _launch_check = DirectLauncher(_check_kernel, **CHECK_ARGS)
 _launch_update = DirectLauncher(_update_kernel, **UPDATE_ARGS)
 
@@ -732,7 +772,7 @@ class PreparedUpdate:
         )
         self.keys, self.first = keys, first
         self.ints = (n, (n + 1) // 2, *keys, first + INDEX_BIAS)  # sizes and hash keys, before the gradient deltas
-        self.tail = (*self.state_tensors, dummy)  # dummy: no bucket table; then the scale
+        self.tail = (*self.state_tensors, dummy)  # dummy: no bucket table
         self.check_tensors = (scratch, step, skipped, dummy)
         self.bucketable: bool | None = None  # whether it can join a bucket (kernels/bucket.py decides once)
         self.check_launches: dict = {}  # resolved direct launches by gradient variant (launch_remembered)
@@ -746,7 +786,9 @@ class PreparedUpdate:
         grad_scale: torch.Tensor | None = None,
     ) -> None:
         """Update from ``grad`` (+ ``accum``); ``grad_scale``: an fp32 0-d device tensor the gradients
-        are multiplied by first (clipping), or None."""
+        are multiplied by first (clipping), or None. A coefficient is the finite check: NaN skips the
+        update, and the gradients are not read to find out (``fusedopt.gradients`` makes it NaN
+        exactly where their norm is not finite)."""
         args, check_args = scalars
         has_accum, scaled = accum is not None, grad_scale is not None
         # all the launch key can vary in from step to step: the gradients' dtypes and alignment
@@ -758,14 +800,14 @@ class PreparedUpdate:
             _launch_check,
             self.check_launches,
             variant,
-            self.check_programs,
+            1 if scaled else self.check_programs,
             (grad, accum if has_accum else grad, *self.check_tensors, scale, self.n, *NO_GRAD_DELTAS, *check_args),
             _check_config(has_accum, self.bias_corrections, False, scaled),
         )
         if self.n == 0:
             return
         runtime_args = (
-            *self.head, grad, accum if has_accum else self.dummy, *self.tail, scale, *self.ints, *NO_GRAD_DELTAS, *args
+            *self.head, grad, accum if has_accum else self.dummy, *self.tail, *self.ints, *NO_GRAD_DELTAS, *args
         )  # fmt: skip
         config = self.configs[has_accum]
         launch_remembered(

@@ -11,7 +11,7 @@ import torch
 from cases import config, config_cases, dtype_cases
 
 import fusedopt
-from fusedopt.kernels import bucket
+from fusedopt.kernels import bucket, launcher, update
 
 # sizes a bucket takes (multiples of 16 elements) and ones it does not (odd: launched alone)
 SHAPES = [(32, 48), (16, 24), (48, 17), (64, 40), (5, 7)]
@@ -184,6 +184,81 @@ def test_a_non_finite_gradient_in_a_bucket_skips_only_its_parameter(monkeypatch,
         for k, v in before[1][i].items():
             assert torch.equal(opt.state[params[i]][k], v), (i, k)
     assert int(opt.num_skipped_updates) == 2
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("fused", [False, True])
+# the kernel computes on the skipped gradients and only masks its stores (numpy warns in the interpreter)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
+def test_clipping_skips_each_gradient_whose_norm_is_not_finite_by_its_coefficient(monkeypatch, device, fused, backend):
+    """max_grad_norm: a gradient holding a NaN, and one whose values are finite but whose squares
+    overflow fp32 (its norm is inf), are each skipped alone, in one bucket with finite ones; the
+    others are clipped by the norm of the finite gradients. The kernel learns it from each member's
+    own coefficient (NaN): its check reads one word per parameter, not the gradients."""
+    if backend == "reference" and device != "cpu":
+        pytest.skip("the reference backend is the CPU path")
+    monkeypatch.setenv("FUSEDOPT_BACKEND", backend)
+    monkeypatch.setenv("FUSEDOPT_BUCKET_MB", "64")
+    shapes = [(32, 48), (16, 24), (64, 40), (48, 16)]
+    checks = []  # (programs, SCALE_GRAD, BUCKET) of every check launch
+    real_launch = launcher.launch_remembered
+
+    def recording(launch, remembered, variant, grid, runtime_args, config):
+        if launch is update._launch_check:
+            checks.append((grid, config.constexprs["SCALE_GRAD"], config.constexprs["BUCKET"]))
+        return real_launch(launch, remembered, variant, grid, runtime_args, config)
+
+    monkeypatch.setattr(update, "launch_remembered", recording)
+    monkeypatch.setattr(bucket, "launch_remembered", recording)
+
+    def run(mode: str):  # "poisoned", "clean", or "absent": parameters 1 and 2 get no second gradient
+        params = _params(device, torch.bfloat16, shapes)
+        opt = fusedopt.AdamW(params, lr=1e-2, state_bits=8, min_compress_numel=0, max_grad_norm=0.5, fused=fused)
+        for step, grads in enumerate(_grads(shapes, 2)):
+            used = range(len(shapes))
+            if step == 1:
+                before = [p.detach().clone() for p in params]
+                before_state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+                checks.clear()
+                if mode == "poisoned":
+                    grads[1][3, 5] = float("nan")
+                    grads[2][0, 0] = 1e30  # finite in bf16; its square is not in fp32
+                if mode == "absent":
+                    used = (0, 3)
+            if fused:
+                sum((params[i] * grads[i].to(device, torch.bfloat16)).sum() for i in used).backward()
+            else:
+                for i in used:
+                    params[i].grad = grads[i].to(device, torch.bfloat16)
+            opt.step()
+            opt.zero_grad()
+        return params, opt, before, before_state
+
+    params, opt, before, before_state = run("poisoned")
+    assert not torch.isfinite(opt.grad_norm)
+    for i in (1, 2):  # skipped: parameter, state and step count as they were
+        assert torch.equal(params[i], before[i])
+        for k, v in before_state[i].items():
+            assert torch.equal(opt.state[params[i]][k], v), (i, k)
+    assert int(opt.num_skipped_updates) == 2
+    if backend == "triton":
+        assert checks and all(scaled for _, scaled, _ in checks)  # every clipped update's check by coefficient
+        assert any(bucketed and grid > 1 for grid, _, bucketed in checks)  # a bucket: a program per member
+        assert all(grid == 1 for grid, _, bucketed in checks if not bucketed)
+    clean, clean_opt, _, _ = run("clean")
+    assert float(clean_opt.grad_norm) > 0.5  # it clipped
+    for i in (0, 3):  # updated
+        assert float(opt.state[params[i]]["step"]) == 2
+        assert not torch.equal(params[i], before[i])
+    # by another coefficient than with every gradient finite (one released before the others, alone
+    # on the reference path, was clipped before they were seen)
+    assert any(not torch.equal(params[i], clean[i]) for i in (0, 3))
+    if not fused:  # step(): clipped exactly as if the two had no gradient (release's estimate has history)
+        absent, _, _, _ = run("absent")
+        for i in (0, 3):
+            assert torch.equal(params[i], absent[i])
 
 
 def test_release_holds_less_than_the_budget(monkeypatch, device):

@@ -147,9 +147,10 @@ def test_release_clipping_coefficients_follow_the_documented_estimates(method):
         for batch in window:
             grads = [torch.full((5,), math.sqrt(sq / 5), dtype=torch.float32) for _, sq in batch]
             before = [g.clone() for g in grads]
-            coefficient = clipper.clip([index for index, _ in batch], [[g] for g in grads])
-            if coefficient is not None:  # else applied in place
-                scale_(grads, coefficient)
+            got_coefficients = clipper.clip([index for index, _ in batch], [[g] for g in grads])
+            assert got_coefficients.shape == (len(batch),)
+            for g, c in zip(grads, got_coefficients.unbind()):
+                scale_([g], c)
             coefficients += [float(g[0]) / float(b[0]) for g, b in zip(grads, before)]
         flat = [s for batch in window for _, s in batch]
         torch.testing.assert_close(clipper.norm().double(), torch.tensor(math.sqrt(sum(flat))).double())
@@ -171,49 +172,45 @@ def _clip_sequence(clipper, device, sharded: bool, seed: int = 5):
     a spike window, non-finite norms in two batches, accumulated buffers in one, mixed dtypes in
     one, one gradient of 40000 elements (several chunks of the kernel's sums), bf16 and fp16
     gradients of multiples of 16 elements in the last two windows; every
-    coefficient (fp32 as clip returns it, or as it is applied in place), norm() and state_dict()
+    coefficient (fp32 as clip returns it: NaN where the norm is not finite), norm() and state_dict()
     per window."""
     gen = torch.Generator().manual_seed(seed)
     dtypes = {7: [torch.bfloat16], 8: [torch.float16], 3: [torch.float32, torch.bfloat16]}
     out = []
-    applied = []
-    real_scale = fusedopt.clipping.scale_
-
-    def recording_scale(tensors, coefficient):
-        applied.append(float(coefficient))
-        real_scale(tensors, coefficient)
-
-    fusedopt.clipping.scale_ = recording_scale
-    try:
-        for w in range(9):
-            spike = 50.0 if w == 6 else 1.0
-            count = 23 if w < 3 else 61
-            order = torch.randperm(count, generator=gen).tolist()
-            coefficients = []
-            kinds = dtypes.get(w, [torch.float32])
-            while order:
-                size = min(len(order), int(torch.randint(1, 41, (), generator=gen)))
-                batch, order = order[:size], order[size:]
-                sizes = [16 * (1 + i % 7) if w >= 7 else 3 + i % 7 for i in batch]  # w >= 7: vector loads
-                grads = [[spike * torch.randn(n, generator=gen, dtype=torch.float64)] for n in sizes]
-                if w == 2 and not coefficients:
-                    grads[0] = [torch.randn(40000, generator=gen, dtype=torch.float64) / 100]
-                grads = [[g[0].to(kinds[k % len(kinds)]).to(device)] for k, g in enumerate(grads)]
-                if w == 4 and len(batch) > 2:
-                    grads[1][0][0] = float("nan") if sharded else float("inf")
-                if w == 5 and not sharded:
-                    grads[0] = [grads[0][0], torch.ones_like(grads[0][0])]  # with an accumulated buffer
-                sq = None
-                if sharded:
-                    sq = torch.stack([g[0].double().square().sum() for g in grads])
-                applied.clear()
-                c = clipper.clip(batch, grads, sq)
-                coefficients += applied if c is None else [float(c)]
-            state = clipper.state_dict({i: i for i in range(count)})
-            out.append((coefficients, float(clipper.norm()), state))
-            clipper.new_window()
-    finally:
-        fusedopt.clipping.scale_ = real_scale
+    for w in range(9):
+        spike = 50.0 if w == 6 else 1.0
+        count = 23 if w < 3 else 61
+        order = torch.randperm(count, generator=gen).tolist()
+        coefficients = []
+        kinds = dtypes.get(w, [torch.float32])
+        while order:
+            size = min(len(order), int(torch.randint(1, 41, (), generator=gen)))
+            batch, order = order[:size], order[size:]
+            sizes = [16 * (1 + i % 7) if w >= 7 else 3 + i % 7 for i in batch]  # w >= 7: vector loads
+            grads = [[spike * torch.randn(n, generator=gen, dtype=torch.float64)] for n in sizes]
+            if w == 2 and not coefficients:
+                grads[0] = [torch.randn(40000, generator=gen, dtype=torch.float64) / 100]
+            grads = [[g[0].to(kinds[k % len(kinds)]).to(device)] for k, g in enumerate(grads)]
+            if w == 4 and len(batch) > 2:
+                grads[1][0][0] = float("nan") if sharded else float("inf")
+            if w == 5 and not sharded:
+                grads[0] = [grads[0][0], torch.ones_like(grads[0][0])]  # with an accumulated buffer
+            sq = None
+            if sharded:
+                sq = torch.stack([g[0].double().square().sum() for g in grads])
+            before = [[g.clone() for g in entry] for entry in grads]
+            c = clipper.clip(batch, grads, sq)
+            assert c.shape == (len(batch),) and c.dtype == torch.float32 and c.device == grads[0][0].device
+            for entry, was in zip(grads, before):  # the gradients are left as they are
+                for g, b in zip(entry, was):
+                    torch.testing.assert_close(g, b, rtol=0, atol=0, equal_nan=True)
+            coefficients += c.tolist()
+            if w == 4 and len(batch) > 2:  # only the parameter whose norm is not finite is skipped
+                assert math.isnan(coefficients[-len(batch) + 1])
+                assert not any(math.isnan(x) for i, x in enumerate(c.tolist()) if i != 1)
+        state = clipper.state_dict({i: i for i in range(count)})
+        out.append((coefficients, float(clipper.norm()), state))
+        clipper.new_window()
     return out
 
 
@@ -265,9 +262,10 @@ def test_release_clipping_scales_a_batch_of_mixed_dtypes_and_accumulated_buffers
     for t in expected:
         t.mul_(coefficient)
     clipper = ReleaseClipping(0.5, "scaled")
-    got_coefficient = clipper.clip([0, 1, 2], [[a], [b], [c, c_accum]])
-    assert got_coefficient.dtype == torch.float32 and got_coefficient.dim() == 0
-    torch.testing.assert_close(got_coefficient, coefficient.float(), rtol=1e-6, atol=0)
+    got_coefficients = clipper.clip([0, 1, 2], [[a], [b], [c, c_accum]])
+    assert got_coefficients.dtype == torch.float32 and got_coefficients.shape == (3,)
+    torch.testing.assert_close(got_coefficients, coefficient.float().expand(3), rtol=1e-6, atol=0)
+    got_coefficient = got_coefficients[0]
     scale_([a, b, c, c_accum], got_coefficient)
     for got, want in zip((a, b, c, c_accum), expected):
         assert got.dtype == want.dtype
