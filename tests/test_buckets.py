@@ -449,3 +449,33 @@ def test_clipping_in_the_kernel_equals_clipping_before_it_bit_for_bit(monkeypatc
     assert float(in_kernel[2].grad_norm) > 0.5  # every step clipped
     unclipped = _train(monkeypatch, device, 64, case.cls, case.kwargs, case.dtype, fused)
     assert not torch.equal(unclipped[0][0], in_kernel[0][0])
+
+
+def test_a_bucket_multiplies_each_member_by_its_own_coefficient(monkeypatch, device):
+    """release_clipping="adagc" clips each gradient by a coefficient of its own once its average has
+    history: a bucket's members then carry different coefficients, each applied to its own gradient in
+    the kernel, bit for bit as the same gradients scaled first by ``scale_`` and updated unscaled."""
+    case = CONFIGS[0].values[0]
+    kwargs = {**case.kwargs, "max_grad_norm": 0.5, "release_clipping": "adagc"}
+    seen = []
+    real_launch = bucket.PreparedBucket.launch
+
+    def recording(self, grads, scalars, grad_scales=None):
+        if grad_scales is not None:
+            seen.append([float(c) for c in grad_scales])
+        return real_launch(self, grads, scalars, grad_scales)
+
+    monkeypatch.setattr(bucket.PreparedBucket, "launch", recording)
+    steady = _grads
+
+    def spiking(shapes, steps):  # the last step: one gradient 30 times its usual norm
+        grads = steady(shapes, steps)
+        grads[-1][1] = grads[-1][1] * 30
+        return grads
+
+    monkeypatch.setitem(globals(), "_grads", spiking)
+    in_kernel = _train(monkeypatch, device, 64, case.cls, kwargs, case.dtype, True, steps=13)
+    assert any(len(set(c)) > 1 for c in seen)  # a bucket whose members' coefficients differ
+    with monkeypatch.context() as m:
+        m.setattr("fusedopt.dispatch._takes_grad_scale", lambda launch: False)
+        _assert_identical(in_kernel, _train(m, device, 64, case.cls, kwargs, case.dtype, True, steps=13))
