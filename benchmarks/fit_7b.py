@@ -70,15 +70,17 @@ CONFIGS = {
 }
 
 
-# kernel names (substrings) of the optimizer's GPU work: fusedopt's update, check, clipping and norm
-# kernels; torch's fused AdamW and its multi-tensor norm and scale (clip_grad_norm_)
-OPTIMIZER_KERNELS = ("_update_kernel", "_check_kernel", "_release_clip", "_sum_squares", "_factors", "_usq_kernel",
-                     "_apply_kernel", "_norm_kernel", "FusedAdam", "multi_tensor_apply")  # fmt: skip
+# the optimizer's GPU work: fusedopt's Triton kernels by name (update, check, clipping, norms, Adafactor's);
+# torch's by a part of the name (its fused AdamW and multi-tensor norm and scale, clip_grad_norm_'s)
+OPTIMIZER_KERNELS = {"_update_kernel", "_check_kernel", "_release_clip_kernel", "_release_clip_gradients_kernel",
+                     "_sum_squares_kernel", "_rows_kernel", "_cols_kernel", "_factors_kernel", "_usq_kernel",
+                     "_norm_kernel", "_apply_kernel"}  # fmt: skip
+TORCH_OPTIMIZER_KERNELS = ("FusedOptimizer", "multi_tensor_apply")
 
 
 def profile_steps(step, steps: int) -> dict:
     """GPU time per step (ms) of each kernel over ``steps`` calls of ``step`` under torch.profiler, the
-    optimizer's kernels (OPTIMIZER_KERNELS) and all of them summed."""
+    optimizer's kernels (OPTIMIZER_KERNELS, TORCH_OPTIMIZER_KERNELS) and all of them summed."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -91,7 +93,9 @@ def profile_steps(step, steps: int) -> dict:
         us = event.self_cuda_time_total if us is None else us
         if us > 0:
             per_kernel[event.key] = per_kernel.get(event.key, 0.0) + us / 1000 / steps
-    optimizer = {k: v for k, v in per_kernel.items() if any(name in k for name in OPTIMIZER_KERNELS)}
+    optimizer = {
+        k: v for k, v in per_kernel.items() if k in OPTIMIZER_KERNELS or any(n in k for n in TORCH_OPTIMIZER_KERNELS)
+    }
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
     return {
         "gpu_ms_per_step": sum(per_kernel.values()),
