@@ -25,11 +25,27 @@ _BF16_SPLIT_CLAMP = tl.constexpr(float.fromhex("0x1.fefep+127"))  # bit pattern 
 @triton.jit
 def load_master(param_ptr, corr_ptr, offs, mask, MASTER: tl.constexpr, PARAM_BF16: tl.constexpr, K: tl.constexpr):
     """The fp32 master of this program's elements."""
+    head, correction = load_master_raw(param_ptr, corr_ptr, offs, mask, MASTER)
+    return decode_master(head, correction, MASTER, PARAM_BF16, K)
+
+
+@triton.jit
+def load_master_raw(param_ptr, corr_ptr, offs, mask, MASTER: tl.constexpr):
+    """(the parameter's elements, their corrections; 0 without) as stored, for ``decode_master``."""
     head = tl.load(param_ptr + offs, mask=mask, other=0.0)
+    correction = 0
+    if MASTER == 2:
+        correction = tl.load(corr_ptr + offs, mask=mask, other=0)
+    return head, correction
+
+
+@triton.jit
+def decode_master(head, correction, MASTER: tl.constexpr, PARAM_BF16: tl.constexpr, K: tl.constexpr):
+    """The fp32 master of elements ``load_master_raw`` loaded."""
     if MASTER != 2:
         master = head.to(tl.float32)
     else:
-        master = _join(head, tl.load(corr_ptr + offs, mask=mask, other=0).to(tl.int32), PARAM_BF16, K)
+        master = _join(head, correction.to(tl.int32), PARAM_BF16, K)
     return master
 
 

@@ -107,18 +107,24 @@ def commit_mask(status, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def load_nibble_codes(codes_ptr, start, has_block, R: tl.constexpr, BLOCK: tl.constexpr):
-    """The int32 codes ``[R, BLOCK]`` of the program's blocks of 4-bit codes, two a byte, element ``2i``
-    in the low nibble (the root grid's storage, ``fusedopt.codecs.nibbles``); 0 where a row
-    has no block."""
+def load_nibble_bytes(codes_ptr, start, has_block, R: tl.constexpr, BLOCK: tl.constexpr):
+    """The bytes ``[R, BLOCK / 2]`` of the program's blocks of 4-bit codes, two a byte, element ``2i`` in the
+    low nibble (the root grid's storage, ``fusedopt.codecs.nibbles``; ``unpack_nibbles`` decodes them); 0
+    where a row has no block."""
     byte = start // 2 + tl.arange(0, R)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
-    packed = tl.load(codes_ptr + byte, mask=has_block[:, None], other=0).to(tl.int32)
+    return tl.load(codes_ptr + byte, mask=has_block[:, None], other=0)
+
+
+@triton.jit
+def unpack_nibbles(packed, R: tl.constexpr, BLOCK: tl.constexpr):
+    """int32 codes ``[R, BLOCK]`` of bytes ``[R, BLOCK / 2]`` of two codes each, element ``2i`` in the low nibble."""
+    packed = packed.to(tl.int32)
     return tl.reshape(tl.join(packed & 0xF, packed >> 4), [R, BLOCK])
 
 
 @triton.jit
 def store_nibble_codes(codes_ptr, codes, start, has_block, status, R: tl.constexpr, BLOCK: tl.constexpr):
-    """Store int32 ``codes`` ``[R, BLOCK]`` as ``load_nibble_codes`` reads them (nothing if ``status``)."""
+    """Store int32 ``codes`` ``[R, BLOCK]`` as ``load_nibble_bytes`` reads them (nothing if ``status``)."""
     even, odd = tl.split(tl.reshape(codes, [R, BLOCK // 2, 2]))
     byte = start // 2 + tl.arange(0, R)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
     commit = has_block[:, None] & commit_mask(status, R, BLOCK // 2)
@@ -148,41 +154,69 @@ def load_moment(
     NB: tl.constexpr,  # quantisation blocks per program
     QBLOCK: tl.constexpr,
 ):
+    stored, scales = load_moment_raw(ptr, scale_ptr, start, n_elements, n_pairs, FAMILY, BITS, NB, QBLOCK)
+    return decode_moment(stored, scales, FAMILY, BITS, SIGNED, POWER, QMAX, K, MIN_E, NB, QBLOCK)
+
+
+@triton.jit
+def load_moment_raw(
+    ptr, scale_ptr, start, n_elements, n_pairs, FAMILY: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr,
+    QBLOCK: tl.constexpr,
+):  # fmt: skip
+    """The program's tile of a moment as stored, for ``decode_moment``: (values or codes, block scales; 0
+    where the family has none). Apart, so a pipelined program can load one tile while it updates another."""
     offs = tile_offsets(start, NB, QBLOCK)
     mask = offs < n_elements
-    if FAMILY == _FP32:
-        x = tl.load(ptr + offs, mask=mask, other=0.0)
-    elif FAMILY == _BF16:
-        x = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    scales = 0
+    if (FAMILY == _FP32) or (FAMILY == _BF16):
+        stored = tl.load(ptr + offs, mask=mask, other=0.0)
     elif FAMILY == _NONE:
-        x = tl.zeros([NB, QBLOCK], dtype=tl.float32)
+        stored = 0
     elif FAMILY == _BLOCK:
-        x = load_block(
-            ptr, scale_ptr, start, n_elements, n_pairs, offs, mask, BITS, SIGNED, POWER, QMAX, K, MIN_E, NB, QBLOCK
-        )
+        tl.static_assert((BITS == 8) | (BITS == 4), "block codes are 8 or 4 bits")
+        if BITS == 8:
+            stored = tl.load(ptr + offs, mask=mask, other=0)
+        else:  # two codes a byte, element 2i in the low nibble
+            pair = _pair_offsets(start, NB, QBLOCK)
+            stored = tl.load(ptr + pair, mask=pair < n_pairs, other=0)
+        blocks = start // QBLOCK + tl.arange(0, NB)
+        n_blocks = (n_elements - 1) // QBLOCK + 1  # ceil without overflow near 2**31 (n_elements >= 1)
+        scales = tl.load(scale_ptr + blocks, mask=blocks < n_blocks, other=127)
     else:
         tl.static_assert(False, "load_moment has no branch for this moment family")
+    return stored, scales
+
+
+@triton.jit
+def decode_moment(
+    stored, scales, FAMILY: tl.constexpr, BITS: tl.constexpr, SIGNED: tl.constexpr, POWER: tl.constexpr,
+    QMAX: tl.constexpr, K: tl.constexpr, MIN_E: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr,
+):  # fmt: skip
+    """fp32 values ``[NB, QBLOCK]`` of a tile ``load_moment_raw`` loaded."""
+    if FAMILY == _FP32:
+        x = stored
+    elif FAMILY == _BF16:
+        x = stored.to(tl.float32)
+    elif FAMILY == _NONE:
+        x = tl.zeros([NB, QBLOCK], dtype=tl.float32)
+    else:
+        x = decode_block(stored, scales, BITS, SIGNED, POWER, QMAX, K, MIN_E, NB, QBLOCK)
     return x
 
 
 @triton.jit
-def load_block(
-    ptr, scale_ptr, start, n_elements, n_pairs, offs, mask,
+def decode_block(
+    stored, scales,
     BITS: tl.constexpr, SIGNED: tl.constexpr, POWER: tl.constexpr, QMAX: tl.constexpr, K: tl.constexpr,
     MIN_E: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Decode the program's tile of a ``BLOCK`` moment (``fusedopt.codecs.blockwise.BlockCodec.decode``)."""
-    tl.static_assert((BITS == 8) | (BITS == 4), "block codes are 8 or 4 bits")
+    """Decode a tile of a ``BLOCK`` moment (``fusedopt.codecs.blockwise.BlockCodec.decode``)."""
     if BITS == 8:
-        codes = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32)
-    else:  # two codes a byte, element 2i in the low nibble: load the bytes, interleave the nibbles
-        pair = _pair_offsets(start, NB, QBLOCK)
-        packed = tl.load(ptr + pair, mask=pair < n_pairs, other=0).to(tl.int32)
+        codes = stored.to(tl.int32)
+    else:  # interleave the nibbles
+        packed = stored.to(tl.int32)
         codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [NB, QBLOCK])
-    blocks = start // QBLOCK + tl.arange(0, NB)
-    n_blocks = (n_elements - 1) // QBLOCK + 1  # ceil without overflow near 2**31 (n_elements >= 1)
-    scales = tl.load(scale_ptr + blocks, mask=blocks < n_blocks, other=127).to(tl.int32)
-    e = tl.minimum(tl.maximum(scales - 127, MIN_E), 127)
+    e = tl.minimum(tl.maximum(scales.to(tl.int32) - 127, MIN_E), 127)
     if POWER > 0:
         x = _level(small_int_to_f32(codes & QMAX), POWER) * _pow2(e - K)[:, None]
     else:  # minifloat levels: 2**M + L(c) is the float with c in its top mantissa/exponent bits

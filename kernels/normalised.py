@@ -50,10 +50,25 @@ def block_rms(q, R: tl.constexpr):
 def load_normalised(codes_ptr, scales_ptr, r, start, n_elements, BITS: tl.constexpr, R: tl.constexpr):
     """Decode the program's ``R`` blocks to ``m`` ``[R, 64]``; ``r``: the square root of the decoded
     frame (0 past the tensor's end)."""
+    packed, scales = load_normalised_raw(codes_ptr, scales_ptr, start, n_elements, BITS, R)
+    return decode_normalised(packed, scales, r, BITS, R)
+
+
+@triton.jit
+def load_normalised_raw(codes_ptr, scales_ptr, start, n_elements, BITS: tl.constexpr, R: tl.constexpr):
+    """The program's ``R`` blocks as stored, for ``decode_normalised``: (code bytes, bf16 scales)."""
     tl.static_assert(BITS == 2, "normalised codes are 2 bits")
     blocks, has_block = block_rows(start, n_elements, BLOCK, R)
-    scales = tl.load(scales_ptr + blocks, mask=has_block, other=0.0).to(tl.float32)
-    packed = tl.load(codes_ptr + _byte_offsets(start, BITS, R), mask=has_block[:, None], other=0).to(tl.int32)
+    scales = tl.load(scales_ptr + blocks, mask=has_block, other=0.0)
+    packed = tl.load(codes_ptr + _byte_offsets(start, BITS, R), mask=has_block[:, None], other=0)
+    return packed, scales
+
+
+@triton.jit
+def decode_normalised(packed, scales, r, BITS: tl.constexpr, R: tl.constexpr):
+    """``m`` ``[R, 64]`` of blocks ``load_normalised_raw`` loaded; ``r`` as for ``load_normalised``."""
+    packed = packed.to(tl.int32)
+    scales = scales.to(tl.float32)
     # element 4i + j at bits 2j
     f0 = packed & 3
     f1 = (packed >> 2) & 3

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from fusedopt.codecs.rootgrid import FRESH_UNIT
-from fusedopt.kernels.moments import block_rows, load_nibble_codes, store_nibble_codes
+from fusedopt.kernels.moments import block_rows, load_nibble_bytes, store_nibble_codes, unpack_nibbles
 
 BLOCK = tl.constexpr(128)  # elements per block (fusedopt.codecs.rootgrid.BLOCK)
 _TOP = tl.constexpr(52.0)  # the top level, L(15)
@@ -38,9 +38,22 @@ def roots(codes, units):
 def load_root_grid(codes_ptr, units_ptr, start, n_elements, R: tl.constexpr):
     """Decode the program's ``R`` blocks: (codes, units, roots ``[R, 128]``). Padding elements decode
     too (their codes are 0)."""
+    packed, units = load_root_grid_raw(codes_ptr, units_ptr, start, n_elements, R)
+    return decode_root_grid(packed, units, R)
+
+
+@triton.jit
+def load_root_grid_raw(codes_ptr, units_ptr, start, n_elements, R: tl.constexpr):
+    """The program's ``R`` blocks as stored, for ``decode_root_grid``: (code bytes ``[R, 64]``, units)."""
     blocks, has_block = block_rows(start, n_elements, BLOCK, R)
     units = tl.load(units_ptr + blocks, mask=has_block, other=0.0)
-    codes = load_nibble_codes(codes_ptr, start, has_block, R, BLOCK)
+    return load_nibble_bytes(codes_ptr, start, has_block, R, BLOCK), units
+
+
+@triton.jit
+def decode_root_grid(packed, units, R: tl.constexpr):
+    """(codes, units, roots ``[R, 128]``) of blocks ``load_root_grid_raw`` loaded."""
+    codes = unpack_nibbles(packed, R, BLOCK)
     return codes, units, roots(codes, units)
 
 

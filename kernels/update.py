@@ -39,10 +39,10 @@ from fusedopt import rng
 from fusedopt.codecs.base import NO_MOMENT, Family, KernelFormat
 from fusedopt.kernels.hashing import spread_bits, spread_uniform, step_hash, tile_bits
 from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig, launch_remembered
-from fusedopt.kernels.master import load_master, store_master
-from fusedopt.kernels.moments import commit_mask, load_moment, store_moment, tile_offsets
-from fusedopt.kernels.normalised import load_normalised, store_normalised
-from fusedopt.kernels.rootgrid import load_root_grid, store_root_grid
+from fusedopt.kernels.master import decode_master, load_master_raw, store_master
+from fusedopt.kernels.moments import commit_mask, decode_moment, load_moment_raw, store_moment, tile_offsets
+from fusedopt.kernels.normalised import decode_normalised, load_normalised_raw, store_normalised
+from fusedopt.kernels.rootgrid import decode_root_grid, load_root_grid_raw, store_root_grid
 from fusedopt.master import MASTER_CORRECTION
 
 # The algorithm branches of _update_kernel (ALGO): an algorithm's file names its branch as kernel_id.
@@ -61,6 +61,9 @@ NUM_WARPS = 2
 # step_speed.py --root-grid-tiles, benchmarks/RESULTS.md); any multiple of their blocks gives the same bits
 ROOT_GRID_TILE = (1024, 4)
 MAX_REGISTERS = None  # per thread (Triton's maxnreg); None: the compiler's choice
+# A parameter of more tiles than this many programs per SM launches that many programs, each loading its
+# next tile while it updates one (PIPELINED); None: one program per tile
+PIPELINE_PROGRAMS_PER_SM = None
 CHECK_TILE = 2048  # elements per iteration of the finite check
 CHECK_TILES = 8  # iterations per check program (fewer programs: fewer ticket atomics)
 # int32 words of the per-parameter scratch buffer: non-finite flag, ticket, status, then as fp32 bit
@@ -311,6 +314,209 @@ def _commit_step(
     tl.atomic_add(skipped_ptr, bad.to(tl.int64), mask=bad != 0)  # atomic: a bucket's members race
 
 
+@triton.jit
+def _tile_start(tile, TILE: tl.constexpr, INDEX_64: tl.constexpr):
+    """The first element of a tile (32-bit address arithmetic is cheaper: used below 2**31 elements)."""
+    if INDEX_64:
+        start = tile.to(tl.int64) * TILE
+    else:
+        start = tile * TILE
+    return start
+
+
+@triton.jit
+def _load_tile(
+    start, grad_ptr, accum_ptr, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr, n_elements, n_pairs,
+    MASTER: tl.constexpr, HAS_ACCUM: tl.constexpr, M_FAMILY: tl.constexpr, M_BITS: tl.constexpr,
+    V_FAMILY: tl.constexpr, V_BITS: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr,
+):  # fmt: skip
+    """Everything the update of the tile at ``start`` reads, as stored (``_update_tile`` decodes it); past the
+    tensor's end nothing is read."""
+    offs = tile_offsets(start, NB, QBLOCK)
+    mask = offs < n_elements
+    g = tl.load(grad_ptr + offs, mask=mask, other=0.0)
+    accum = 0
+    if HAS_ACCUM:
+        accum = tl.load(accum_ptr + offs, mask=mask, other=0.0)
+    head, correction = load_master_raw(param_ptr, corr_ptr, offs, mask, MASTER)
+    if M_FAMILY == _NORMALISED:
+        m_stored, m_scales = load_normalised_raw(
+            m_ptr, m_scale_ptr, start, n_elements, M_BITS, NB * QBLOCK // _NORM_BLOCK
+        )
+    else:
+        m_stored, m_scales = load_moment_raw(
+            m_ptr, m_scale_ptr, start, n_elements, n_pairs, M_FAMILY, M_BITS, NB, QBLOCK
+        )
+    if V_FAMILY == _ROOT_GRID:
+        v_stored, v_scales = load_root_grid_raw(v_ptr, v_scale_ptr, start, n_elements, NB * QBLOCK // _ROOT_BLOCK)
+    else:
+        v_stored, v_scales = load_moment_raw(
+            v_ptr, v_scale_ptr, start, n_elements, n_pairs, V_FAMILY, V_BITS, NB, QBLOCK
+        )
+    return g, accum, head, correction, m_stored, m_scales, v_stored, v_scales
+
+
+@triton.jit
+def _update_tile(
+    start,  # the tile's first element
+    hash_start,  # and its hash index
+    stored,  # what _load_tile loaded for it
+    param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr, n_elements, n_pairs,
+    status, step, step_size, inv_bias_correction2_sqrt, grad_scale,
+    shared_hash, param_hash,  # step_hash of the two keys
+    lr, beta1, beta2, eps, decay, weight_decay, lerp_weight, one_minus_beta2, v_decay, v_decay_root,
+    ALGO: tl.constexpr, MASTER: tl.constexpr, PARAM_BF16: tl.constexpr, CORR_BITS: tl.constexpr,
+    STOCHASTIC_MASTER: tl.constexpr, PARAM_OWN_DRAW: tl.constexpr, HAS_ACCUM: tl.constexpr, MAXIMIZE: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    M_FAMILY: tl.constexpr, M_BITS: tl.constexpr, M_SIGNED: tl.constexpr, M_POWER: tl.constexpr,
+    M_QMAX: tl.constexpr, M_K: tl.constexpr, M_MIN_E: tl.constexpr, M_THR: tl.constexpr, M_TOP: tl.constexpr,
+    M_CLIP: tl.constexpr,
+    V_FAMILY: tl.constexpr, V_BITS: tl.constexpr, V_SIGNED: tl.constexpr, V_POWER: tl.constexpr,
+    V_QMAX: tl.constexpr, V_K: tl.constexpr, V_MIN_E: tl.constexpr, V_THR: tl.constexpr, V_TOP: tl.constexpr,
+    NB: tl.constexpr, QBLOCK: tl.constexpr, SCALE_GRAD: tl.constexpr,
+):  # fmt: skip
+    """Decode, update and re-encode one tile (the update kernel's arguments, as it documents them)."""
+    g, accum, head, correction, m_stored, m_scales, v_stored, v_scales = stored
+    # fp32 scalars everywhere (the interpreter would otherwise compute with Python doubles)
+    lr, beta1, beta2, eps, decay = _as_f32(lr), _as_f32(beta1), _as_f32(beta2), _as_f32(eps), _as_f32(decay)
+    weight_decay, lerp_weight, one_minus_beta2 = (
+        _as_f32(weight_decay),
+        _as_f32(lerp_weight),
+        _as_f32(one_minus_beta2),
+    )
+    offs = tile_offsets(start, NB, QBLOCK)
+    mask = offs < n_elements
+    if SCALE_GRAD:
+        g = _scaled(g, grad_scale)
+    g = g.to(tl.float32)
+    if HAS_ACCUM:
+        if SCALE_GRAD:
+            accum = _scaled(accum, grad_scale)
+        g += accum.to(tl.float32)
+    if MAXIMIZE:
+        g = -g
+    p = decode_master(head, correction, MASTER, PARAM_BF16, CORR_BITS)
+    ROOT_ROWS: tl.constexpr = NB * QBLOCK // _ROOT_BLOCK  # the tile in rows of one root-grid block
+    NORM_ROWS: tl.constexpr = NB * QBLOCK // _NORM_BLOCK
+    if M_FAMILY != _NORMALISED:  # (a normalised m is decoded below, in units of v as decoded)
+        m = decode_moment(m_stored, m_scales, M_FAMILY, M_BITS, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, NB, QBLOCK)
+    if V_FAMILY == _ROOT_GRID:  # the codes, units and roots stay for the encode (and m's decode)
+        v_codes, v_units, v_roots = decode_root_grid(v_stored, v_scales, ROOT_ROWS)
+        v_values = v_roots * v_roots
+        v = tl.reshape(v_values, [NB, QBLOCK])
+    else:
+        v = decode_moment(v_stored, v_scales, V_FAMILY, V_BITS, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, NB, QBLOCK)
+    if M_FAMILY == _NORMALISED:  # m in units of sqrt(v) as decoded (0 past the end)
+        tl.static_assert(V_FAMILY == _ROOT_GRID, "a normalised first moment needs a root-grid second moment")
+        # sqrt(v) is the stored root (RootGridCodec.roots)
+        root = tl.reshape(tl.where(mask, tl.reshape(v_roots, [NB, QBLOCK]), 0.0), [NORM_ROWS, _NORM_BLOCK])
+        m = tl.reshape(decode_normalised(m_stored, m_scales, root, M_BITS, NORM_ROWS), [NB, QBLOCK])
+    if ALGO == _ADAMW:  # as torch.optim.AdamW orders it
+        # torch.lerp: fma(w, g - m, m), or g - (g - m) * (1 - w) for w >= 0.5
+        if lerp_weight < 0.5:
+            m = tl.fma(lerp_weight, g - m, m)
+        else:
+            m = tl.fma(-(g - m), 1.0 - lerp_weight, g)
+        v = tl.fma(one_minus_beta2 * g, g, v * beta2)  # torch.addcmul
+        p = p * decay
+        denom = tl.sqrt_rn(v) * inv_bias_correction2_sqrt + eps
+        p = p - tl.div_rn(m, denom) * step_size
+    elif ALGO == _SGD:  # as torch.optim.SGD (torch.add(x, y, alpha=a) is fma(a, y, x))
+        d = tl.fma(weight_decay, p, g)
+        if M_FAMILY != _NONE:
+            m = tl.where(step == 1.0, d, tl.fma(lerp_weight, d, m * beta1))
+            if NESTEROV:
+                d = tl.fma(beta1, m, d)
+            else:
+                d = m
+        p = tl.fma(-lr, d, p)
+    elif ALGO == _LION:
+        c = m * beta1 + g * lerp_weight
+        direction = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
+        p = tl.fma(-lr, direction, p * decay)
+        m = tl.fma(one_minus_beta2, g, m * beta2)
+    else:
+        tl.static_assert(False, "the update kernel has no branch for this ALGO")
+    # One hash per element feeds every rounding (fields as in fusedopt.rng: moment i takes
+    # 12 bits from the top down, a bf16 + int8 parameter the low 8); each reads its top bits.
+    shared = tile_bits(shared_hash, hash_start, NB, QBLOCK)
+    if V_FAMILY == _ROOT_GRID:  # first: a normalised first moment is stored in units of v as stored
+        v_draws = tl.where(mask, spread_bits(((shared << 12) >> 20) << 20, offs), 0)
+        stored_roots = store_root_grid(
+            tl.reshape(v, [ROOT_ROWS, _ROOT_BLOCK]), v_codes, v_units, v_values, _as_f32(v_decay),
+            _as_f32(v_decay_root), tl.reshape(v_draws, [ROOT_ROWS, _ROOT_BLOCK]),
+            tl.reshape(offs, [ROOT_ROWS, _ROOT_BLOCK]), v_ptr, v_scale_ptr, start, n_elements, status, ROOT_ROWS,
+        )  # fmt: skip
+    if M_FAMILY == _NORMALISED:
+        root = tl.where(mask, tl.reshape(stored_roots, [NB, QBLOCK]), 0.0)  # sqrt(v) as just stored
+        m_u = tl.where(mask, spread_uniform((shared >> 20) << 20, offs), 0.0)
+        store_normalised(
+            tl.reshape(m, [NORM_ROWS, _NORM_BLOCK]), tl.reshape(root, [NORM_ROWS, _NORM_BLOCK]),
+            tl.reshape(m_u, [NORM_ROWS, _NORM_BLOCK]), m_ptr, m_scale_ptr, start, n_elements, status,
+            M_BITS, M_CLIP, NORM_ROWS,
+        )  # fmt: skip
+    else:
+        store_moment(
+            m,
+            (shared >> 20) << 20,
+            m_ptr,
+            m_scale_ptr,
+            start,
+            n_elements,
+            n_pairs,
+            M_FAMILY,
+            M_BITS,
+            M_SIGNED,
+            M_POWER,
+            M_QMAX,
+            M_K,
+            M_MIN_E,
+            M_THR,
+            M_TOP,
+            NB,
+            QBLOCK,
+            status,
+        )
+    if V_FAMILY != _ROOT_GRID:
+        store_moment(
+            v,
+            ((shared << 12) >> 20) << 20,
+            v_ptr,
+            v_scale_ptr,
+            start,
+            n_elements,
+            n_pairs,
+            V_FAMILY,
+            V_BITS,
+            V_SIGNED,
+            V_POWER,
+            V_QMAX,
+            V_K,
+            V_MIN_E,
+            V_THR,
+            V_TOP,
+            NB,
+            QBLOCK,
+            status,
+        )
+    if PARAM_OWN_DRAW:
+        param_bits = tile_bits(param_hash, hash_start, NB, QBLOCK)
+    else:
+        param_bits = shared << 24
+    store_master(
+        p,
+        param_bits,
+        param_ptr,
+        corr_ptr,
+        offs,
+        mask & commit_mask(status, NB, QBLOCK),
+        MASTER,
+        PARAM_BF16,
+        CORR_BITS,
+        STOCHASTIC_MASTER,
+    )
+
+
 @triton.jit(do_not_specialize=["key_shared", "key_param", "first"] + [f"gd{i}" for i in range(BUCKET_TENSORS)])
 def _update_kernel(
     param_ptr,  # parameter, updated in place
@@ -389,6 +595,7 @@ def _update_kernel(
     INDEX_64: tl.constexpr,  # element offsets need 64 bits
     BUCKET: tl.constexpr,  # one launch over several parameters (kernels/bucket.py)
     SCALE_GRAD: tl.constexpr,  # the gradients are multiplied by the clipping coefficient
+    PIPELINED: tl.constexpr,  # fewer programs than tiles, each loading its next tile while it updates one
 ):
     if BUCKET:  # this program's member: its pointers, size and keys
         member, program, row = _bucket_member(table_ptr, COL_UPDATE_START)
@@ -413,168 +620,58 @@ def _update_kernel(
     # A non-finite gradient (the check kernel's status) only masks the stores: branching on it
     # would hold every program for one memory round trip before its loads could start.
     status = tl.load(scratch_ptr + _STATUS)
-    # fp32 scalars everywhere (the interpreter would otherwise compute with Python doubles)
-    lr, beta1, beta2, eps, decay = _as_f32(lr), _as_f32(beta1), _as_f32(beta2), _as_f32(eps), _as_f32(decay)
-    weight_decay, lerp_weight, one_minus_beta2 = (
-        _as_f32(weight_decay),
-        _as_f32(lerp_weight),
-        _as_f32(one_minus_beta2),
-    )
-    if INDEX_64:
-        start = program.to(tl.int64) * (NB * QBLOCK)
-    else:  # 32-bit address arithmetic is cheaper; used below 2**31 elements
-        start = program * (NB * QBLOCK)
-    # the elements' hash indices start at `first` (a multiple of 32 below 2**31 unless INDEX_64)
-    if INDEX_64:
-        hash_start = start + (first - _INDEX_BIAS)
-    else:
-        hash_start = start + (first - _INDEX_BIAS).to(tl.int32)
-    offs = tile_offsets(start, NB, QBLOCK)
-    mask = offs < n_elements
-    g = tl.load(grad_ptr + offs, mask=mask, other=0.0)
-    if SCALE_GRAD:  # the clipping coefficient, as the check kernel passed it on
-        grad_scale = tl.load(scratch_ptr + _COEFFICIENT).to(tl.float32, bitcast=True)
-        g = _scaled(g, grad_scale)
-    g = g.to(tl.float32)
-    if HAS_ACCUM:
-        accum = tl.load(accum_ptr + offs, mask=mask, other=0.0)
-        if SCALE_GRAD:
-            accum = _scaled(accum, grad_scale)
-        g += accum.to(tl.float32)
-    if MAXIMIZE:
-        g = -g
     step = tl.load(step_ptr)
-    p = load_master(param_ptr, corr_ptr, offs, mask, MASTER, PARAM_BF16, CORR_BITS)
-    ROOT_ROWS: tl.constexpr = NB * QBLOCK // _ROOT_BLOCK  # the tile in rows of one root-grid block
-    NORM_ROWS: tl.constexpr = NB * QBLOCK // _NORM_BLOCK
-    if M_FAMILY != _NORMALISED:  # (a normalised m is decoded below, in units of v as decoded)
-        m = load_moment(
-            m_ptr, m_scale_ptr, start, n_elements, n_pairs, M_FAMILY, M_BITS, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E,
-            NB, QBLOCK,
-        )  # fmt: skip
-    if V_FAMILY == _ROOT_GRID:  # the codes, units and roots stay for the encode (and m's decode)
-        v_codes, v_units, v_roots = load_root_grid(v_ptr, v_scale_ptr, start, n_elements, ROOT_ROWS)
-        v_values = v_roots * v_roots
-        v = tl.reshape(v_values, [NB, QBLOCK])
-    else:
-        v = load_moment(
-            v_ptr, v_scale_ptr, start, n_elements, n_pairs, V_FAMILY, V_BITS, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E,
-            NB, QBLOCK,
-        )  # fmt: skip
-    if M_FAMILY == _NORMALISED:  # m in units of sqrt(v) as decoded (0 past the end)
-        tl.static_assert(V_FAMILY == _ROOT_GRID, "a normalised first moment needs a root-grid second moment")
-        # sqrt(v) is the stored root (RootGridCodec.roots)
-        root = tl.reshape(tl.where(mask, tl.reshape(v_roots, [NB, QBLOCK]), 0.0), [NORM_ROWS, _NORM_BLOCK])
-        m = tl.reshape(load_normalised(m_ptr, m_scale_ptr, root, start, n_elements, M_BITS, NORM_ROWS), [NB, QBLOCK])
     step_size = tl.load(scratch_ptr + _STEP_SIZE).to(tl.float32, bitcast=True)  # AdamW's bias corrections
     inv_bias_correction2_sqrt = tl.load(scratch_ptr + _INV_BC2_SQRT).to(tl.float32, bitcast=True)
+    grad_scale = 1.0
+    if SCALE_GRAD:  # the clipping coefficient, as the check kernel passed it on
+        grad_scale = tl.load(scratch_ptr + _COEFFICIENT).to(tl.float32, bitcast=True)
+    # the elements' hash indices start at `first` (a multiple of 32 below 2**31 unless INDEX_64)
+    if INDEX_64:
+        hash_base = first - _INDEX_BIAS
+    else:
+        hash_base = (first - _INDEX_BIAS).to(tl.int32)
+    stored = _load_tile(
+        _tile_start(program, NB * QBLOCK, INDEX_64), grad_ptr, accum_ptr, param_ptr, corr_ptr, m_ptr, m_scale_ptr,
+        v_ptr, v_scale_ptr, n_elements, n_pairs, MASTER, HAS_ACCUM, M_FAMILY, M_BITS, V_FAMILY, V_BITS, NB, QBLOCK,
+    )  # fmt: skip
     # Issue every load before any arithmetic: the compiler would otherwise sink some next to
     # their first use, and each program would wait for memory more than once.
     tl.debug_barrier()
-    if ALGO == _ADAMW:  # as torch.optim.AdamW orders it
-        # torch.lerp: fma(w, g - m, m), or g - (g - m) * (1 - w) for w >= 0.5
-        if lerp_weight < 0.5:
-            m = tl.fma(lerp_weight, g - m, m)
-        else:
-            m = tl.fma(-(g - m), 1.0 - lerp_weight, g)
-        v = tl.fma(one_minus_beta2 * g, g, v * beta2)  # torch.addcmul
-        p = p * decay
-        denom = tl.sqrt_rn(v) * inv_bias_correction2_sqrt + eps
-        p = p - tl.div_rn(m, denom) * step_size
-    elif ALGO == _SGD:  # as torch.optim.SGD (torch.add(x, y, alpha=a) is fma(a, y, x))
-        d = tl.fma(weight_decay, p, g)
-        if M_FAMILY != _NONE:
-            m = tl.where(step == 1.0, d, tl.fma(lerp_weight, d, m * beta1))
-            if NESTEROV:
-                d = tl.fma(beta1, m, d)
-            else:
-                d = m
-        p = tl.fma(-lr, d, p)
-    elif ALGO == _LION:
-        c = m * beta1 + g * lerp_weight
-        direction = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
-        p = tl.fma(-lr, direction, p * decay)
-        m = tl.fma(one_minus_beta2, g, m * beta2)
+    shared_hash = step_hash(key_shared, step)
+    param_hash = step_hash(key_param, step)
+    if PIPELINED:  # a grid of fewer programs, each updating every num_programs-th tile
+        tl.static_assert(not BUCKET, "a bucket's programs update one tile each")
+        tiles = tl.cdiv(n_elements, NB * QBLOCK)
+        programs = tl.num_programs(0)
+        for tile in tl.range(program, tiles, programs):
+            # the next tile's loads are in flight while this one is updated
+            following = _load_tile(
+                _tile_start(tile + programs, NB * QBLOCK, INDEX_64), grad_ptr, accum_ptr, param_ptr, corr_ptr, m_ptr,
+                m_scale_ptr, v_ptr, v_scale_ptr, n_elements, n_pairs, MASTER, HAS_ACCUM, M_FAMILY, M_BITS, V_FAMILY,
+                V_BITS, NB, QBLOCK,
+            )  # fmt: skip
+            tl.debug_barrier()
+            start = _tile_start(tile, NB * QBLOCK, INDEX_64)
+            _update_tile(
+                start, start + hash_base, stored, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr,
+                n_elements, n_pairs, status, step, step_size, inv_bias_correction2_sqrt, grad_scale, shared_hash,
+                param_hash, lr, beta1, beta2, eps, decay, weight_decay, lerp_weight, one_minus_beta2, v_decay,
+                v_decay_root, ALGO, MASTER, PARAM_BF16, CORR_BITS, STOCHASTIC_MASTER, PARAM_OWN_DRAW, HAS_ACCUM,
+                MAXIMIZE, NESTEROV, M_FAMILY, M_BITS, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, M_THR, M_TOP, M_CLIP,
+                V_FAMILY, V_BITS, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, V_THR, V_TOP, NB, QBLOCK, SCALE_GRAD,
+            )  # fmt: skip
+            stored = following
     else:
-        tl.static_assert(False, "the update kernel has no branch for this ALGO")
-    # One hash per element feeds every rounding (fields as in fusedopt.rng: moment i takes
-    # 12 bits from the top down, a bf16 + int8 parameter the low 8); each reads its top bits.
-    shared = tile_bits(step_hash(key_shared, step), hash_start, NB, QBLOCK)
-    if V_FAMILY == _ROOT_GRID:  # first: a normalised first moment is stored in units of v as stored
-        v_draws = tl.where(mask, spread_bits(((shared << 12) >> 20) << 20, offs), 0)
-        stored_roots = store_root_grid(
-            tl.reshape(v, [ROOT_ROWS, _ROOT_BLOCK]), v_codes, v_units, v_values, _as_f32(v_decay),
-            _as_f32(v_decay_root), tl.reshape(v_draws, [ROOT_ROWS, _ROOT_BLOCK]),
-            tl.reshape(offs, [ROOT_ROWS, _ROOT_BLOCK]), v_ptr, v_scale_ptr, start, n_elements, status, ROOT_ROWS,
+        start = _tile_start(program, NB * QBLOCK, INDEX_64)
+        _update_tile(
+            start, start + hash_base, stored, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr,
+            n_elements, n_pairs, status, step, step_size, inv_bias_correction2_sqrt, grad_scale, shared_hash,
+            param_hash, lr, beta1, beta2, eps, decay, weight_decay, lerp_weight, one_minus_beta2, v_decay,
+            v_decay_root, ALGO, MASTER, PARAM_BF16, CORR_BITS, STOCHASTIC_MASTER, PARAM_OWN_DRAW, HAS_ACCUM,
+            MAXIMIZE, NESTEROV, M_FAMILY, M_BITS, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, M_THR, M_TOP, M_CLIP,
+            V_FAMILY, V_BITS, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, V_THR, V_TOP, NB, QBLOCK, SCALE_GRAD,
         )  # fmt: skip
-    if M_FAMILY == _NORMALISED:
-        root = tl.where(mask, tl.reshape(stored_roots, [NB, QBLOCK]), 0.0)  # sqrt(v) as just stored
-        m_u = tl.where(mask, spread_uniform((shared >> 20) << 20, offs), 0.0)
-        store_normalised(
-            tl.reshape(m, [NORM_ROWS, _NORM_BLOCK]), tl.reshape(root, [NORM_ROWS, _NORM_BLOCK]),
-            tl.reshape(m_u, [NORM_ROWS, _NORM_BLOCK]), m_ptr, m_scale_ptr, start, n_elements, status,
-            M_BITS, M_CLIP, NORM_ROWS,
-        )  # fmt: skip
-    else:
-        store_moment(
-            m,
-            (shared >> 20) << 20,
-            m_ptr,
-            m_scale_ptr,
-            start,
-            n_elements,
-            n_pairs,
-            M_FAMILY,
-            M_BITS,
-            M_SIGNED,
-            M_POWER,
-            M_QMAX,
-            M_K,
-            M_MIN_E,
-            M_THR,
-            M_TOP,
-            NB,
-            QBLOCK,
-            status,
-        )
-    if V_FAMILY != _ROOT_GRID:
-        store_moment(
-            v,
-            ((shared << 12) >> 20) << 20,
-            v_ptr,
-            v_scale_ptr,
-            start,
-            n_elements,
-            n_pairs,
-            V_FAMILY,
-            V_BITS,
-            V_SIGNED,
-            V_POWER,
-            V_QMAX,
-            V_K,
-            V_MIN_E,
-            V_THR,
-            V_TOP,
-            NB,
-            QBLOCK,
-            status,
-        )
-    if PARAM_OWN_DRAW:
-        param_bits = tile_bits(step_hash(key_param, step), hash_start, NB, QBLOCK)
-    else:
-        param_bits = shared << 24
-    store_master(
-        p,
-        param_bits,
-        param_ptr,
-        corr_ptr,
-        offs,
-        mask & commit_mask(status, NB, QBLOCK),
-        MASTER,
-        PARAM_BF16,
-        CORR_BITS,
-        STOCHASTIC_MASTER,
-    )
 
 
 # runtime arguments: tensors, then ints (the gradient deltas last: always int64, not in the
@@ -741,6 +838,10 @@ class PreparedUpdate:
         self.check_programs = -(-max(n, 1) // (CHECK_TILE * CHECK_TILES))
         block, warps = _tile(m_fmt, v_fmt)
         self.programs = -(-n // block)
+        cap = _pipelined_programs(param.device)
+        pipelined = cap is not None and self.programs > cap
+        if pipelined:
+            self.programs = cap
         corr_bits = 0 if correction is None else (16 if correction.dtype == torch.int16 else 8)
         self.configs = [  # [has_accum]
             _update_config(
@@ -758,6 +859,7 @@ class PreparedUpdate:
                 # 64-bit indices past 2**31, and hash indices from a `first` the 32-bit tiles cannot take
                 # (a tile row must start at a multiple of its length: hashing.tile_bits)
                 first + n >= 2**31 - block or first % max(32, _tile_row(m_fmt, v_fmt)) != 0,
+                pipelined,
             )  # fmt: skip
             for has_accum in (False, True)
         ]
@@ -868,6 +970,21 @@ def bucket_config(config: LaunchConfig) -> LaunchConfig:
     return LaunchConfig({**config.constexprs, "BUCKET": True}, config.options)
 
 
+def _pipelined_programs(device: torch.device) -> int | None:
+    """The programs of a pipelined launch on ``device`` (None: none pipelined); off the GPU (the
+    interpreter) as if it had 2 SMs."""
+    if PIPELINE_PROGRAMS_PER_SM is None:
+        return None
+    return PIPELINE_PROGRAMS_PER_SM * (_sm_count(device.index) if device.type == "cuda" else 2)
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(index) -> int:
+    return torch.cuda.get_device_properties(
+        index if index is not None else torch.cuda.current_device()
+    ).multi_processor_count
+
+
 def _tile(m_fmt: KernelFormat, v_fmt: KernelFormat) -> tuple[int, int]:
     """(elements, warps) of one update program for these moments."""
     if Family.ROOT_GRID in (m_fmt.family, v_fmt.family) or Family.NORMALISED in (m_fmt.family, v_fmt.family):
@@ -893,7 +1010,7 @@ def _tile_row(m_fmt: KernelFormat, v_fmt: KernelFormat) -> int:
 @functools.lru_cache(maxsize=1024)
 def _update_config(
     algo, dtype, corr_bits, param_own_draw, has_accum, maximize, nesterov, m_fmt, v_fmt, block, num_warps, maxnreg,
-    index_64,
+    index_64, pipelined=False,
 ) -> LaunchConfig:  # fmt: skip
     """The compile-time switches of one update configuration (cached: launches happen per parameter)."""
     qblock = _tile_row(m_fmt, v_fmt)
@@ -915,6 +1032,7 @@ def _update_config(
         INDEX_64=index_64,
         BUCKET=False,
         SCALE_GRAD=False,
+        PIPELINED=pipelined,
     )
     options = dict(
         num_warps=num_warps,
