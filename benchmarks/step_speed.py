@@ -125,10 +125,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--pipelined",
         nargs="*",
-        type=int,
         default=(),
-        help="also the default, --formats, --configs built with this many pipelined programs per SM "
-        "(update.PIPELINE_PROGRAMS_PER_SM)",
+        help="also the default, --formats, --configs built with N pipelined programs per SM, N or "
+        "N:ELEMENTSxWARPS (update.PIPELINE_PROGRAMS_PER_SM, PIPELINE_TILE)",
     )
     parser.add_argument("--lineup", nargs="*", default=(), help="also these line-up keys (plain steps)")
     parser.add_argument("--baseline", help="the configuration ratios are to (default: torch's fused AdamW)")
@@ -168,14 +167,19 @@ def main(argv=None) -> int:
         config = parse_config(text)
         names[config.label] = (config, dtype, step_bytes(config, dtype))
     patches = {}  # name -> the kernels.update settings it is built under (--root-grid-tiles, --pipelined)
-    variants = [(f"tile {t}", "ROOT_GRID_TILE", tuple(int(x) for x in t.split("x"))) for t in args.root_grid_tiles]
-    variants += [(f"pipelined {n}", "PIPELINE_PROGRAMS_PER_SM", n) for n in args.pipelined]
-    for suffix, setting, value in variants:
+    variants = [
+        (f"tile {t}", {"ROOT_GRID_TILE": tuple(int(x) for x in t.split("x"))}, None) for t in args.root_grid_tiles
+    ]
+    for text in args.pipelined:  # N or N:ELEMENTSxWARPS
+        n, _, tile = text.partition(":")
+        setting = {"PIPELINE_PROGRAMS_PER_SM": int(n), "PIPELINE_TILE": tile and tuple(map(int, tile.split("x")))}
+        variants.append((f"pipelined {text}", setting, None))
+    for suffix, settings, _ in variants:
         for text in [default] + [f"fusedopt.AdamW:state_format='{f}'" for f in args.formats] + list(args.configs):
             config = parse_config(text)
             if suffix.startswith("tile") and text == default:
                 continue
-            patches[f"{config.label} {suffix}"] = (setting, value)
+            patches[f"{config.label} {suffix}"] = {k: v for k, v in settings.items() if v}
             names[f"{config.label} {suffix}"] = (config, dtype, step_bytes(config, dtype))
     for entry in harness.select(",".join(args.lineup), "step") if args.lineup else ():
         if entry.release:
@@ -190,7 +194,7 @@ def main(argv=None) -> int:
                 raise RuntimeError(why)
             lr = None if config.optimizer.endswith("Adafactor") else args.lr
             patch = patches.get(name)  # only for variants: an older fusedopt may not have the setting
-            with mock.patch.object(update, *patch) if patch else contextlib.nullcontext():
+            with mock.patch.multiple(update, **patch) if patch else contextlib.nullcontext():
                 optimizers[name] = build(config, shapes, param_dtype, device, 1e-2 if args.adafactor else 1.0, lr)
         except Exception as exc:  # one configuration failing must not end the run
             failed[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

@@ -64,6 +64,7 @@ MAX_REGISTERS = None  # per thread (Triton's maxnreg); None: the compiler's choi
 # A parameter of more tiles than this many programs per SM launches that many programs, each loading its
 # next tile while it updates one (PIPELINED); None: one program per tile
 PIPELINE_PROGRAMS_PER_SM = None
+PIPELINE_TILE = None  # (elements, warps) of a pipelined program; None: the format's own tile
 CHECK_TILE = 2048  # elements per iteration of the finite check
 CHECK_TILES = 8  # iterations per check program (fewer programs: fewer ticket atomics)
 # int32 words of the per-parameter scratch buffer: non-finite flag, ticket, status, then as fp32 bit
@@ -837,11 +838,16 @@ class PreparedUpdate:
         # plain integer division: triton.cdiv is a JIT function, ~7 us per call from Python
         self.check_programs = -(-max(n, 1) // (CHECK_TILE * CHECK_TILES))
         block, warps = _tile(m_fmt, v_fmt)
-        self.programs = -(-n // block)
         cap = _pipelined_programs(param.device)
+        if cap is not None and PIPELINE_TILE is not None:
+            block, warps = PIPELINE_TILE
+        self.programs = -(-n // block)
         pipelined = cap is not None and self.programs > cap
         if pipelined:
             self.programs = cap
+        elif cap is not None:
+            block, warps = _tile(m_fmt, v_fmt)
+            self.programs = -(-n // block)
         corr_bits = 0 if correction is None else (16 if correction.dtype == torch.int16 else 8)
         self.configs = [  # [has_accum]
             _update_config(

@@ -29,10 +29,11 @@ CONFIGS = [
 ]
 
 
-def _train(monkeypatch, device, opt_cls, dtype, kwargs, per_sm, fused=False, steps=3, poison_step=None):
+def _train(monkeypatch, device, opt_cls, dtype, kwargs, per_sm, fused=False, steps=3, poison_step=None, tile=None):
     monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
     monkeypatch.setenv("FUSEDOPT_BUCKET_MB", "0")
     monkeypatch.setattr(update, "PIPELINE_PROGRAMS_PER_SM", per_sm)
+    monkeypatch.setattr(update, "PIPELINE_TILE", tile)
     gen = torch.Generator().manual_seed(0)
     shapes = SHAPES[device]
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device, dtype)) for s in shapes]
@@ -85,6 +86,14 @@ def test_a_pipelined_launch_gives_the_bits_of_one_program_per_tile(monkeypatch, 
     sms = 2 if device == "cpu" else torch.cuda.get_device_properties(0).multi_processor_count
     assert {p for p, on in pipelined[2]} == {sms} and all(on for _, on in pipelined[2])
     assert all(p > sms and not on for p, on in alone[2]), alone[2]  # more tiles than the pipelined programs
+    _assert_identical(alone, pipelined)
+
+
+@pytest.mark.parametrize("opt_cls,dtype,kwargs", [CONFIGS[0], CONFIGS[3]])
+def test_a_pipelined_launch_of_another_tile_gives_the_same_bits(monkeypatch, device, opt_cls, dtype, kwargs):
+    alone = _train(monkeypatch, device, opt_cls, dtype, kwargs, None)
+    pipelined = _train(monkeypatch, device, opt_cls, dtype, kwargs, 1, tile=(512, 2))
+    assert all(on for _, on in pipelined[2])
     _assert_identical(alone, pipelined)
 
 
