@@ -18,6 +18,11 @@ Per-step scalars (lr, betas, the step count, bias corrections) are runtime value
 them never recompiles. The step count lives in device memory; the bias corrections are
 computed from it in fp64 by the check kernel and handed over in the scratch words.
 
+A program loads its tile as stored (``_load_tile``) and then decodes, updates and encodes it
+(``_update_tile``). A pipelined launch (``PIPELINE_PROGRAMS_PER_SM``) runs fewer programs than
+tiles: each walks every ``num_programs``-th tile and issues the next tile's loads before it updates
+the current one, so its memory traffic overlaps its arithmetic. The bits are the same.
+
 ``n_elements`` is specialised by Triton (a multiple of 16 or not): with the hint the masks
 are uniform per 16 elements and every load and store is a vector access; without it (odd
 sizes) they are element by element. Two compiled variants per configuration at most.
