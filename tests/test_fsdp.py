@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import OutOfMemory, tiny_llama
+from helpers import OutOfMemory, leave_process_group, tiny_llama
 
 import fusedopt
 from fusedopt.sharding import as_sharded, is_sharded, local
@@ -60,8 +60,10 @@ def _phase_worker(rank: int, world_size: int, port: int, scenarios: list, out: s
                 (Path(out) / f"{name}.rank{rank}.failed").write_text(traceback.format_exc())
                 raise
             (Path(out) / f"{name}.rank{rank}.passed").touch()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_process_group()
 
 
 def scenario(*workers):
@@ -135,8 +137,10 @@ def _worker(rank, world_size, port, fn, args):
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_process_group()
 
 
 ONE_BEFORE, TWO, ONE_AFTER = PHASES  # noqa: N816

@@ -6,7 +6,7 @@ import weakref
 import pytest
 import torch
 from cases import LOW_DTYPES, dtype_cases
-from helpers import assert_params_equal, groups, inputs, loss_fn, make_model, train, twins
+from helpers import assert_params_equal, groups, inputs, leave_process_group, loss_fn, make_model, train, twins
 
 import fusedopt
 
@@ -304,8 +304,10 @@ def _construct_in_group(rank, world_size, init_file, out_dir):
             message = str(exc)
         with open(f"{out_dir}/rank{rank}.txt", "w") as f:
             f.write(message)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_process_group()
 
 
 def test_release_is_refused_in_a_real_two_process_group(tmp_path):
