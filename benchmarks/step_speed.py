@@ -122,13 +122,6 @@ def main(argv=None) -> int:
         default=(),
         help="also --formats, --configs built with these ELEMENTSxWARPS tiles (update.ROOT_GRID_TILE)",
     )
-    parser.add_argument(
-        "--pipelined",
-        nargs="*",
-        default=(),
-        help="also the default, --formats, --configs built with N pipelined programs per SM, N or "
-        "N:ELEMENTSxWARPS (update.PIPELINE_PROGRAMS_PER_SM, PIPELINE_TILE)",
-    )
     parser.add_argument("--lineup", nargs="*", default=(), help="also these line-up keys (plain steps)")
     parser.add_argument("--baseline", help="the configuration ratios are to (default: torch's fused AdamW)")
     parser.add_argument("--model", help="the parameters of this fusedopt.profile.models preset (e.g. 1b)")
@@ -166,21 +159,12 @@ def main(argv=None) -> int:
     for text in dict.fromkeys(texts):
         config = parse_config(text)
         names[config.label] = (config, dtype, step_bytes(config, dtype))
-    patches = {}  # name -> the kernels.update settings it is built under (--root-grid-tiles, --pipelined)
-    variants = [
-        (f"tile {t}", {"ROOT_GRID_TILE": tuple(int(x) for x in t.split("x"))}, None) for t in args.root_grid_tiles
-    ]
-    for text in args.pipelined:  # N or N:ELEMENTSxWARPS
-        n, _, tile = text.partition(":")
-        setting = {"PIPELINE_PROGRAMS_PER_SM": int(n), "PIPELINE_TILE": tile and tuple(map(int, tile.split("x")))}
-        variants.append((f"pipelined {text}", setting, None))
-    for suffix, settings, _ in variants:
-        for text in [default] + [f"fusedopt.AdamW:state_format='{f}'" for f in args.formats] + list(args.configs):
+    tiles = {}  # name -> the update.ROOT_GRID_TILE it is built under (--root-grid-tiles)
+    for tile in args.root_grid_tiles:
+        for text in [f"fusedopt.AdamW:state_format='{f}'" for f in args.formats] + list(args.configs):
             config = parse_config(text)
-            if suffix.startswith("tile") and text == default:
-                continue
-            patches[f"{config.label} {suffix}"] = {k: v for k, v in settings.items() if v}
-            names[f"{config.label} {suffix}"] = (config, dtype, step_bytes(config, dtype))
+            tiles[f"{config.label} tile {tile}"] = tuple(int(x) for x in tile.split("x"))
+            names[f"{config.label} tile {tile}"] = (config, dtype, step_bytes(config, dtype))
     for entry in harness.select(",".join(args.lineup), "step") if args.lineup else ():
         if entry.release:
             raise SystemExit(f"line-up key {entry.key}: a release configuration has no optimizer step to time")
@@ -193,8 +177,8 @@ def main(argv=None) -> int:
             if why:
                 raise RuntimeError(why)
             lr = None if config.optimizer.endswith("Adafactor") else args.lr
-            patch = patches.get(name)  # only for variants: an older fusedopt may not have the setting
-            with mock.patch.multiple(update, **patch) if patch else contextlib.nullcontext():
+            tile = tiles.get(name)  # only for --root-grid-tiles: an older fusedopt has no such setting
+            with mock.patch.object(update, "ROOT_GRID_TILE", tile) if tile else contextlib.nullcontext():
                 optimizers[name] = build(config, shapes, param_dtype, device, 1e-2 if args.adafactor else 1.0, lr)
         except Exception as exc:  # one configuration failing must not end the run
             failed[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

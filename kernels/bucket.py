@@ -54,8 +54,7 @@ def _pointer_tensors(u: PreparedUpdate) -> tuple:
 def bucketable(u: PreparedUpdate) -> bool:
     """Whether a prepared update can join a bucket: a size the kernel's 16-element vector hint
     covers, below MAX_MEMBER_NUMEL, and 16-byte aligned tensors (the gradient is checked per step)."""
-    constexprs = u.configs[0].constexprs
-    if u.n == 0 or u.n % 16 or u.n >= MAX_MEMBER_NUMEL or constexprs["INDEX_64"] or constexprs["PIPELINED"]:
+    if u.n == 0 or u.n % 16 or u.n >= MAX_MEMBER_NUMEL or u.configs[0].constexprs["INDEX_64"]:
         return False
     return all(t.data_ptr() % ALIGN == 0 for t in _pointer_tensors(u))
 

@@ -164,7 +164,7 @@ def load_moment_raw(
     QBLOCK: tl.constexpr,
 ):  # fmt: skip
     """The program's tile of a moment as stored, for ``decode_moment``: (values or codes, block scales; 0
-    where the family has none). Apart, so a pipelined program can load one tile while it updates another."""
+    where the family has none). Apart: every load is issued before any decoding (``_load_tile``)."""
     offs = tile_offsets(start, NB, QBLOCK)
     mask = offs < n_elements
     scales = 0

@@ -19,9 +19,7 @@ them never recompiles. The step count lives in device memory; the bias correctio
 computed from it in fp64 by the check kernel and handed over in the scratch words.
 
 A program loads its tile as stored (``_load_tile``) and then decodes, updates and encodes it
-(``_update_tile``). A pipelined launch (``PIPELINE_PROGRAMS_PER_SM``) runs fewer programs than
-tiles: each walks every ``num_programs``-th tile and issues the next tile's loads before it updates
-the current one, so its memory traffic overlaps its arithmetic. The bits are the same.
+(``_update_tile``), one tile per program.
 
 ``n_elements`` is specialised by Triton (a multiple of 16 or not): with the hint the masks
 are uniform per 16 elements and every load and store is a vector access; without it (odd
@@ -66,10 +64,6 @@ NUM_WARPS = 2
 # step_speed.py --root-grid-tiles, benchmarks/RESULTS.md); any multiple of their blocks gives the same bits
 ROOT_GRID_TILE = (1024, 4)
 MAX_REGISTERS = None  # per thread (Triton's maxnreg); None: the compiler's choice
-# A parameter of more tiles than this many programs per SM launches that many programs, each loading its
-# next tile while it updates one (PIPELINED); None: one program per tile
-PIPELINE_PROGRAMS_PER_SM = None
-PIPELINE_TILE = None  # (elements, warps) of a pipelined program; None: the format's own tile
 CHECK_TILE = 2048  # elements per iteration of the finite check
 CHECK_TILES = 8  # iterations per check program (fewer programs: fewer ticket atomics)
 # int32 words of the per-parameter scratch buffer: non-finite flag, ticket, status, then as fp32 bit
@@ -601,7 +595,6 @@ def _update_kernel(
     INDEX_64: tl.constexpr,  # element offsets need 64 bits
     BUCKET: tl.constexpr,  # one launch over several parameters (kernels/bucket.py)
     SCALE_GRAD: tl.constexpr,  # the gradients are multiplied by the clipping coefficient
-    PIPELINED: tl.constexpr,  # fewer programs than tiles, each loading its next tile while it updates one
 ):
     if BUCKET:  # this program's member: its pointers, size and keys
         member, program, row = _bucket_member(table_ptr, COL_UPDATE_START)
@@ -637,47 +630,22 @@ def _update_kernel(
         hash_base = first - _INDEX_BIAS
     else:
         hash_base = (first - _INDEX_BIAS).to(tl.int32)
+    start = _tile_start(program, NB * QBLOCK, INDEX_64)
     stored = _load_tile(
-        _tile_start(program, NB * QBLOCK, INDEX_64), grad_ptr, accum_ptr, param_ptr, corr_ptr, m_ptr, m_scale_ptr,
-        v_ptr, v_scale_ptr, n_elements, n_pairs, MASTER, HAS_ACCUM, M_FAMILY, M_BITS, V_FAMILY, V_BITS, NB, QBLOCK,
+        start, grad_ptr, accum_ptr, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr, n_elements, n_pairs,
+        MASTER, HAS_ACCUM, M_FAMILY, M_BITS, V_FAMILY, V_BITS, NB, QBLOCK,
     )  # fmt: skip
     # Issue every load before any arithmetic: the compiler would otherwise sink some next to
     # their first use, and each program would wait for memory more than once.
     tl.debug_barrier()
-    shared_hash = step_hash(key_shared, step)
-    param_hash = step_hash(key_param, step)
-    if PIPELINED:  # a grid of fewer programs, each updating every num_programs-th tile
-        tl.static_assert(not BUCKET, "a bucket's programs update one tile each")
-        tiles = tl.cdiv(n_elements, NB * QBLOCK)
-        programs = tl.num_programs(0)
-        for tile in tl.range(program, tiles, programs):
-            # the next tile's loads are in flight while this one is updated
-            following = _load_tile(
-                _tile_start(tile + programs, NB * QBLOCK, INDEX_64), grad_ptr, accum_ptr, param_ptr, corr_ptr, m_ptr,
-                m_scale_ptr, v_ptr, v_scale_ptr, n_elements, n_pairs, MASTER, HAS_ACCUM, M_FAMILY, M_BITS, V_FAMILY,
-                V_BITS, NB, QBLOCK,
-            )  # fmt: skip
-            tl.debug_barrier()
-            start = _tile_start(tile, NB * QBLOCK, INDEX_64)
-            _update_tile(
-                start, start + hash_base, stored, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr,
-                n_elements, n_pairs, status, step, step_size, inv_bias_correction2_sqrt, grad_scale, shared_hash,
-                param_hash, lr, beta1, beta2, eps, decay, weight_decay, lerp_weight, one_minus_beta2, v_decay,
-                v_decay_root, ALGO, MASTER, PARAM_BF16, CORR_BITS, STOCHASTIC_MASTER, PARAM_OWN_DRAW, HAS_ACCUM,
-                MAXIMIZE, NESTEROV, M_FAMILY, M_BITS, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, M_THR, M_TOP, M_CLIP,
-                V_FAMILY, V_BITS, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, V_THR, V_TOP, NB, QBLOCK, SCALE_GRAD,
-            )  # fmt: skip
-            stored = following
-    else:
-        start = _tile_start(program, NB * QBLOCK, INDEX_64)
-        _update_tile(
-            start, start + hash_base, stored, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr,
-            n_elements, n_pairs, status, step, step_size, inv_bias_correction2_sqrt, grad_scale, shared_hash,
-            param_hash, lr, beta1, beta2, eps, decay, weight_decay, lerp_weight, one_minus_beta2, v_decay,
-            v_decay_root, ALGO, MASTER, PARAM_BF16, CORR_BITS, STOCHASTIC_MASTER, PARAM_OWN_DRAW, HAS_ACCUM,
-            MAXIMIZE, NESTEROV, M_FAMILY, M_BITS, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, M_THR, M_TOP, M_CLIP,
-            V_FAMILY, V_BITS, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, V_THR, V_TOP, NB, QBLOCK, SCALE_GRAD,
-        )  # fmt: skip
+    _update_tile(
+        start, start + hash_base, stored, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr, n_elements,
+        n_pairs, status, step, step_size, inv_bias_correction2_sqrt, grad_scale, step_hash(key_shared, step),
+        step_hash(key_param, step), lr, beta1, beta2, eps, decay, weight_decay, lerp_weight, one_minus_beta2,
+        v_decay, v_decay_root, ALGO, MASTER, PARAM_BF16, CORR_BITS, STOCHASTIC_MASTER, PARAM_OWN_DRAW, HAS_ACCUM,
+        MAXIMIZE, NESTEROV, M_FAMILY, M_BITS, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, M_THR, M_TOP, M_CLIP,
+        V_FAMILY, V_BITS, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, V_THR, V_TOP, NB, QBLOCK, SCALE_GRAD,
+    )  # fmt: skip
 
 
 # runtime arguments: tensors, then ints (the gradient deltas last: always int64, not in the
@@ -843,16 +811,7 @@ class PreparedUpdate:
         # plain integer division: triton.cdiv is a JIT function, ~7 us per call from Python
         self.check_programs = -(-max(n, 1) // (CHECK_TILE * CHECK_TILES))
         block, warps = _tile(m_fmt, v_fmt)
-        cap = _pipelined_programs(param.device)
-        if cap is not None and PIPELINE_TILE is not None:
-            block, warps = PIPELINE_TILE
         self.programs = -(-n // block)
-        pipelined = cap is not None and self.programs > cap
-        if pipelined:
-            self.programs = cap
-        elif cap is not None:
-            block, warps = _tile(m_fmt, v_fmt)
-            self.programs = -(-n // block)
         corr_bits = 0 if correction is None else (16 if correction.dtype == torch.int16 else 8)
         self.configs = [  # [has_accum]
             _update_config(
@@ -870,7 +829,6 @@ class PreparedUpdate:
                 # 64-bit indices past 2**31, and hash indices from a `first` the 32-bit tiles cannot take
                 # (a tile row must start at a multiple of its length: hashing.tile_bits)
                 first + n >= 2**31 - block or first % max(32, _tile_row(m_fmt, v_fmt)) != 0,
-                pipelined,
             )  # fmt: skip
             for has_accum in (False, True)
         ]
@@ -981,21 +939,6 @@ def bucket_config(config: LaunchConfig) -> LaunchConfig:
     return LaunchConfig({**config.constexprs, "BUCKET": True}, config.options)
 
 
-def _pipelined_programs(device: torch.device) -> int | None:
-    """The programs of a pipelined launch on ``device`` (None: none pipelined); off the GPU (the
-    interpreter) as if it had 2 SMs."""
-    if PIPELINE_PROGRAMS_PER_SM is None:
-        return None
-    return PIPELINE_PROGRAMS_PER_SM * (_sm_count(device.index) if device.type == "cuda" else 2)
-
-
-@functools.lru_cache(maxsize=16)
-def _sm_count(index) -> int:
-    return torch.cuda.get_device_properties(
-        index if index is not None else torch.cuda.current_device()
-    ).multi_processor_count
-
-
 def _tile(m_fmt: KernelFormat, v_fmt: KernelFormat) -> tuple[int, int]:
     """(elements, warps) of one update program for these moments."""
     if Family.ROOT_GRID in (m_fmt.family, v_fmt.family) or Family.NORMALISED in (m_fmt.family, v_fmt.family):
@@ -1021,7 +964,7 @@ def _tile_row(m_fmt: KernelFormat, v_fmt: KernelFormat) -> int:
 @functools.lru_cache(maxsize=1024)
 def _update_config(
     algo, dtype, corr_bits, param_own_draw, has_accum, maximize, nesterov, m_fmt, v_fmt, block, num_warps, maxnreg,
-    index_64, pipelined=False,
+    index_64,
 ) -> LaunchConfig:  # fmt: skip
     """The compile-time switches of one update configuration (cached: launches happen per parameter)."""
     qblock = _tile_row(m_fmt, v_fmt)
@@ -1043,7 +986,6 @@ def _update_config(
         INDEX_64=index_64,
         BUCKET=False,
         SCALE_GRAD=False,
-        PIPELINED=pipelined,
     )
     options = dict(
         num_warps=num_warps,
