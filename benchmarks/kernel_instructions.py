@@ -2,6 +2,7 @@
 
     python benchmarks/kernel_instructions.py                     # the default, norm2-root4, block4, Adafactor
     python benchmarks/kernel_instructions.py --configs "fusedopt.AdamW:state_bits=32" --opcodes 12
+    python benchmarks/kernel_instructions.py --configs "fusedopt.AdamW" --statements   # where they go
 
 No GPU needed: each configuration takes one step on the CPU under Triton's interpreter (a child
 process) while every kernel launch is recorded (argument types, 16-byte alignment, constexprs,
@@ -10,6 +11,11 @@ counts the instructions of its SASS. The kernels are straight-line code (no loop
 a program's static count divided by the elements it owns approximates the executed instructions
 per element, per thread of the program (the work the issue slots see); a one-off branch (the check
 kernel's last program) is counted as if every program took it, so check kernels read high.
+
+``--statements`` splits the update kernel's count by the statement of ``_update_tile`` whose code each
+instruction was inlined from (the line information of ``nvdisasm -gi``), on its fast path: without the
+out-of-line slow paths of IEEE division and square root and the calls to them, which no finite,
+normal input takes (the full count above includes them).
 
 The local Triton may differ from the GPU machine's: compare counts made with one Triton only.
 """
@@ -109,8 +115,9 @@ def _fake_argument(kind, value, aligned):
     return value
 
 
-def _sass(kernel_fn, record) -> tuple[str, int]:
-    """The SASS of the recorded launch compiled for sm_90, and its registers per thread."""
+def _sass(kernel_fn, record, lines: bool = False) -> tuple[str, int]:
+    """The SASS of the recorded launch compiled for sm_90 (with ``lines``: nvdisasm's, with the line
+    information), and its registers per thread."""
     from triton import knobs
 
     args = [_fake_argument(*a) for a in record["args"]]
@@ -119,7 +126,8 @@ def _sass(kernel_fn, record) -> tuple[str, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        sass = subprocess.run([cuobjdump, "-sass", f.name], check=True, capture_output=True, text=True).stdout
+        command = [knobs.nvidia.nvdisasm.path, "-gi", "-c", f.name] if lines else [cuobjdump, "-sass", f.name]
+        sass = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         usage = subprocess.run([cuobjdump, "-res-usage", f.name], check=True, capture_output=True, text=True).stdout
     found = re.search(r"REG:(\d+)", usage)
     return sass, int(found.group(1)) if found else -1
@@ -139,11 +147,76 @@ def count(sass: str) -> collections.Counter:
     return +ops
 
 
+_FRAME = re.compile(r'"([^"]+)", line (\d+)')  # a frame of nvdisasm's "//## File ..., line N inlined at ..."
+
+
+def statements(sass: str, body: range) -> collections.Counter:
+    """Fast-path instructions of nvdisasm ``-gi`` output by the line of ``update.py`` in ``body`` (the
+    lines of ``_update_tile``) their code was inlined from; None: the rest of the kernel. Left out: the
+    out-of-line slow-path routines after the kernel's body, and each call site's block (after the
+    conditional branch that skips it, up to the branch back or the label after its CALL)."""
+    counts = collections.Counter()
+    where, frames = None, []  # frames: the line information since the last instruction
+    pending = []  # statements of the instructions since the last conditional branch or label
+    in_call = False
+    kernel = re.split(r"\n\s*\.type\s+\$__internal", sass)[0]
+    for text in kernel.splitlines():
+        if text.lstrip().startswith("//##"):
+            frames += [(f, int(n)) for f, n in _FRAME.findall(text)]
+            continue
+        if re.match(r"\s*\.L_x_\d+:", text):  # a label ends a call site's block too
+            counts.update(pending)
+            pending, in_call = [], False
+            continue
+        found = _INSTRUCTION.search(text)
+        if not found or found.group(2).startswith("NOP"):
+            continue
+        if frames:
+            inside = [n for f, n in frames if f.endswith("kernels/update.py") and n in body]
+            where, frames = (inside[0] if inside else None), []
+        opcode, conditional = found.group(2), bool(found.group(1))
+        if in_call:
+            in_call = not (opcode == "BRA" and not conditional)
+        elif opcode.startswith("CALL"):
+            pending, in_call = [], True
+        elif opcode == "BRA" and conditional:
+            counts.update(pending + [where])
+            pending = []
+        else:
+            pending.append(where)
+    counts.update(pending)
+    counts[None] -= 1  # the trailing `BRA self` after EXIT
+    return +counts
+
+
+def _by_statement(fn, record) -> list:
+    """[(statement, fast-path instructions per program)] of a kernel, largest first (statements of
+    ``_update_tile`` for the update kernel; one entry for the other kernels)."""
+    import inspect
+
+    from fusedopt.kernels import update
+
+    body = range(0)
+    if record["kernel"] == "_update_kernel":
+        source, first = inspect.getsourcelines(update._update_tile.fn)
+        body = range(first, first + len(source))
+    lines = inspect.getsourcelines(update)[0]
+    sass, _ = _sass(fn, record, lines=True)
+    counts = statements(sass, body)
+    named = collections.Counter()
+    for line, n in counts.items():
+        named["(the rest of the kernel)" if line is None else lines[line - 1].strip().rstrip("(")] += n
+    return named.most_common()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="*", default=DEFAULT_CONFIGS, help="fusedopt-profile --config strings")
     parser.add_argument("--opcodes", type=int, default=0, help="also the N most frequent opcodes per kernel")
     parser.add_argument("--root-grid-tile", help="ELEMENTSxWARPS of norm2-root4's programs (update.ROOT_GRID_TILE)")
+    parser.add_argument(
+        "--statements", action="store_true", help="also each kernel's fast path; the update kernel's by statement"
+    )
     parser.add_argument("--out", help="results JSON")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -170,6 +243,9 @@ def main(argv=None) -> int:
         fn = next(getattr(m, record["kernel"]) for m in modules if hasattr(m, record["kernel"]))
         sass, registers = _sass(fn, record)
         ops = count(sass)
+        by_statement = None
+        if args.statements:
+            by_statement = _by_statement(fn, record)
         per = ELEMENTS.get(record["kernel"])
         warps = record["options"].get("num_warps", 4)
         elements = captured["sizes"][per] if per else None
@@ -182,15 +258,29 @@ def main(argv=None) -> int:
         results.append(
             dict(config=record["config"], kernel=record["kernel"], instructions=total, warps=warps, registers=registers)
             | dict(elements_per_program=elements, per_element=per_element, opcodes=dict(ops.most_common()))
+            | dict(statements=by_statement)
         )
-    print("| configuration | kernel | SASS instructions per program | warps | registers | per element |")
-    print("|---|---|---|---|---|---|")
+    fast = "| fast path per element " if args.statements else ""
+    print(f"| configuration | kernel | SASS instructions per program | warps | registers | per element {fast}|")
+    print("|---|---|---|---|---|---|" + ("---|" if fast else ""))
     for r in results:
         per = "" if r["per_element"] is None else f"{r['per_element']:.1f}"
-        print(f"| {r['config']} | {r['kernel']} | {r['instructions']} | {r['warps']} | {r['registers']} | {per} |")
+        row = f"| {r['config']} | {r['kernel']} | {r['instructions']} | {r['warps']} | {r['registers']} | {per} |"
+        if fast:
+            total = sum(n for _, n in r["statements"])
+            row += f" {total * r['per_element'] / r['instructions']:.1f} |" if r["per_element"] else " |"
+        print(row)
         if args.opcodes:
             top = list(r["opcodes"].items())[: args.opcodes]
             print("|   | " + ", ".join(f"{op} {n}" for op, n in top) + " | | | | |")
+    for r in results:
+        if r["statements"] and r["kernel"] == "_update_kernel":
+            scale = r["per_element"] / r["instructions"]
+            total = sum(n for _, n in r["statements"])
+            print(f"\n{r['config']}: the update kernel's fast path, {total * scale:.1f} per element")
+            print("| per element | statement of _update_tile |\n|---|---|")
+            for statement, n in r["statements"]:
+                print(f"| {n * scale:.1f} | `{statement}` |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

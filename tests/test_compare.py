@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import compare_fit  # noqa: E402
 import harness  # noqa: E402
+import kernel_instructions  # noqa: E402
 import quality  # noqa: E402
 import step_speed  # noqa: E402
 
@@ -455,3 +456,39 @@ def test_fingerprints_compare_two_trees_bit_for_bit(tmp_path, capsys):
     assert f"1 configurations only in {old}:\n  adamw format=rot4 master=24 bfloat16 fused=False" in out
     new.write_text(json.dumps({"x": "2"}))
     assert harness.main(["same", str(old), str(new)]) == 1 and "differ: x" in capsys.readouterr().out
+
+
+def test_kernel_instructions_counts_the_fast_path_by_statement():
+    """nvdisasm -gi output: each instruction goes to the _update_tile line its innermost caller in that body
+    is at; a slow-path call site's block (either shape) and the routines after the body are left out."""
+    where = '\t//## File "/r/kernels/{0}", line {1} inlined at "/r/kernels/update.py", line {2}\n'
+    body = "\n".join(
+        [
+            where.format("moments.py", 9, 40),  # inlined from update.py:40, inside the body
+            "        /*0000*/                   FADD R1, R2, R3 ;",
+            "        /*0010*/                   MUFU.RSQ R0, R1 ;",
+            "        /*0020*/              @!P1 BRA `(.L_x_3) ;",  # skips the call block: counted
+            "        /*0030*/                   IMAD.MOV.U32 R0, RZ, RZ, R1 ;",
+            "        /*0040*/                   CALL.REL.NOINC `($__internal_0_$__cuda_sm20_sqrt_rn_f32_slowpath) ;",
+            "        /*0050*/                   BRA `(.L_x_4) ;",
+            ".L_x_3:",
+            '\t//## File "/r/kernels/update.py", line 41',
+            "        /*0060*/                   FFMA R2, R0, R1, R2 ;",
+            "        /*0070*/              @!P2 BRA `(.L_x_5) ;",
+            "        /*0080*/                   MOV R2, 0x38a0 ;",
+            "        /*0090*/                   CALL.REL.NOINC `($__internal_1_div_slowpath) ;",
+            "        /*00a0*/                   IMAD.MOV.U32 R18, RZ, RZ, R0 ;",
+            ".L_x_5:",
+            '\t//## File "/r/kernels/update.py", line 90',  # outside the body
+            "        /*00b0*/                   STG.E [R2.64], R0 ;",
+            "        /*00c0*/                   NOP ;",
+            "        /*00d0*/                   EXIT ;",
+            ".L_x_9:",
+            "        /*00e0*/                   BRA `(.L_x_9) ;",
+            "        .type           $__internal_0_$__cuda_sm20_sqrt_rn_f32_slowpath,@function",
+            "        /*00f0*/                   FMUL R0, R0, R1 ;",
+            "        /*0100*/                   RET.REL.NODEC R2 `(_update_kernel) ;",
+        ]
+    )
+    counts = kernel_instructions.statements(body, range(30, 60))
+    assert counts == {40: 3, 41: 2, None: 2}
