@@ -23,6 +23,7 @@ The local Triton may differ from the GPU machine's: compare counts made with one
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import json
 import os
@@ -203,9 +204,16 @@ def _by_statement(fn, record) -> list:
     lines = inspect.getsourcelines(update)[0]
     sass, _ = _sass(fn, record, lines=True)
     counts = statements(sass, body)
+    # a line of a statement of several lines counts for the statement: its first line names it
+    first_line = {}
+    for node in sorted(ast.walk(ast.parse("".join(lines))), key=lambda n: -getattr(n, "lineno", 0)):
+        if isinstance(node, ast.stmt):
+            for line in range(node.lineno, node.end_lineno + 1):
+                first_line.setdefault(line, node.lineno)  # the innermost statement's
     named = collections.Counter()
     for line, n in counts.items():
-        named["(the rest of the kernel)" if line is None else lines[line - 1].strip().rstrip("(")] += n
+        name = "(the rest of the kernel)" if line is None else lines[first_line[line] - 1].strip().rstrip("(")
+        named[name] += n
     return named.most_common()
 
 
