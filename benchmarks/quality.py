@@ -222,6 +222,8 @@ def run_one(key: str, seed: int, spiky: bool, settings: dict, device: str) -> di
     torch.set_num_threads(1 if device == "cpu" else 2)  # small tensors; several runs share the host
     label, config, peak = config_of(key, settings["lr"])
     autocast = config.autocast is not None
+    if settings.get("draw_seeds") and config.optimizer.startswith("fusedopt."):
+        config.kwargs = {**config.kwargs, "seed": 1000 * seed + config.kwargs.get("seed", 0)}
 
     def make(model):
         return config.build(model.parameters(), model=model, device_type=device)
@@ -328,6 +330,12 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", "--parallel", type=int, default=1, help="runs at a time, one process each")
     parser.add_argument("--budget-s", type=float, help="start no run that would end after this many seconds")
     parser.add_argument("--report-only", "--report", action="store_true", help="report --out; train nothing")
+    parser.add_argument(
+        "--draw-seeds",
+        action="store_true",
+        help="fusedopt's rounding draws differ between seeds (optimizer seed 1000 x seed + its own): for "
+        "comparisons of draws, which otherwise repeat in every seed",
+    )
     args = parser.parse_args(argv)
     study = STUDIES[args.study]
     base = {**study["gpu"], **(study["quick"] if args.quick else {})}
@@ -346,6 +354,8 @@ def main(argv=None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
     settings = {k: getattr(args, k) for k in _SETTINGS}
+    if args.draw_seeds:
+        settings["draw_seeds"] = True
     if any(spikes):
         settings["spike_factor"] = args.spike_factor
     data = harness.load(args.out)
