@@ -28,14 +28,12 @@ bits of the word it is given, so a 12-bit field is a word whose low 20 bits are 
 stochastic rounding resolves probabilities to 2**-12 (moments) or 2**-8 (a 24-bit master,
 whose grid is 2**-8 of a bf16 ulp: exactly what it can hold).
 
-Wide draws (``UpdateDraws(wide=True)``, ``norm2-root4``). Its second moment's 4-bit codes round
-increments that are often a thousandth of the gap between two levels: it takes the top 24 bits of the
-shared word, a bf16 + int8 parameter the low 8 as above. The first moment, rounded afresh every step,
-takes the low 16 bits of the ``STREAM_PARAM`` word, moved to the top; a parameter that needs a word of
-its own takes that word's top bits as ever. Two hashes per element, where 12-bit fields would need
-spreading over more bits. Top bits stay with the parameter: over consecutive elements the top bits of
-the hash (a bijection of the index) are more even than independent draws, and a parameter rounded
-from its own word's low bits trained measurably worse at a small lr (benchmarks/RESULTS.md).
+Wide draws. The 4-bit codes of ``norm2-root4`` round increments that are often a thousandth of the gap
+between two levels, so each of their two moments takes 24 bits (``WIDE_DRAW_BITS``) and the update
+draws two words (``UpdateDraws(wide=True)``): the first moment the top 24 bits of the ``STREAM_PARAM``
+word, the second moment the top 24 of the shared word, a bf16 + int8 parameter the shared word's low 8
+as above, and a parameter that needs a word of its own the low 8 of both (``wide_param_word``: 16
+bits, from the top).
 
 Default seeds (``DefaultSeeds``). An optimizer built without ``seed`` over several parameters uses seed
 0, as before. One built without ``seed`` over ONE parameter (torchtune's optimizer-in-backward builds
@@ -70,7 +68,7 @@ STREAM_PARAM = 1  # a parameter that needs a word of its own (see the docstring)
 STREAM_SHARED = 16  # the word shared by the moments (and a bf16 + int8 parameter)
 STREAM_GRAD_ACCUM = 1 << 20  # + micro-batch index: low-precision gradient accumulation
 MOMENT_DRAW_BITS = 12  # bits of the shared word per moment
-WIDE_DRAW_BITS = 24  # bits of a moment's word a codec taking wide draws reads (the first moment: 16 of them)
+WIDE_DRAW_BITS = 24  # bits of a moment's word under wide draws
 
 
 def _mul32(x, c: int):
@@ -163,9 +161,10 @@ def wide_uniform(words: torch.Tensor) -> torch.Tensor:
     return (words >> (32 - WIDE_DRAW_BITS)).to(torch.float32) * 2.0**-WIDE_DRAW_BITS
 
 
-def low_word(word: torch.Tensor) -> torch.Tensor:
-    """The low 16 bits of ``word`` moved to the top (the first moment's draw under wide draws)."""
-    return (word << 16) & MASK32
+def wide_param_word(shared: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """A parameter's own word under wide draws: the low 8 bits of the shared word, then those of the
+    ``STREAM_PARAM`` word (whose top 24 the first moment takes), from the top; the low 16 bits zero."""
+    return ((shared & 0xFF) << 24) | ((second & 0xFF) << 16)
 
 
 def param_word(shared: torch.Tensor) -> torch.Tensor:
@@ -213,11 +212,15 @@ class UpdateDraws:
             return lambda: moment_word(self.shared(), i)
         if i not in (0, 1):
             raise ValueError(f"wide draws serve two moments, not moment {i}")
-        return (lambda: low_word(self._word(STREAM_PARAM))) if i == 0 else self.shared
+        return lambda: self._word(STREAM_PARAM if i == 0 else STREAM_SHARED)
 
     def param(self):
         """The parameter's bits, as a lazy callable."""
-        return (lambda: param_word(self.shared())) if self._shares else (lambda: self._word(STREAM_PARAM))
+        if self._shares:
+            return lambda: param_word(self.shared())
+        if self._wide:
+            return lambda: wide_param_word(self.shared(), self._word(STREAM_PARAM))
+        return lambda: self._word(STREAM_PARAM)
 
 
 DEFAULT_SEED_FLAG = 1 << 62  # marks a default seed (below 2**63, so every checkpoint takes it)

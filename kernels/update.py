@@ -439,8 +439,8 @@ def _update_tile(
         tl.static_assert(False, "the update kernel has no branch for this ALGO")
     # One hash per element feeds every rounding (fields as in fusedopt.rng: moment i takes
     # 12 bits from the top down, a bf16 + int8 parameter the low 8); each reads its top bits.
-    # Wide draws (norm2-root4): the second moment takes the top 24 bits of the shared word, the first
-    # moment the low 16 of the parameter's own word, whose top bits stay the parameter's.
+    # Wide draws (norm2-root4): a second word, the first moment's; the second moment takes 24 bits of
+    # the shared word, a parameter with a word of its own the low 8 of each.
     shared = tile_bits(shared_hash, hash_start, NB, QBLOCK)
     if V_FAMILY == _ROOT_GRID or M_FAMILY == _NORMALISED:
         tl.static_assert(V_FAMILY == _ROOT_GRID and M_FAMILY == _NORMALISED, "wide draws serve norm2-root4")
@@ -454,7 +454,7 @@ def _update_tile(
         )  # fmt: skip
     if M_FAMILY == _NORMALISED:
         root = tl.where(mask, tl.reshape(stored_roots, [NB, QBLOCK]), 0.0)  # sqrt(v) as just stored
-        m_u = tl.where(mask, (second & 0xFFFF).to(tl.int32).to(tl.float32) * (2.0**-16), 0.0)
+        m_u = tl.where(mask, (second >> 8).to(tl.int32).to(tl.float32) * (2.0**-24), 0.0)
         store_normalised(
             tl.reshape(m, [NORM_ROWS, _NORM_BLOCK]), tl.reshape(root, [NORM_ROWS, _NORM_BLOCK]),
             tl.reshape(m_u, [NORM_ROWS, _NORM_BLOCK]), m_ptr, m_scale_ptr, start, n_elements, status,
@@ -505,7 +505,7 @@ def _update_tile(
             status,
         )
     if PARAM_OWN_DRAW and V_FAMILY == _ROOT_GRID:
-        param_bits = second
+        param_bits = (shared << 24) | ((second & 0xFF) << 16)
     elif PARAM_OWN_DRAW:
         param_bits = tile_bits(param_hash, hash_start, NB, QBLOCK)
     else:

@@ -71,8 +71,8 @@ class MomentCodec:
     # (on encode, the frame as stored after the update); ``decode_moments`` and
     # ``encode_moments`` keep that order.
     frame: bool = False
-    # True: ``bits`` gives a word whose top 24 bits are the draw (``rng.UpdateDraws``' wide draws);
-    # False: a 12-bit field of the word the update's roundings share.
+    # True: ``bits`` gives a word of its own whose top 24 bits are the draw (``rng.UpdateDraws``' wide
+    # draws); False: a 12-bit field of the word the update's roundings share.
     wide_draws: bool = False
 
     def zeros(self, shape: torch.Size, device: torch.device) -> dict[str, torch.Tensor]:

@@ -26,9 +26,10 @@ Format of one moment tensor of ``n`` elements, taken flattened in row-major orde
   3-level code over the same range). A block of scale 0 is all zeros.
 
 Encode: stochastic rounding to the two levels around ``q * (1 / scale)`` (the reciprocal rounded
-once per block), unbiased, from 16 bits of its own (``rng.UpdateDraws``' wide draws). The codes
-are rounded afresh each step: the frame moves every step, so a decay cannot be kept exact on a
-scale. Each step's rounding noise stays in ``m`` with weight ``b1**k``, about ``1 / (1 - b1**2)`` steps' worth; with 4
+once per block), unbiased, from the top 24 bits of the moment's own word (``rng.UpdateDraws``'
+wide draws). The codes are rounded afresh each step: the frame moves every step, so a
+decay cannot be kept exact on a scale. Each step's
+rounding noise stays in ``m`` with weight ``b1**k``, about ``1 / (1 - b1**2)`` steps' worth; with 4
 levels spanning the block's absmax that noise is larger than ``m`` itself, so the half-range is
 capped. The cap biases ``|m|``, and with it every update, towards zero: at 1.2 rms (the cap until
 measured across learning rates) updates drifted at 0.54-0.72 of AdamW's, a smaller effective lr that
