@@ -28,13 +28,6 @@ bits of the word it is given, so a 12-bit field is a word whose low 20 bits are 
 stochastic rounding resolves probabilities to 2**-12 (moments) or 2**-8 (a 24-bit master,
 whose grid is 2**-8 of a bf16 ulp: exactly what it can hold).
 
-Wide draws. The 4-bit codes of ``norm2-root4`` round increments that are often a thousandth of the gap
-between two levels, so each of their two moments takes 24 bits (``WIDE_DRAW_BITS``) and the update
-draws two words (``UpdateDraws(wide=True)``): the first moment the top 24 bits of the ``STREAM_PARAM``
-word, the second moment the top 24 of the shared word, a bf16 + int8 parameter the shared word's low 8
-as above, and a parameter that needs a word of its own the low 8 of both (``wide_param_word``: 16
-bits, from the top).
-
 Default seeds (``DefaultSeeds``). An optimizer built without ``seed`` over several parameters uses seed
 0, as before. One built without ``seed`` over ONE parameter (torchtune's optimizer-in-backward builds
 one per parameter; so does any per-parameter scheme) would then draw the stream of index 0 of seed 0, as
@@ -68,7 +61,6 @@ STREAM_PARAM = 1  # a parameter that needs a word of its own (see the docstring)
 STREAM_SHARED = 16  # the word shared by the moments (and a bf16 + int8 parameter)
 STREAM_GRAD_ACCUM = 1 << 20  # + micro-batch index: low-precision gradient accumulation
 MOMENT_DRAW_BITS = 12  # bits of the shared word per moment
-WIDE_DRAW_BITS = 24  # bits of a moment's word under wide draws
 
 
 def _mul32(x, c: int):
@@ -156,15 +148,13 @@ def moment_word(shared: torch.Tensor, i: int) -> torch.Tensor:
     return (((shared << (MOMENT_DRAW_BITS * i)) & MASK32) >> keep) << keep
 
 
-def wide_uniform(words: torch.Tensor) -> torch.Tensor:
-    """Uniforms in [0, 1) on a 2**-24 grid from a moment's word under wide draws (its top 24 bits)."""
-    return (words >> (32 - WIDE_DRAW_BITS)).to(torch.float32) * 2.0**-WIDE_DRAW_BITS
-
-
-def wide_param_word(shared: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
-    """A parameter's own word under wide draws: the low 8 bits of the shared word, then those of the
-    ``STREAM_PARAM`` word (whose top 24 the first moment takes), from the top; the low 16 bits zero."""
-    return ((shared & 0xFF) << 24) | ((second & 0xFF) << 16)
+def spread_uniform(words: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Uniforms in [0, 1) on a 2**-24 grid from moment words (``moment_word``) and element indices:
+    ``(fmix32(word ^ idx) >> 8) / 2**24``. Each element still has only its word's 12 random bits, but
+    mixed with its index they spread over 24: a probability far below 2**-12 (a tiny increment of an
+    EMA) comes out right on average over elements, where the word alone would round it to 0."""
+    mixed = fmix32(words ^ (idx & MASK32))
+    return (mixed >> 8).to(torch.float32) * 2.0**-24
 
 
 def param_word(shared: torch.Tensor) -> torch.Tensor:
@@ -179,48 +169,31 @@ def param_shares_draw(dtype: torch.dtype, master_weight_bits) -> bool:
 
 class UpdateDraws:
     """The random words of one parameter update, drawn lazily and at most once each (``first``: the
-    global index of ``param``'s first element, for the local shard of a sharded parameter; ``wide``:
-    the moments' codecs take wide draws, see the module's docstring)."""
+    global index of ``param``'s first element, for the local shard of a sharded parameter)."""
 
     def __init__(
-        self,
-        seed: int,
-        index: int,
-        step: torch.Tensor,
-        param: torch.Tensor,
-        master_weight_bits,
-        first: int = 0,
-        wide: bool = False,
+        self, seed: int, index: int, step: torch.Tensor, param: torch.Tensor, master_weight_bits, first: int = 0
     ):
         self._seed, self._index, self._step, self._param, self._first = seed, index, step, param, first
         self._shares = param_shares_draw(param.dtype, master_weight_bits)
-        self._wide = wide
-        self._words = {}
+        self._shared = None
 
-    def _word(self, stream: int) -> torch.Tensor:
-        if stream not in self._words:
-            key = host_key(self._seed, self._index, stream)
-            self._words[stream] = uniform_bits(key, self._step, self._param.shape, self._param.device, self._first)
-        return self._words[stream]
+    def _draw(self, stream: int) -> torch.Tensor:
+        key = host_key(self._seed, self._index, stream)
+        return uniform_bits(key, self._step, self._param.shape, self._param.device, self._first)
 
     def shared(self) -> torch.Tensor:
-        return self._word(STREAM_SHARED)
+        if self._shared is None:
+            self._shared = self._draw(STREAM_SHARED)
+        return self._shared
 
     def moment(self, i: int):
         """Moment ``i``'s bits, as the lazy callable the codecs take."""
-        if not self._wide:
-            return lambda: moment_word(self.shared(), i)
-        if i not in (0, 1):
-            raise ValueError(f"wide draws serve two moments, not moment {i}")
-        return lambda: self._word(STREAM_PARAM if i == 0 else STREAM_SHARED)
+        return lambda: moment_word(self.shared(), i)
 
     def param(self):
         """The parameter's bits, as a lazy callable."""
-        if self._shares:
-            return lambda: param_word(self.shared())
-        if self._wide:
-            return lambda: wide_param_word(self.shared(), self._word(STREAM_PARAM))
-        return lambda: self._word(STREAM_PARAM)
+        return (lambda: param_word(self.shared())) if self._shares else (lambda: self._draw(STREAM_PARAM))
 
 
 DEFAULT_SEED_FLAG = 1 << 62  # marks a default seed (below 2**63, so every checkpoint takes it)

@@ -40,6 +40,23 @@ def element_bits(h, offsets):
 
 
 @triton.jit
+def spread_uniform(word, local):
+    """``fusedopt.rng.spread_uniform``: uniforms on a 2**-24 grid from a moment's field of the shared
+    word (``word``, its top bits) mixed with the int32 / int64 element index ``local``."""
+    return spread_bits(word, local).to(tl.float32) * (2.0**-24)
+
+
+@triton.jit
+def spread_bits(word, local):
+    """The 24 bits behind ``spread_uniform`` (its uniform times 2**24), as int32."""
+    if local.dtype == tl.int64:
+        index = (local & 0xFFFFFFFF).to(tl.uint32)
+    else:
+        index = local.to(tl.uint32)
+    return (fmix32(word ^ index) >> 8).to(tl.int32)
+
+
+@triton.jit
 def tile_bits(h, start, NB: tl.constexpr, QBLOCK: tl.constexpr):
     """``element_bits`` of the [NB, QBLOCK] tile at ``start`` (``moments.tile_offsets``), the same bits.
 

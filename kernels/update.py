@@ -40,7 +40,7 @@ import triton.language as tl
 
 from fusedopt import rng
 from fusedopt.codecs.base import NO_MOMENT, Family, KernelFormat
-from fusedopt.kernels.hashing import step_hash, tile_bits
+from fusedopt.kernels.hashing import spread_bits, spread_uniform, step_hash, tile_bits
 from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig, launch_remembered
 from fusedopt.kernels.master import decode_master, load_master_raw, store_master
 from fusedopt.kernels.moments import commit_mask, decode_moment, load_moment_raw, store_moment, tile_offsets
@@ -439,14 +439,9 @@ def _update_tile(
         tl.static_assert(False, "the update kernel has no branch for this ALGO")
     # One hash per element feeds every rounding (fields as in fusedopt.rng: moment i takes
     # 12 bits from the top down, a bf16 + int8 parameter the low 8); each reads its top bits.
-    # Wide draws (norm2-root4): a second word, the first moment's; the second moment takes 24 bits of
-    # the shared word, a parameter with a word of its own the low 8 of each.
     shared = tile_bits(shared_hash, hash_start, NB, QBLOCK)
-    if V_FAMILY == _ROOT_GRID or M_FAMILY == _NORMALISED:
-        tl.static_assert(V_FAMILY == _ROOT_GRID and M_FAMILY == _NORMALISED, "wide draws serve norm2-root4")
-        second = tile_bits(param_hash, hash_start, NB, QBLOCK)
     if V_FAMILY == _ROOT_GRID:  # first: a normalised first moment is stored in units of v as stored
-        v_draws = tl.where(mask, (shared >> 8).to(tl.int32), 0)
+        v_draws = tl.where(mask, spread_bits(((shared << 12) >> 20) << 20, offs), 0)
         stored_roots = store_root_grid(
             tl.reshape(v, [ROOT_ROWS, _ROOT_BLOCK]), v_codes, v_units, v_values, _as_f32(v_decay),
             _as_f32(v_decay_root), tl.reshape(v_draws, [ROOT_ROWS, _ROOT_BLOCK]),
@@ -454,7 +449,7 @@ def _update_tile(
         )  # fmt: skip
     if M_FAMILY == _NORMALISED:
         root = tl.where(mask, tl.reshape(stored_roots, [NB, QBLOCK]), 0.0)  # sqrt(v) as just stored
-        m_u = tl.where(mask, (second >> 8).to(tl.int32).to(tl.float32) * (2.0**-24), 0.0)
+        m_u = tl.where(mask, spread_uniform((shared >> 20) << 20, offs), 0.0)
         store_normalised(
             tl.reshape(m, [NORM_ROWS, _NORM_BLOCK]), tl.reshape(root, [NORM_ROWS, _NORM_BLOCK]),
             tl.reshape(m_u, [NORM_ROWS, _NORM_BLOCK]), m_ptr, m_scale_ptr, start, n_elements, status,
@@ -504,9 +499,7 @@ def _update_tile(
             QBLOCK,
             status,
         )
-    if PARAM_OWN_DRAW and V_FAMILY == _ROOT_GRID:
-        param_bits = (shared << 24) | ((second & 0xFF) << 16)
-    elif PARAM_OWN_DRAW:
+    if PARAM_OWN_DRAW:
         param_bits = tile_bits(param_hash, hash_start, NB, QBLOCK)
     else:
         param_bits = shared << 24

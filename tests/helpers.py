@@ -95,13 +95,6 @@ def moment_draws(key: int, step: int, shape, field: int = 0):
     return lambda: rng.moment_word(rng.uniform_bits(key, step_t, torch.Size(shape), torch.device("cpu")), field)
 
 
-def wide_draws(key: int, step: int, shape):
-    """The bits callback of a codec that takes wide draws (``rng.UpdateDraws(wide=True)``): a whole word
-    of the counter-based hash of ``key`` at ``step`` per element, whose top 24 bits it reads."""
-    step_t = torch.tensor(float(step))
-    return lambda: rng.uniform_bits(key, step_t, torch.Size(shape), torch.device("cpu"))
-
-
 def second_moment(shape, seed: int) -> torch.Tensor:
     """Squared Gaussians, rows scaled over ~8 decades, a few exact zeros and one tiny value."""
     gen = torch.Generator().manual_seed(seed)

@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 from cases import ALGORITHM, DTYPE_IDS
-from helpers import moment_draws, second_moment, wide_draws
+from helpers import moment_draws, second_moment
 
 import fusedopt
 from fusedopt.codecs import codec_named
@@ -323,7 +323,7 @@ def test_what_every_encode_writes_passes(fmt, signed):
     shape = torch.Size(SHAPES[0])
     codec = codec_named(fmt, signed, shape)
     frame_codec = codec_named(fmt, False, shape)
-    bits = (wide_draws if codec.wide_draws else moment_draws)(7, 1, shape)
+    bits = moment_draws(7, 1, shape)
     inputs = [_extremes(signed)]
     if codec.suffixes != ("",):
         inputs.append(_extremes(signed, saturating=True))

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers import inputs, make_model, second_moment, train, wide_draws
+from helpers import inputs, make_model, moment_draws, second_moment, train
 
 import fusedopt
 from fusedopt.codecs import (
@@ -30,6 +30,9 @@ PAIRED = list(PAIRED_FORMATS)
 # padded block
 SHAPES = [torch.Size([67, 61]), torch.Size([3, 5]), torch.Size([4, 128])]
 BYTES = {"norm2-root4": 0.8125}
+
+
+draw = moment_draws  # the optimizer's bits callback of the first moment's field
 
 
 def root4(shape=SHAPES[0]) -> RootGridCodec:
@@ -121,7 +124,7 @@ def test_normalised_round_trip_error_is_a_fraction_of_the_update(shape):
     m = torch.randn(shape, generator=gen) * frame.sqrt() * 0.3
     m.view(-1)[3:5] = 5.0  # m where the frame is 0 is not representable: stored as 0
     m.view(-1)[NORM_BLOCK : 2 * NORM_BLOCK] = 0.0
-    stored = c.encode(m, wide_draws(1, 1, shape), frame=frame)
+    stored = c.encode(m, draw(1, 1, shape), frame=frame)
     y = c.decode(stored, frame=frame)
     r = frame.sqrt()
     assert torch.all(y.view(-1)[:3] == 0)
@@ -147,7 +150,7 @@ def test_normalised_no_nan_from_junk():
     frame = torch.rand(shape)
     m = torch.randn(shape)
     m.view(-1)[:3] = torch.tensor([float("inf"), float("nan"), -float("inf")])
-    y = c.decode(c.encode(m, wide_draws(0, 1, shape), frame=frame), frame=frame)
+    y = c.decode(c.encode(m, draw(0, 1, shape), frame=frame), frame=frame)
     assert torch.isfinite(y).all()
 
 
@@ -158,9 +161,9 @@ def test_decode_and_encode_moments_put_the_frame_first():
     gen = torch.Generator().manual_seed(2)
     v = second_moment(shape, 1)
     m = torch.randn(shape, generator=gen) * v.sqrt() * 0.2
-    stored = encode_moments(codecs, {"exp_avg": m, "exp_avg_sq": v}, lambda i: wide_draws(3, i + 1, shape), frames)
+    stored = encode_moments(codecs, {"exp_avg": m, "exp_avg_sq": v}, lambda i: draw(3, i + 1, shape), frames)
     v_stored = codecs["exp_avg_sq"].decode(stored["exp_avg_sq"])
-    alone = codecs["exp_avg"].encode(m, wide_draws(3, 1, shape), frame=v_stored)  # in units of v as stored
+    alone = codecs["exp_avg"].encode(m, draw(3, 1, shape), frame=v_stored)  # in units of v as stored
     assert all(torch.equal(alone[s], stored["exp_avg"][s]) for s in alone)
     decoded = decode_moments(codecs, stored, frames)
     assert list(decoded) == ["exp_avg", "exp_avg_sq"]

@@ -109,37 +109,6 @@ def _snapshot(p, opt):
     return p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}
 
 
-def test_wide_draws_give_each_moment_a_word_of_its_own():
-    """norm2-root4's update draws two words: the first moment the STREAM_PARAM word, the second the shared
-    word (their top 24 bits), a bf16 + int8 parameter the shared word's low 8, a parameter that needs a word
-    of its own the low 8 of each (16 bits from the top); no third moment. Narrow draws stay 12-bit fields."""
-    from fusedopt.codecs import codec_named
-    from fusedopt.codecs.base import wide_draws
-
-    p = torch.zeros(5, 7, dtype=torch.bfloat16)
-    step = torch.tensor(3.0)
-    shared = rng.uniform_bits(rng.host_key(11, 2, rng.STREAM_SHARED), step, p.shape, p.device)
-    second = rng.uniform_bits(rng.host_key(11, 2, rng.STREAM_PARAM), step, p.shape, p.device)
-    wide = rng.UpdateDraws(11, 2, step, p, None, wide=True)
-    assert torch.equal(wide.moment(0)(), second) and torch.equal(wide.moment(1)(), shared)
-    own = wide.param()()
-    assert torch.equal(own, ((shared & 0xFF) << 24) | ((second & 0xFF) << 16)) and torch.all(own & 0xFFFF == 0)
-    assert torch.equal(rng.UpdateDraws(11, 2, step, p, 24, wide=True).param()(), (shared << 24) & rng.MASK32)
-    with pytest.raises(ValueError, match="not moment 2"):
-        wide.moment(2)
-    narrow = rng.UpdateDraws(11, 2, step, p, None)
-    assert torch.equal(narrow.moment(1)(), rng.moment_word(shared, 1)) and torch.equal(narrow.param()(), second)
-    assert torch.equal(rng.wide_uniform(second), (second >> 8).float() * 2.0**-24)
-    # which updates draw wide: norm2-root4's; its codecs with another format's are refused
-    shape = torch.Size([4, 128])
-    root4, norm2, block8 = (codec_named(n, n != "root4", shape) for n in ("root4", "norm2", "block8"))
-    assert wide_draws({"exp_avg": norm2, "exp_avg_sq": root4}) and not wide_draws({"exp_avg": block8})
-    fp32 = codec_named("fp32", True, shape)
-    assert not wide_draws({"exp_avg": fp32, "exp_avg_sq": fp32})  # fp32 draws nothing
-    with pytest.raises(ValueError, match="draws of different widths"):
-        wide_draws({"exp_avg": block8, "exp_avg_sq": root4})
-
-
 def test_seedless_one_parameter_optimizers_draw_distinct_streams():
     params, opts = _one_param_set()
     seeds = [opt.seed for opt in opts]

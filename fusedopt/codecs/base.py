@@ -71,9 +71,6 @@ class MomentCodec:
     # (on encode, the frame as stored after the update); ``decode_moments`` and
     # ``encode_moments`` keep that order.
     frame: bool = False
-    # True: ``bits`` gives a word of its own whose top 24 bits are the draw (``rng.UpdateDraws``' wide
-    # draws); False: a 12-bit field of the word the update's roundings share.
-    wide_draws: bool = False
 
     def zeros(self, shape: torch.Size, device: torch.device) -> dict[str, torch.Tensor]:
         """Storage for an all-zero moment."""
@@ -162,16 +159,6 @@ def decode_moments(
         if codec.frame:
             out[slot] = codec.decode(stored[slot], frame=out[_frame_of(slot, codecs, frames)])
     return {slot: out[slot] for slot in codecs}
-
-
-def wide_draws(codecs: dict[str, MomentCodec]) -> bool:
-    """Whether an update of these moments draws wide (``rng.UpdateDraws``): every drawing codec must
-    agree, since a wide word is not a 12-bit field."""
-    kinds = {codec.wide_draws for codec in codecs.values() if codec.state_bits < 32}  # fp32 draws nothing
-    if len(kinds) > 1:
-        names = sorted(codec.name for codec in codecs.values())
-        raise ValueError(f"moments of formats {names} take draws of different widths: no update combines them")
-    return kinds == {True}
 
 
 def encode_moments(

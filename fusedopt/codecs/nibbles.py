@@ -6,8 +6,9 @@ adds its per-block tensors, its levels and its rounding.
 * **Codes** (``<slot>.codes``, uint8, shape ``(64 * blocks,)``): a 4-bit index per element, two per
   byte, element ``2i`` in the low nibble.
 * **Values to encode**: saturated at ``BIG`` (inf there, NaN as 0), at least 0.
-* **Draws**: the top 24 bits of the moment's own word for element ``i`` (``rng.UpdateDraws``' wide
-  draws): an increment of an EMA is often a thousandth of the gap between two levels.
+* **Draws**: the moment's 12-bit field of the update's shared hash word for element ``i``, mixed with
+  ``i`` into a 24-bit uniform (``rng.spread_uniform``): an increment of an EMA is often a thousandth
+  of the gap between two levels.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ class NibbleBlockCodec(MomentCodec):
     (``block_tensors``) and implements the levels and the rounding."""
 
     state_bits = 4
-    wide_draws = True
     block_tensors: dict[str, torch.dtype] = {}  # suffix -> dtype of one value per block
 
     def __init__(self, shape: torch.Size, name: str):
@@ -63,7 +63,8 @@ class NibbleBlockCodec(MomentCodec):
 
     def uniforms(self, bits: BitsFn) -> torch.Tensor:
         """One uniform in [0, 1) per element, ``(blocks, 128)`` (padding: 0, never used)."""
-        return self.padded(rng.wide_uniform(bits().reshape(-1)))
+        words = bits().reshape(-1)
+        return self.padded(rng.spread_uniform(words, torch.arange(self.numel, dtype=torch.int64, device=words.device)))
 
     def decode_blocks(self, stored) -> tuple[torch.Tensor, torch.Tensor]:
         """(int32 codes, fp32 values), each ``(blocks, 128)``."""
