@@ -217,13 +217,20 @@ def _peak_lr(key: str, lr: float) -> float | None:
         return None
 
 
+def run_config(key: str, seed: int, settings: dict):
+    """``config_of`` for the run of ``key`` at ``seed``: with ``draw_seeds``, a fusedopt optimizer's seed
+    becomes 1000 x ``seed`` + its own (0 unless given), so its rounding draws differ between seeds."""
+    label, config, peak = config_of(key, settings["lr"])
+    if settings.get("draw_seeds") and config.optimizer.startswith("fusedopt."):
+        config.kwargs = {**config.kwargs, "seed": 1000 * seed + config.kwargs.get("seed", 0)}
+    return label, config, peak
+
+
 def run_one(key: str, seed: int, spiky: bool, settings: dict, device: str) -> dict:
     """One training run (``harness.train_one``) of configuration ``key``; a worker process's job."""
     torch.set_num_threads(1 if device == "cpu" else 2)  # small tensors; several runs share the host
-    label, config, peak = config_of(key, settings["lr"])
+    label, config, peak = run_config(key, seed, settings)
     autocast = config.autocast is not None
-    if settings.get("draw_seeds") and config.optimizer.startswith("fusedopt."):
-        config.kwargs = {**config.kwargs, "seed": 1000 * seed + config.kwargs.get("seed", 0)}
 
     def make(model):
         return config.build(model.parameters(), model=model, device_type=device)

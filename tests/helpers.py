@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import os
@@ -12,13 +13,20 @@ import torch
 from fusedopt import rng
 
 
-def leave_process_group() -> None:
-    """End a spawned rank that finished its work: destroy the process group, then exit without the
-    interpreter's teardown, where gloo on the CPU now and then aborts in a C++ destructor
-    ("terminate called without an active exception", torch's own FSDP2 + SGD too) after the work
-    has passed, which mp.spawn reports as a failed process."""
+@contextlib.contextmanager
+def spawned_rank():
+    """The work of a spawned rank in its process group. Raising: the group is destroyed and the error
+    goes to mp.spawn. Finished: the group is destroyed and the process exits without the interpreter's
+    teardown, where gloo on the CPU now and then aborts in a C++ destructor ("terminate called without
+    an active exception", torch's own FSDP2 + SGD too) after the work has passed, which mp.spawn would
+    report as a failed process."""
     import torch.distributed as dist
 
+    try:
+        yield
+    except BaseException:
+        dist.destroy_process_group()
+        raise
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()

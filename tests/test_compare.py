@@ -492,3 +492,14 @@ def test_kernel_instructions_counts_the_fast_path_by_statement():
     )
     counts = kernel_instructions.statements(body, range(30, 60))
     assert counts == {40: 3, 41: 2, None: 2}
+
+
+def test_draw_seeds_give_each_seed_its_own_rounding_draws():
+    """quality.py --draw-seeds: a fusedopt configuration's optimizer seed follows the run's seed (a control's
+    own seed offset kept); other libraries' configurations and runs without the option are left alone."""
+    on, off = {"lr": 1e-3, "draw_seeds": True}, {"lr": 1e-3}
+    seeds = [quality.run_config(key, s, on)[1].kwargs["seed"] for key in ("default", "default~") for s in (0, 3)]
+    assert seeds == [0, 3000, 1, 3001]
+    assert "seed" not in quality.run_config("default", 3, off)[1].kwargs
+    assert quality.run_config("default~", 3, off)[1].kwargs["seed"] == 1
+    assert "seed" not in quality.run_config("bf16-rtn", 3, on)[1].kwargs  # torch's AdamW has none

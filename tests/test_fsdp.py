@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import OutOfMemory, leave_process_group, tiny_llama
+from helpers import OutOfMemory, spawned_rank, tiny_llama
 
 import fusedopt
 from fusedopt.sharding import as_sharded, is_sharded, local
@@ -49,7 +49,7 @@ def _phase_worker(rank: int, world_size: int, port: int, scenarios: list, out: s
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
-    try:
+    with spawned_rank():
         for name in scenarios:
             try:
                 start = time.perf_counter()
@@ -60,10 +60,6 @@ def _phase_worker(rank: int, world_size: int, port: int, scenarios: list, out: s
                 (Path(out) / f"{name}.rank{rank}.failed").write_text(traceback.format_exc())
                 raise
             (Path(out) / f"{name}.rank{rank}.passed").touch()
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave_process_group()
 
 
 def scenario(*workers):
@@ -135,12 +131,8 @@ def spawn(fn, *args, world_size: int = 2) -> None:
 def _worker(rank, world_size, port, fn, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
+    with spawned_rank():
         fn(rank, world_size, *args)
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave_process_group()
 
 
 ONE_BEFORE, TWO, ONE_AFTER = PHASES  # noqa: N816

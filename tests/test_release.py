@@ -6,7 +6,7 @@ import weakref
 import pytest
 import torch
 from cases import LOW_DTYPES, dtype_cases
-from helpers import assert_params_equal, groups, inputs, leave_process_group, loss_fn, make_model, train, twins
+from helpers import assert_params_equal, groups, inputs, loss_fn, make_model, spawned_rank, train, twins
 
 import fusedopt
 
@@ -295,7 +295,7 @@ def _construct_in_group(rank, world_size, init_file, out_dir):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
+    with spawned_rank():
         model = torch.nn.Linear(4, 3)
         try:
             fusedopt.AdamW(model.parameters(), fused=True)
@@ -304,10 +304,6 @@ def _construct_in_group(rank, world_size, init_file, out_dir):
             message = str(exc)
         with open(f"{out_dir}/rank{rank}.txt", "w") as f:
             f.write(message)
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave_process_group()
 
 
 def test_release_is_refused_in_a_real_two_process_group(tmp_path):
