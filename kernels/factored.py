@@ -246,44 +246,91 @@ def _factors_kernel(
 
 
 @triton.jit
-def _factors_at(offs, start, mask, row_ptr, col_ptr, rowmean_ptr, n_rows, n_cols, WIDE: tl.constexpr):
-    """The row statistic, column statistic and slice row mean of each element (1.0 where masked).
+def _rsqrt(x):
+    """1/sqrt(x), approximate on the GPU (within 2 ulps); the hardware's flushes subnormal inputs to zero,
+    so those (an eps1**2 below fp32's smallest normal) are scaled by 2**64 first and the result by 2**32."""
+    tiny = x < 1.1754943508222875e-38
+    return tl.rsqrt(tl.where(tiny, x * 18446744073709551616.0, x)) * tl.where(tiny, 4294967296.0, 1.0)
+
+
+@triton.jit
+def _quotient(x, d, inv):
+    """x / d rounded as an IEEE division rounds it, from ``inv`` = 1/d (correctly rounded): the
+    product, then one correction by its exact residual (Markstein); the product where it overflowed."""
+    q = x * inv
+    fixed = tl.fma(tl.fma(-q, d, x), inv, q)
+    return tl.where(tl.abs(q) < float("inf"), fixed, q)
+
+
+@triton.jit
+def _rsqrt(x, maybe_subnormal):
+    """1/sqrt(x), approximate on the GPU (as torch's CUDA rsqrt). The hardware's flushes a subnormal
+    input to zero: where ``maybe_subnormal`` (a scalar: x's floor is below fp32's smallest normal, as for
+    an eps1 under 1e-19) such an input is scaled by 2**64 first and its result by 2**32."""
+    if maybe_subnormal:
+        tiny = x < 1.1754943508222875e-38
+        r = tl.rsqrt(tl.where(tiny, x * 18446744073709551616.0, x)) * tl.where(tiny, 4294967296.0, 1.0)
+    else:
+        r = tl.rsqrt(x)
+    return r
+
+
+@triton.jit
+def _factors_at(
+    offs, start, mask, row_ptr, col_ptr, rowmean_ptr, n_elements, n_rows, n_cols, floor,
+    WIDE: tl.constexpr, SLICED: tl.constexpr,
+):  # fmt: skip
+    """Per element, the product of its row and column statistics, ``d = max(its slice's row mean,
+    floor)`` and ``1/d`` (1.0 where masked): the factored estimate is ``_quotient(rc, d, 1/d)``.
 
     ``offs``: the tile's elements, ``start`` its first (the tile is consecutive elements). ``WIDE``: a
-    row has at least as many elements as the tile, so the tile spans at most two rows and the
-    indices need one division per program instead of 64-bit divisions per element."""
+    row has at least as many elements as the tile, so the tile spans at most two rows, whose statistics
+    are the program's scalars (no per-element divisions, index arithmetic or reciprocals). ``SLICED``:
+    the parameter has more than two dimensions (several slices of rows)."""
     if WIDE:
         row0 = start // n_cols
-        first_slice = row0 // n_rows
         col = (start - row0 * n_cols).to(tl.int32) + (offs - start).to(tl.int32)
         over = col >= n_cols  # the element is in the tile's second row
         col = tl.where(over, col - n_cols, col)
-        row_index = row0 + over.to(tl.int64)
-        # the second row starts the next slice when the first is its slice's last
-        slice_index = first_slice + (over & (row0 - first_slice * n_rows == n_rows - 1)).to(tl.int64)
-        col_index = slice_index * n_cols + col
+        row1 = row0 + ((row0 + 1) * n_cols < n_elements).to(tl.int64)  # row0 again where it is the last
+        if SLICED:
+            slice0 = row0 // n_rows
+            slice1 = slice0 + (row1 - slice0 * n_rows == n_rows).to(tl.int64)
+        else:
+            slice0 = row0 * 0
+            slice1 = slice0
+        d0 = tl.maximum(tl.load(rowmean_ptr + slice0), floor)
+        d1 = tl.maximum(tl.load(rowmean_ptr + slice1), floor)
+        r = tl.where(over, tl.load(row_ptr + row1), tl.load(row_ptr + row0))
+        d = tl.where(over, d1, d0)
+        inv = tl.where(over, tl.div_rn(1.0, d1), tl.div_rn(1.0, d0))
+        col_index = tl.where(over, slice1 * n_cols, slice0 * n_cols) + col
     else:
         row_index = offs // n_cols
         slice_index = row_index // n_rows
         col_index = slice_index * n_cols + offs % n_cols
-    r = tl.load(row_ptr + row_index, mask=mask, other=1.0)
+        r = tl.load(row_ptr + row_index, mask=mask, other=1.0)
+        d = tl.maximum(tl.load(rowmean_ptr + slice_index, mask=mask, other=1.0), floor)
+        inv = tl.div_rn(1.0, d)
     c = tl.load(col_ptr + col_index, mask=mask, other=1.0)
-    mean = tl.load(rowmean_ptr + slice_index, mask=mask, other=1.0)
-    return r, c, mean
+    return r * c, d, inv
 
 
 @triton.jit
 def _u(
-    g, offs, start, mask, row_ptr, col_ptr, rowmean_ptr, v_ptr, w, eps1, n_rows, n_cols,
-    FACTORED: tl.constexpr, WIDE: tl.constexpr,
+    g, offs, start, mask, row_ptr, col_ptr, rowmean_ptr, v_ptr, w, eps1, n_elements, n_rows, n_cols,
+    FACTORED: tl.constexpr, WIDE: tl.constexpr, SLICED: tl.constexpr,
 ):  # fmt: skip
-    """u = g / sqrt(max(v, eps1**2)) and the new element-wise moment (unfactored; else v)."""
+    """u = g * rsqrt(max(v, eps1**2)) (torch's form) and the new element-wise moment (unfactored; else v)."""
     if FACTORED:
-        r, c, mean = _factors_at(offs, start, mask, row_ptr, col_ptr, rowmean_ptr, n_rows, n_cols, WIDE)
-        v = tl.div_rn(r * c, tl.maximum(mean, eps1))
+        rc, d, inv = _factors_at(
+            offs, start, mask, row_ptr, col_ptr, rowmean_ptr, n_elements, n_rows, n_cols, eps1, WIDE, SLICED
+        )  # fmt: skip
+        v = _quotient(rc, d, inv)
     else:
         v = _lerp(tl.load(v_ptr + offs, mask=mask, other=0.0), g * g, w)
-    u = g / tl.sqrt_rn(tl.maximum(v, eps1 * eps1))
+    floor = eps1 * eps1
+    u = g * _rsqrt(tl.maximum(v, floor), floor < 1.1754943508222875e-38)
     return u, v
 
 
@@ -304,6 +351,7 @@ def _usq_kernel(
     HAS_ACCUM: tl.constexpr,
     FACTORED: tl.constexpr,
     WIDE: tl.constexpr,
+    SLICED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -312,7 +360,10 @@ def _usq_kernel(
     mask = offs < n_elements
     g = _load_grad(grad_ptr, accum_ptr, offs, mask, HAS_ACCUM)
     w = tl.load(scratch_ptr + 5).to(tl.float32, bitcast=True)
-    u, _ = _u(g, offs, start, mask, row_ptr, col_ptr, rowmean_ptr, v_ptr, w, _f32(eps1), n_rows, n_cols, FACTORED, WIDE)
+    u, _ = _u(
+        g, offs, start, mask, row_ptr, col_ptr, rowmean_ptr, v_ptr, w, _f32(eps1), n_elements, n_rows, n_cols,
+        FACTORED, WIDE, SLICED,
+    )  # fmt: skip
     tl.store(part_ptr + pid, tl.sum(tl.where(mask, u * u, 0.0), axis=0))
 
 
@@ -393,6 +444,7 @@ def _came_res_kernel(
     NB: tl.constexpr,
     QBLOCK: tl.constexpr,
     WIDE: tl.constexpr,
+    SLICED: tl.constexpr,
 ):
     start = tl.program_id(0).to(tl.int64) * (NB * QBLOCK)
     offs = tile_offsets(start, NB, QBLOCK)
@@ -402,7 +454,10 @@ def _came_res_kernel(
         g = -g
     scale = tl.load(scratch_ptr + 4).to(tl.float32, bitcast=True)
     w = tl.load(scratch_ptr + 5).to(tl.float32, bitcast=True)
-    u, _ = _u(g, offs, start, mask, row_ptr, col_ptr, rowmean_ptr, row_ptr, w, _f32(eps1), n_rows, n_cols, True, WIDE)
+    u, _ = _u(
+        g, offs, start, mask, row_ptr, col_ptr, rowmean_ptr, row_ptr, w, _f32(eps1), n_elements, n_rows, n_cols,
+        True, WIDE, SLICED,
+    )  # fmt: skip
     u_hat = u * scale
     m = load_moment(
         m_ptr, m_scale_ptr, start, n_elements, n_pairs, M_FAMILY, M_BITS, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E,
@@ -461,6 +516,7 @@ def _apply_kernel(
     NB: tl.constexpr,
     QBLOCK: tl.constexpr,
     WIDE: tl.constexpr,
+    SLICED: tl.constexpr,
 ):
     start = tl.program_id(0).to(tl.int64) * (NB * QBLOCK)
     offs = tile_offsets(start, NB, QBLOCK)
@@ -473,7 +529,10 @@ def _apply_kernel(
     alpha = tl.load(scratch_ptr + 3).to(tl.float32, bitcast=True)
     scale = tl.load(scratch_ptr + 4).to(tl.float32, bitcast=True)
     w = tl.load(scratch_ptr + 5).to(tl.float32, bitcast=True)
-    u, v = _u(g, offs, start, mask, row_ptr, col_ptr, rowmean_ptr, v_ptr, w, _f32(eps1), n_rows, n_cols, FACTORED, WIDE)
+    u, v = _u(
+        g, offs, start, mask, row_ptr, col_ptr, rowmean_ptr, v_ptr, w, _f32(eps1), n_elements, n_rows, n_cols,
+        FACTORED, WIDE, SLICED,
+    )  # fmt: skip
     if not FACTORED:
         tl.store(v_ptr + offs, v, mask=commit)
     update = u * scale
@@ -487,8 +546,11 @@ def _apply_kernel(
         m = _lerp(m, update, 1.0 - _f32(beta1))
         update = m
         if CAME:  # m / sqrt(S), S the factored confidence statistic
-            r, c, mean = _factors_at(offs, start, mask, res_row_ptr, res_col_ptr, res_rowmean_ptr, n_rows, n_cols, WIDE)
-            update = m * (1.0 / tl.sqrt_rn(tl.div_rn(r * c, mean)))
+            rc, d, inv = _factors_at(
+                offs, start, mask, res_row_ptr, res_col_ptr, res_rowmean_ptr, n_elements, n_rows, n_cols, 0.0,
+                WIDE, SLICED,
+            )  # fmt: skip
+            update = m * _rsqrt(_quotient(rc, d, inv), True)
         store_moment(
             m,
             (shared >> 20) << 20,
@@ -662,7 +724,9 @@ class PreparedFactored:
             rows=_config(HAS_ACCUM=has_accum, **self.master, BR=row_br, BC=row_bc),
             cols=_config(HAS_ACCUM=has_accum, SQUARE=True, SPLIT=split, BR=col_br, BC=col_bc),
             factors=_config(FACTORED=self.factored, CAME_STATS=False, CHUNK=FACTOR_CHUNK),
-            usq=_config(HAS_ACCUM=has_accum, FACTORED=self.factored, WIDE=self.wide, BLOCK_SIZE=BLOCK),
+            usq=_config(
+                HAS_ACCUM=has_accum, FACTORED=self.factored, WIDE=self.wide, SLICED=self.slices > 1, BLOCK_SIZE=BLOCK
+            ),
             norm=_config(FIRA=self.fira, CHUNK=1024),
             came_res=_config(
                 HAS_ACCUM=has_accum,
@@ -671,11 +735,14 @@ class PreparedFactored:
                 NB=self.apply["NB"],
                 QBLOCK=self.apply["QBLOCK"],
                 WIDE=self.wide,
+                SLICED=self.slices > 1,
             ),
             sum_rows=_config(BR=row_br, BC=row_bc),
             came_cols=_config(HAS_ACCUM=False, SQUARE=False, SPLIT=split, BR=col_br, BC=col_bc),
             came_factors=_config(FACTORED=True, CAME_STATS=True, CHUNK=FACTOR_CHUNK),
-            apply=_config(HAS_ACCUM=has_accum, MAXIMIZE=self.maximize, **self.apply, WIDE=self.wide),
+            apply=_config(
+                HAS_ACCUM=has_accum, MAXIMIZE=self.maximize, **self.apply, WIDE=self.wide, SLICED=self.slices > 1
+            ),
         )
 
     def _go(self, name: str, launcher, grid: int, args: tuple, variant) -> None:

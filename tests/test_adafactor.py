@@ -195,6 +195,11 @@ KERNEL_CASES = [
     (torch.bfloat16, 32, None, dict(master_weight_bits=32)),
     # gradients ~1e-6: v below eps1, the clamps of the row mean and of v decide the update
     (torch.float32, 32, None, dict(grad_scale=1e-6)),
+    # eps1**2 = 1e-40 and v below it: subnormal, which the GPU's reciprocal square root flushes to zero
+    (torch.float32, 32, 0.9, dict(eps=(1e-20, 1e-3), grad_scale=1e-22)),
+    (torch.float32, 32, 0.9, dict(eps=(1e-20, 1e-3), grad_scale=1e-22, beta3=0.9, came_eps=1e-40)),
+    # row * column statistic beyond fp32's range: v is inf (u = 0), as torch's division makes it
+    (torch.float32, 32, None, dict(grad_scale=1e10)),
 ]
 
 
