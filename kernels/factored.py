@@ -52,6 +52,7 @@ from fusedopt.master import MASTER_CORRECTION
 SCRATCH_WORDS = 8
 BLOCK = 1024  # elements per program of the element-wise kernels (a multiple of every quantisation block)
 NUM_WARPS = 4
+USQ_WARPS = 4  # _usq_kernel's (a tile's sum of u**2 costs each thread the same, however many elements it has)
 REDUCE_TILE = 4096  # elements of a reduction program's tile
 FACTOR_CHUNK = 1024  # rows or columns of one chunk of _factors_kernel
 SPLIT_ROWS = 512  # rows of one column-sum program (more programs for tall matrices; partial sums in order)
@@ -725,7 +726,12 @@ class PreparedFactored:
             cols=_config(HAS_ACCUM=has_accum, SQUARE=True, SPLIT=split, BR=col_br, BC=col_bc),
             factors=_config(FACTORED=self.factored, CAME_STATS=False, CHUNK=FACTOR_CHUNK),
             usq=_config(
-                HAS_ACCUM=has_accum, FACTORED=self.factored, WIDE=self.wide, SLICED=self.slices > 1, BLOCK_SIZE=BLOCK
+                USQ_WARPS,
+                HAS_ACCUM=has_accum,
+                FACTORED=self.factored,
+                WIDE=self.wide,
+                SLICED=self.slices > 1,
+                BLOCK_SIZE=BLOCK,
             ),
             norm=_config(FIRA=self.fira, CHUNK=1024),
             came_res=_config(
