@@ -53,6 +53,7 @@ SCRATCH_WORDS = 8
 BLOCK = 1024  # elements per program of the element-wise kernels (a multiple of every quantisation block)
 NUM_WARPS = 4
 USQ_WARPS = 4  # _usq_kernel's (a tile's sum of u**2 costs each thread the same, however many elements it has)
+APPLY_WARPS = 4  # _apply_kernel's
 REDUCE_TILE = 4096  # elements of a reduction program's tile
 FACTOR_CHUNK = 1024  # rows or columns of one chunk of _factors_kernel
 SPLIT_ROWS = 512  # rows of one column-sum program (more programs for tall matrices; partial sums in order)
@@ -747,7 +748,12 @@ class PreparedFactored:
             came_cols=_config(HAS_ACCUM=False, SQUARE=False, SPLIT=split, BR=col_br, BC=col_bc),
             came_factors=_config(FACTORED=True, CAME_STATS=True, CHUNK=FACTOR_CHUNK),
             apply=_config(
-                HAS_ACCUM=has_accum, MAXIMIZE=self.maximize, **self.apply, WIDE=self.wide, SLICED=self.slices > 1
+                APPLY_WARPS,
+                HAS_ACCUM=has_accum,
+                MAXIMIZE=self.maximize,
+                **self.apply,
+                WIDE=self.wide,
+                SLICED=self.slices > 1,
             ),
         )
 
