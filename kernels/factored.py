@@ -258,7 +258,9 @@ def _rsqrt(x):
 @triton.jit
 def _quotient(x, d, inv):
     """x / d rounded as an IEEE division rounds it, from ``inv`` = 1/d (correctly rounded): the
-    product, then one correction by its exact residual (Markstein); the product where it overflowed."""
+    product, then one correction by its exact residual (Markstein); the product where it overflowed.
+    Needs 1/d finite: d, a row mean floored at eps1, normal. A subnormal row mean (eps1 below 1.2e-38)
+    means subnormal statistics whose product underflows: v = 0 there, and torch's u = g * rsqrt(0) too."""
     q = x * inv
     fixed = tl.fma(tl.fma(-q, d, x), inv, q)
     return tl.where(tl.abs(q) < float("inf"), fixed, q)

@@ -279,13 +279,17 @@ def test_kernel_tall_matrix(monkeypatch, device):
     torch.testing.assert_close(out[1][1]["col_var"], out[0][1]["col_var"], rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("beta1,extra", [(None, {}), (0.9, dict(beta3=0.99))])
+# the last: row * column statistic beyond fp32's range (v = inf, u = 0, as torch's division makes it)
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter's, in the 1e10 case
+@pytest.mark.parametrize("beta1,extra", [(None, {}), (0.9, dict(beta3=0.99)), (None, dict(grad_scale=1e10))])
 def test_kernel_rows_as_long_as_a_tile(monkeypatch, device, beta1, extra):
-    """Rows of at least a tile's elements (the kernels index rows without per-element divisions): tiles
-    that start mid-row, span two rows and cross from one slice of a 3-D tensor into the next (rows of
-    1100 and 1030 elements; 5 rows a slice), and several chunks of columns, against the reference."""
+    """Rows of at least a tile's elements (the kernels take a tile's two rows' statistics as scalars):
+    tiles that start mid-row, span two rows and cross from one slice of a 3-D tensor into the next (rows
+    of 1100 and 1030 elements; 5 rows a slice), and several chunks of columns, against the reference."""
     shapes = [(3, 5, 1100), (2, 1030)]
-    grads = [[g.to(device) for g in gs] for gs in _grads(shapes, 2)]
+    extra = dict(extra)
+    scale = extra.pop("grad_scale", 1.0)
+    grads = [[(g * scale).to(device) for g in gs] for gs in _grads(shapes, 2)]
     out = []
     for backend in ("reference", "triton"):
         monkeypatch.setenv("FUSEDOPT_BACKEND", backend)
