@@ -52,9 +52,9 @@ from fusedopt.master import MASTER_CORRECTION
 SCRATCH_WORDS = 8
 BLOCK = 1024  # elements per program of the element-wise kernels (a multiple of every quantisation block)
 NUM_WARPS = 4
-USQ_WARPS = 4  # _usq_kernel's (a tile's sum of u**2 costs each thread the same, however many elements it has)
+USQ_WARPS = 2  # _usq_kernel's (a tile's sum of u**2 costs each thread the same, however many elements it has)
 APPLY_WARPS = 4  # _apply_kernel's
-REDUCE_TILE = 4096  # elements of a reduction program's tile
+REDUCE_TILE = 2048  # elements of a reduction program's tile
 FACTOR_CHUNK = 1024  # rows or columns of one chunk of _factors_kernel
 SPLIT_ROWS = 512  # rows of one column-sum program (more programs for tall matrices; partial sums in order)
 _NONE = tl.constexpr(Family.NONE)
