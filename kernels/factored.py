@@ -52,8 +52,7 @@ from fusedopt.master import MASTER_CORRECTION
 SCRATCH_WORDS = 8
 BLOCK = 1024  # elements per program of the element-wise kernels (a multiple of every quantisation block)
 NUM_WARPS = 4
-USQ_WARPS = 2  # _usq_kernel's (a tile's sum of u**2 costs each thread the same, however many elements it has)
-APPLY_WARPS = 4  # _apply_kernel's
+USQ_WARPS = 2  # _usq_kernel's: a program's fixed work per thread (its rows, its sum) over 16 elements, not 8
 REDUCE_TILE = 2048  # elements of a reduction program's tile
 FACTOR_CHUNK = 1024  # rows or columns of one chunk of _factors_kernel
 SPLIT_ROWS = 512  # rows of one column-sum program (more programs for tall matrices; partial sums in order)
@@ -248,14 +247,6 @@ def _factors_kernel(
 
 
 @triton.jit
-def _rsqrt(x):
-    """1/sqrt(x), approximate on the GPU (within 2 ulps); the hardware's flushes subnormal inputs to zero,
-    so those (an eps1**2 below fp32's smallest normal) are scaled by 2**64 first and the result by 2**32."""
-    tiny = x < 1.1754943508222875e-38
-    return tl.rsqrt(tl.where(tiny, x * 18446744073709551616.0, x)) * tl.where(tiny, 4294967296.0, 1.0)
-
-
-@triton.jit
 def _quotient(x, d, inv):
     """x / d rounded as an IEEE division rounds it, from ``inv`` = 1/d (correctly rounded): the
     product, then one correction by its exact residual (Markstein); the product where it overflowed.
@@ -285,7 +276,7 @@ def _factors_at(
     WIDE: tl.constexpr, SLICED: tl.constexpr,
 ):  # fmt: skip
     """Per element, the product of its row and column statistics, ``d = max(its slice's row mean,
-    floor)`` and ``1/d`` (1.0 where masked): the factored estimate is ``_quotient(rc, d, 1/d)``.
+    floor)`` and ``1/d`` (finite where masked): the factored estimate is ``_quotient(rc, d, 1/d)``.
 
     ``offs``: the tile's elements, ``start`` its first (the tile is consecutive elements). ``WIDE``: a
     row has at least as many elements as the tile, so the tile spans at most two rows, whose statistics
@@ -750,7 +741,6 @@ class PreparedFactored:
             came_cols=_config(HAS_ACCUM=False, SQUARE=False, SPLIT=split, BR=col_br, BC=col_bc),
             came_factors=_config(FACTORED=True, CAME_STATS=True, CHUNK=FACTOR_CHUNK),
             apply=_config(
-                APPLY_WARPS,
                 HAS_ACCUM=has_accum,
                 MAXIMIZE=self.maximize,
                 **self.apply,
