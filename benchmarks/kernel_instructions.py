@@ -13,9 +13,10 @@ per element, per thread of the program (the work the issue slots see); a one-off
 kernel's last program) is counted as if every program took it, so check kernels read high.
 
 ``--statements`` splits the update kernel's count by the statement of ``_update_tile`` whose code each
-instruction was inlined from (the line information of ``nvdisasm -gi``), on its fast path: without the
+instruction was inlined from (the line information of ``nvdisasm -gi``), and Adafactor's element-wise
+kernels' by the innermost statement of ``kernels/factored.py``, on their fast path: without the
 out-of-line slow paths of IEEE division and square root and the calls to them, which no finite,
-normal input takes (the full count above includes them).
+normal input takes (the full count above includes them); a branch's two sides both count.
 
 The local Triton may differ from the GPU machine's: compare counts made with one Triton only.
 """
@@ -151,9 +152,10 @@ def count(sass: str) -> collections.Counter:
 _FRAME = re.compile(r'"([^"]+)", line (\d+)')  # a frame of nvdisasm's "//## File ..., line N inlined at ..."
 
 
-def statements(sass: str, body: range) -> collections.Counter:
-    """Fast-path instructions of nvdisasm ``-gi`` output by the line of ``update.py`` in ``body`` (the
-    lines of ``_update_tile``) their code was inlined from; None: the rest of the kernel. Left out: the
+def statements(sass: str, body: range, source: str = "kernels/update.py") -> collections.Counter:
+    """Fast-path instructions of nvdisasm ``-gi`` output by the line of ``source`` in ``body`` (for the
+    update kernel the lines of ``_update_tile``) their code was inlined from, the innermost such line;
+    None: the rest of the kernel. Left out: the
     out-of-line slow-path routines after the kernel's body, and each call site's block (after the
     conditional branch that skips it, up to the branch back or the label after its CALL)."""
     counts = collections.Counter()
@@ -173,7 +175,7 @@ def statements(sass: str, body: range) -> collections.Counter:
         if not found or found.group(2).startswith("NOP"):
             continue
         if frames:
-            inside = [n for f, n in frames if f.endswith("kernels/update.py") and n in body]
+            inside = [n for f, n in frames if f.endswith(source) and n in body]
             where, frames = (inside[0] if inside else None), []
         opcode, conditional = found.group(2), bool(found.group(1))
         if in_call:
@@ -190,20 +192,26 @@ def statements(sass: str, body: range) -> collections.Counter:
     return +counts
 
 
+BY_STATEMENT = {"_update_kernel": "update", "_usq_kernel": "factored", "_apply_kernel": "factored"}
+
+
 def _by_statement(fn, record) -> list:
     """[(statement, fast-path instructions per program)] of a kernel, largest first (statements of
-    ``_update_tile`` for the update kernel; one entry for the other kernels)."""
+    ``_update_tile`` for the update kernel, of ``factored.py`` for Adafactor's element-wise kernels; one
+    entry for the other kernels)."""
+    import importlib
     import inspect
 
-    from fusedopt.kernels import update
-
+    module = importlib.import_module(f"fusedopt.kernels.{BY_STATEMENT.get(record['kernel'], 'update')}")
+    lines = inspect.getsourcelines(module)[0]
     body = range(0)
     if record["kernel"] == "_update_kernel":
-        source, first = inspect.getsourcelines(update._update_tile.fn)
+        source, first = inspect.getsourcelines(module._update_tile.fn)
         body = range(first, first + len(source))
-    lines = inspect.getsourcelines(update)[0]
+    elif record["kernel"] in BY_STATEMENT:
+        body = range(1, len(lines) + 1)
     sass, _ = _sass(fn, record, lines=True)
-    counts = statements(sass, body)
+    counts = statements(sass, body, f"kernels/{module.__name__.rsplit('.', 1)[-1]}.py")
     # a line of a statement of several lines counts for the statement: its first line names it
     first_line = {}
     for node in sorted(ast.walk(ast.parse("".join(lines))), key=lambda n: -getattr(n, "lineno", 0)):
@@ -212,7 +220,10 @@ def _by_statement(fn, record) -> list:
                 first_line.setdefault(line, node.lineno)  # the innermost statement's
     named = collections.Counter()
     for line, n in counts.items():
-        name = "(the rest of the kernel)" if line is None else lines[first_line[line] - 1].strip().rstrip("(")
+        if line is None:
+            name = "(the rest of the kernel)"
+        else:  # a line of no statement (a function's blank end) by its number
+            name = lines[first_line[line] - 1].strip().rstrip("(") if line in first_line else f"(line {line})"
         named[name] += n
     return named.most_common()
 
@@ -282,11 +293,12 @@ def main(argv=None) -> int:
             top = list(r["opcodes"].items())[: args.opcodes]
             print("|   | " + ", ".join(f"{op} {n}" for op, n in top) + " | | | | |")
     for r in results:
-        if r["statements"] and r["kernel"] == "_update_kernel":
+        if r["statements"] and r["kernel"] in BY_STATEMENT:
             scale = r["per_element"] / r["instructions"]
             total = sum(n for _, n in r["statements"])
-            print(f"\n{r['config']}: the update kernel's fast path, {total * scale:.1f} per element")
-            print("| per element | statement of _update_tile |\n|---|---|")
+            body = "_update_tile" if r["kernel"] == "_update_kernel" else "factored.py"
+            print(f"\n{r['config']}: {r['kernel']}'s fast path, {total * scale:.1f} per element")
+            print(f"| per element | statement of {body} |\n|---|---|")
             for statement, n in r["statements"]:
                 print(f"| {n * scale:.1f} | `{statement}` |")
     if args.out:

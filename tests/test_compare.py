@@ -460,7 +460,8 @@ def test_fingerprints_compare_two_trees_bit_for_bit(tmp_path, capsys):
 
 def test_kernel_instructions_counts_the_fast_path_by_statement():
     """nvdisasm -gi output: each instruction goes to the _update_tile line its innermost caller in that body
-    is at; a slow-path call site's block (either shape) and the routines after the body are left out."""
+    is at (or another file's innermost line); a slow-path call site's block (either shape) and the routines
+    after the body are left out."""
     where = '\t//## File "/r/kernels/{0}", line {1} inlined at "/r/kernels/update.py", line {2}\n'
     body = "\n".join(
         [
@@ -492,6 +493,8 @@ def test_kernel_instructions_counts_the_fast_path_by_statement():
     )
     counts = kernel_instructions.statements(body, range(30, 60))
     assert counts == {40: 3, 41: 2, None: 2}
+    # by the innermost line of another file (Adafactor's kernels by kernels/factored.py)
+    assert kernel_instructions.statements(body, range(1, 100), "kernels/moments.py") == {9: 3, None: 4}
 
 
 def test_draw_seeds_give_each_seed_its_own_rounding_draws():
