@@ -52,6 +52,7 @@ from fusedopt.master import MASTER_CORRECTION
 SCRATCH_WORDS = 8
 BLOCK = 1024  # elements per program of the element-wise kernels (a multiple of every quantisation block)
 NUM_WARPS = 4
+_FP32_TINY = tl.constexpr(1.1754943508222875e-38)  # fp32's smallest normal
 USQ_WARPS = 2  # _usq_kernel's: a program's fixed work per thread (its rows, its sum) over 16 elements, not 8
 REDUCE_TILE = 2048  # elements of a reduction program's tile
 FACTOR_CHUNK = 1024  # rows or columns of one chunk of _factors_kernel
@@ -263,7 +264,7 @@ def _rsqrt(x, maybe_subnormal):
     input to zero: where ``maybe_subnormal`` (a scalar: x's floor is below fp32's smallest normal, as for
     an eps1 under 1e-19) such an input is scaled by 2**64 first and its result by 2**32."""
     if maybe_subnormal:
-        tiny = x < 1.1754943508222875e-38
+        tiny = x < _FP32_TINY
         r = tl.rsqrt(tl.where(tiny, x * 18446744073709551616.0, x)) * tl.where(tiny, 4294967296.0, 1.0)
     else:
         r = tl.rsqrt(x)
@@ -275,12 +276,12 @@ def _factors_at(
     offs, start, mask, row_ptr, col_ptr, rowmean_ptr, n_elements, n_rows, n_cols, floor,
     WIDE: tl.constexpr, SLICED: tl.constexpr,
 ):  # fmt: skip
-    """Per element, the product of its row and column statistics, ``d = max(its slice's row mean,
-    floor)`` and ``1/d`` (finite where masked): the factored estimate is ``_quotient(rc, d, 1/d)``.
+    """Per element, the factored estimate ``row * col / max(its slice's row mean, floor)`` (finite where
+    masked), rounded as the reference's division.
 
     ``offs``: the tile's elements, ``start`` its first (the tile is consecutive elements). ``WIDE``: a
     row has at least as many elements as the tile, so the tile spans at most two rows, whose statistics
-    are the program's scalars (no per-element divisions, index arithmetic or reciprocals). ``SLICED``:
+    and reciprocals are the program's scalars (the quotient by ``_quotient``). ``SLICED``:
     the parameter has more than two dimensions (several slices of rows)."""
     if WIDE:
         row0 = start // n_cols
@@ -299,16 +300,16 @@ def _factors_at(
         r = tl.where(over, tl.load(row_ptr + row1), tl.load(row_ptr + row0))
         d = tl.where(over, d1, d0)
         inv = tl.where(over, tl.div_rn(1.0, d1), tl.div_rn(1.0, d0))
-        col_index = tl.where(over, slice1 * n_cols, slice0 * n_cols) + col
+        c = tl.load(col_ptr + tl.where(over, slice1 * n_cols, slice0 * n_cols) + col, mask=mask, other=1.0)
+        v = _quotient(r * c, d, inv)
     else:
         row_index = offs // n_cols
         slice_index = row_index // n_rows
         col_index = slice_index * n_cols + offs % n_cols
         r = tl.load(row_ptr + row_index, mask=mask, other=1.0)
-        d = tl.maximum(tl.load(rowmean_ptr + slice_index, mask=mask, other=1.0), floor)
-        inv = tl.div_rn(1.0, d)
-    c = tl.load(col_ptr + col_index, mask=mask, other=1.0)
-    return r * c, d, inv
+        c = tl.load(col_ptr + col_index, mask=mask, other=1.0)
+        v = tl.div_rn(r * c, tl.maximum(tl.load(rowmean_ptr + slice_index, mask=mask, other=1.0), floor))
+    return v
 
 
 @triton.jit
@@ -318,14 +319,13 @@ def _u(
 ):  # fmt: skip
     """u = g * rsqrt(max(v, eps1**2)) (torch's form) and the new element-wise moment (unfactored; else v)."""
     if FACTORED:
-        rc, d, inv = _factors_at(
+        v = _factors_at(
             offs, start, mask, row_ptr, col_ptr, rowmean_ptr, n_elements, n_rows, n_cols, eps1, WIDE, SLICED
         )  # fmt: skip
-        v = _quotient(rc, d, inv)
     else:
         v = _lerp(tl.load(v_ptr + offs, mask=mask, other=0.0), g * g, w)
     floor = eps1 * eps1
-    u = g * _rsqrt(tl.maximum(v, floor), floor < 1.1754943508222875e-38)
+    u = g * _rsqrt(tl.maximum(v, floor), floor < _FP32_TINY)
     return u, v
 
 
@@ -541,11 +541,11 @@ def _apply_kernel(
         m = _lerp(m, update, 1.0 - _f32(beta1))
         update = m
         if CAME:  # m / sqrt(S), S the factored confidence statistic
-            rc, d, inv = _factors_at(
+            confidence = _factors_at(
                 offs, start, mask, res_row_ptr, res_col_ptr, res_rowmean_ptr, n_elements, n_rows, n_cols, 0.0,
                 WIDE, SLICED,
             )  # fmt: skip
-            update = m * _rsqrt(_quotient(rc, d, inv), True)
+            update = m * _rsqrt(confidence, True)
         store_moment(
             m,
             (shared >> 20) << 20,
@@ -705,6 +705,7 @@ class PreparedFactored:
         self.factor_programs = slices * (1 + self.col_chunks) if self.factored else 1
         # a tile of the element-wise kernels spans at most two rows: no divisions per element
         self.wide = self.factored and cols >= BLOCK
+        self.sliced = slices > 1
         self.col_programs = slices * self.col_blocks * self.splits
         self.fira = "update_norm" in state
         self.configs = {False: self._configs(False), True: self._configs(True)}
@@ -724,7 +725,7 @@ class PreparedFactored:
                 HAS_ACCUM=has_accum,
                 FACTORED=self.factored,
                 WIDE=self.wide,
-                SLICED=self.slices > 1,
+                SLICED=self.sliced,
                 BLOCK_SIZE=BLOCK,
             ),
             norm=_config(FIRA=self.fira, CHUNK=1024),
@@ -735,7 +736,7 @@ class PreparedFactored:
                 NB=self.apply["NB"],
                 QBLOCK=self.apply["QBLOCK"],
                 WIDE=self.wide,
-                SLICED=self.slices > 1,
+                SLICED=self.sliced,
             ),
             sum_rows=_config(BR=row_br, BC=row_bc),
             came_cols=_config(HAS_ACCUM=False, SQUARE=False, SPLIT=split, BR=col_br, BC=col_bc),
@@ -745,7 +746,7 @@ class PreparedFactored:
                 MAXIMIZE=self.maximize,
                 **self.apply,
                 WIDE=self.wide,
-                SLICED=self.slices > 1,
+                SLICED=self.sliced,
             ),
         )
 
