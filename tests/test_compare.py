@@ -27,6 +27,7 @@ import harness  # noqa: E402
 import kernel_instructions  # noqa: E402
 import quality  # noqa: E402
 import step_speed  # noqa: E402
+import stream_ceiling  # noqa: E402
 
 
 def test_competitor_configs_parse_with_loop_options():
@@ -416,6 +417,31 @@ def test_step_speed_times_every_configuration_against_the_baseline(tmp_path):
     with pytest.raises(SystemExit, match="no optimizer step"):
         step_speed.main(["--device", "cpu", "--shape", "8x8", "--tensors", "1", "--lineup", "FOR"])
     assert step_speed.layer_shapes(1, True)[0] == (32000, 2048) and len(step_speed.layer_shapes(4, False)) == 37
+
+
+@pytest.mark.parametrize("name", list(stream_ceiling.STREAMS))
+def test_a_format_s_skeleton_moves_the_bytes_its_step_does_and_touches_every_item(name):
+    """stream_ceiling's skeleton: the bytes of its streams are those of the step it stands for (the
+    gradient, the parameter and every state tensor, per element), and one launch over a tensor that ends
+    inside a tile flips every item of every stream once (the parameter takes the gradient's bits)."""
+    streams = stream_ceiling.STREAMS[name]
+    config = parse_config(stream_ceiling.STEPS[name])
+    (param,) = harness.params_with_grads([(64, 1024)], "cpu")
+    opt = config.build([param], device_type="cpu")
+    opt.step()
+    state = sum(t.numel() * t.element_size() for _, t in state_tensors(opt)) / param.numel()
+    state -= 4 / param.numel() * (name == "torch fused AdamW, bf16 state")  # torch's step count (fp32)
+    assert stream_ceiling.bytes_per_element(streams) == pytest.approx(2 + 2 * (2 + state), abs=0.02)
+    n = 2 * 2048 + 128 * 3  # items of every stream, a tile and a half
+    torch.manual_seed(0)
+    skeleton = stream_ceiling.Skeleton(streams, n, "cpu", tile=2048, warps=4)
+    for t in skeleton.tensors:
+        t.copy_(torch.randint(0, 100, t.shape).to(t.dtype))
+    before = [t.clone() for t in skeleton.tensors]
+    skeleton.step()
+    assert torch.equal(skeleton.tensors[0], before[0] ^ skeleton.grad)
+    for t, b in zip(skeleton.tensors[1:], before[1:]):
+        assert torch.equal(t, b ^ 1)
 
 
 def test_fingerprints_compare_two_trees_bit_for_bit(tmp_path, capsys):
