@@ -14,7 +14,9 @@ bits, so no load is dead) and stores it back. With ``--extra N`` each element al
 fp32 FMAs whose result reaches the parameter's store: the instructions an element can afford before
 the traffic stops being the bound. Reported per configuration: the median ms over rounds (each the
 median of ``--reps`` launches, configurations interleaved as in ``step_speed.py``), the share of the
-copy's bandwidth by the format's bytes, and the ratio to torch's fused AdamW in the same round.
+copy's bandwidth by the format's bytes, and the ratio to torch's fused AdamW in the same round. With
+``--kernels``, each configuration's kernels under torch.profiler: GPU time per step and kernel, the
+update's own share of copy (the finite check reads the gradient again, beyond the format's bytes).
 
 A skeleton at copy speed says the layout is not what holds the format back; one well below it says no
 kernel with that layout and tile can reach the copy's bandwidth.
@@ -138,13 +140,14 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-steps", action="store_true", help="skeletons only (no optimizer steps)")
+    parser.add_argument("--kernels", action="store_true", help="then each configuration's GPU time by kernel")
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", default=None, help="results JSON")
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     copy = harness.copy_gbps(device, args.elements)
     print(f"{args.elements:.4g} elements, {device}; copy {copy:.0f} GB/s", flush=True)
-    fns, nbytes = {}, {}
+    steppers, nbytes = {}, {}
     baseline = "torch fused AdamW, bf16 state"
     if not args.no_steps:
         import step_speed  # noqa: E402
@@ -155,21 +158,21 @@ def main(argv=None) -> int:
         shapes = [(args.elements // (rows * 16384) or 1, 16384 if args.elements >= 16384 else args.elements)] * rows
         for name in [baseline] + [f for f in args.formats if f != baseline]:
             config = parse_config(STEPS[name])
-            fns[f"step: {name}"] = step_speed.build(config, shapes, torch.bfloat16, device, 1.0, 1e-4).step
+            steppers[f"step: {name}"] = step_speed.build(config, shapes, torch.bfloat16, device, 1.0, 1e-4)
             nbytes[f"step: {name}"] = bytes_per_element(STREAMS[name])
     for name in args.formats:
         for tile in args.tiles:
             elements, warps = (int(x) for x in tile.split("x"))
             for extra in args.extra if name == "default" else [0]:
                 label = f"streams: {name}, {tile}" + (f", {extra} FMAs" if extra else "")
-                fns[label] = Skeleton(STREAMS[name], args.elements, device, elements, warps, extra).step
+                steppers[label] = Skeleton(STREAMS[name], args.elements, device, elements, warps, extra)
                 nbytes[label] = bytes_per_element(STREAMS[name])
-    for fn in fns.values():  # compile, and state built
-        fn()
-        fn()
+    for stepper in steppers.values():  # compiled, state built
+        stepper.step()
+        stepper.step()
     harness.sync(device)
-    times = harness.interleave(fns, args.rounds, args.reps, device)
-    ref = f"step: {baseline}" if f"step: {baseline}" in fns else next(iter(fns))
+    times = harness.interleave({name: s.step for name, s in steppers.items()}, args.rounds, args.reps, device)
+    ref = f"step: {baseline}" if f"step: {baseline}" in steppers else next(iter(steppers))
     summary = harness.ratios(times, ref)
     rows = []
     for name, r in summary.items():
@@ -177,10 +180,23 @@ def main(argv=None) -> int:
         r.update(bytes_per_element=nbytes[name], share_of_copy=share)
         rows.append([name, f"{nbytes[name]:.4g}", f"{r['ms']:.3f}", f"{100 * share:.0f}%", f"{r['ratio']:.3f}"])
     print(harness.table(["configuration", "B/element", "median ms", "% of copy", f"ratio to {ref}"], rows))
+    kernels = {}
+    if args.kernels and device == "cuda":
+        import step_speed  # noqa: E402
+
+        rows = []
+        for name, stepper in steppers.items():
+            per_kernel, _ = step_speed.kernel_times(stepper, device)
+            kernels[name] = per_kernel
+            for key, count, us in per_kernel:
+                share = nbytes[name] * args.elements / (us * 1e3) / copy
+                rows.append([name, key[:60], str(count), f"{us:.1f}", f"{100 * share:.0f}%"])
+        print(harness.table(["configuration", "kernel", "launches", "GPU us per step", "format bytes / copy"], rows))
     if args.out:
         settings = dict(device=device, elements=args.elements, tiles=args.tiles, extra=args.extra)
         settings.update(rounds=args.rounds, reps=args.reps)
-        harness.save(args.out, dict(settings=settings, env=harness.environment(), copy_GBps=copy, results=summary))
+        data = dict(settings=settings, env=harness.environment(), copy_GBps=copy, results=summary, kernels=kernels)
+        harness.save(args.out, data)
     return 0
 
 
