@@ -122,6 +122,12 @@ def main(argv=None) -> int:
         default=(),
         help="also --formats, --configs built with these ELEMENTSxWARPS tiles (update.ROOT_GRID_TILE)",
     )
+    parser.add_argument(
+        "--block-tiles",
+        nargs="*",
+        default=(),
+        help="also --formats, --configs built with these ELEMENTSxWARPS tiles (update.BLOCK, update.NUM_WARPS)",
+    )
     parser.add_argument("--lineup", nargs="*", default=(), help="also these line-up keys (plain steps)")
     parser.add_argument("--baseline", help="the configuration ratios are to (default: torch's fused AdamW)")
     parser.add_argument("--model", help="the parameters of this fusedopt.profile.models preset (e.g. 1b)")
@@ -159,12 +165,16 @@ def main(argv=None) -> int:
     for text in dict.fromkeys(texts):
         config = parse_config(text)
         names[config.label] = (config, dtype, step_bytes(config, dtype))
-    tiles = {}  # name -> the update.ROOT_GRID_TILE it is built under (--root-grid-tiles)
-    for tile in args.root_grid_tiles:
+    tiles = {}  # name -> the module constants of kernels/update.py it is built under (--root-grid-tiles, --block-tiles)
+    for option, tile in [("root", t) for t in args.root_grid_tiles] + [("block", t) for t in args.block_tiles]:
+        elements, warps = (int(x) for x in tile.split("x"))
         for text in [f"fusedopt.AdamW:state_format='{f}'" for f in args.formats] + list(args.configs):
             config = parse_config(text)
-            tiles[f"{config.label} tile {tile}"] = tuple(int(x) for x in tile.split("x"))
-            names[f"{config.label} tile {tile}"] = (config, dtype, step_bytes(config, dtype))
+            name = f"{config.label} {'tile' if option == 'root' else 'block tile'} {tile}"
+            tiles[name] = dict(ROOT_GRID_TILE=(elements, warps)) if option == "root" else dict(BLOCK=elements)
+            if option == "block":
+                tiles[name]["NUM_WARPS"] = warps
+            names[name] = (config, dtype, step_bytes(config, dtype))
     for entry in harness.select(",".join(args.lineup), "step") if args.lineup else ():
         if entry.release:
             raise SystemExit(f"line-up key {entry.key}: a release configuration has no optimizer step to time")
@@ -177,8 +187,8 @@ def main(argv=None) -> int:
             if why:
                 raise RuntimeError(why)
             lr = None if config.optimizer.endswith("Adafactor") else args.lr
-            tile = tiles.get(name)  # only for --root-grid-tiles: an older fusedopt has no such setting
-            with mock.patch.object(update, "ROOT_GRID_TILE", tile) if tile else contextlib.nullcontext():
+            tile = tiles.get(name)  # only for --root-grid-tiles, --block-tiles: an older fusedopt may lack them
+            with mock.patch.multiple(update, **tile) if tile else contextlib.nullcontext():
                 optimizers[name] = build(config, shapes, param_dtype, device, 1e-2 if args.adafactor else 1.0, lr)
         except Exception as exc:  # one configuration failing must not end the run
             failed[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
