@@ -130,6 +130,29 @@ def test_kernel_matches_reference(monkeypatch, device, algo, fmt, dtype, shape):
     assert_state_parity(ref_state, got_state, _codecs(ref_opt), w0.numel())
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("tile", [(256, 1), (512, 2), (2048, 4)], ids=lambda t: f"{t[0]}x{t[1]}")
+def test_any_tile_of_whole_blocks_stores_the_references_bits(monkeypatch, device, tile, bits):
+    """The block formats' update tile (``update.BLOCK`` elements on ``update.NUM_WARPS`` warps) is a speed
+    choice: programs of 16 to 128 blocks, the last one partial, store the reference's bits (bf16 weights
+    with a 24-bit master: the shared draw feeds the moments and the master)."""
+    from fusedopt.kernels import update
+
+    monkeypatch.setattr(update, "BLOCK", tile[0])
+    monkeypatch.setattr(update, "NUM_WARPS", tile[1])
+    gen = torch.Generator().manual_seed(bits)
+    w0 = torch.randn(37, 41, generator=gen).to(torch.bfloat16)
+    grads = [torch.randn(37, 41, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    kwargs = dict(state_bits=bits, master_weight_bits=24)
+    ref_w, ref_state, ref_opt = _run("reference", monkeypatch, device, fusedopt.AdamW, kwargs, w0, grads)
+    got_w, got_state, got_opt = _run("triton", monkeypatch, device, fusedopt.AdamW, kwargs, w0, grads)
+    prepared = got_opt._dispatch._prepared
+    assert [p.launch.programs for p in prepared.values()] == [-(-w0.numel() // tile[0])]
+    assert_moments_nonzero(ref_state)
+    assert_param_parity(ref_w, got_w)
+    assert_state_parity(ref_state, got_state, _codecs(ref_opt), w0.numel())
+
+
 @pytest.mark.parametrize(
     "algo,dtype,master_weight_bits", cross(ALGORITHM_CASES, dtype_cases(*LOW_DTYPES), master_cases(24, 32))
 )
