@@ -126,7 +126,8 @@ def main(argv=None) -> int:
         "--block-tiles",
         nargs="*",
         default=(),
-        help="also --formats, --configs built with these ELEMENTSxWARPS tiles (update.BLOCK, update.NUM_WARPS)",
+        help="also --formats, --configs built with these ELEMENTSxWARPS tiles of every block format "
+        "(update.BLOCK and NUM_WARPS, update.NIBBLE_MASTER_TILE)",
     )
     parser.add_argument("--lineup", nargs="*", default=(), help="also these line-up keys (plain steps)")
     parser.add_argument("--baseline", help="the configuration ratios are to (default: torch's fused AdamW)")
@@ -173,7 +174,7 @@ def main(argv=None) -> int:
             name = f"{config.label} {'tile' if option == 'root' else 'block tile'} {tile}"
             tiles[name] = dict(ROOT_GRID_TILE=(elements, warps)) if option == "root" else dict(BLOCK=elements)
             if option == "block":
-                tiles[name]["NUM_WARPS"] = warps
+                tiles[name].update(NUM_WARPS=warps, NIBBLE_MASTER_TILE=(elements, warps))
             names[name] = (config, dtype, step_bytes(config, dtype))
     for entry in harness.select(",".join(args.lineup), "step") if args.lineup else ():
         if entry.release:
@@ -188,7 +189,7 @@ def main(argv=None) -> int:
                 raise RuntimeError(why)
             lr = None if config.optimizer.endswith("Adafactor") else args.lr
             tile = tiles.get(name)  # only for --root-grid-tiles, --block-tiles: an older fusedopt may lack them
-            with mock.patch.multiple(update, **tile) if tile else contextlib.nullcontext():
+            with mock.patch.multiple(update, **tile, create=True) if tile else contextlib.nullcontext():
                 optimizers[name] = build(config, shapes, param_dtype, device, 1e-2 if args.adafactor else 1.0, lr)
         except Exception as exc:  # one configuration failing must not end the run
             failed[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

@@ -63,6 +63,10 @@ NUM_WARPS = 2
 # decode and encode hold more values per element, and 16 elements a thread took 209 registers (A/B of
 # step_speed.py --root-grid-tiles, benchmarks/RESULTS.md); any multiple of their blocks gives the same bits
 ROOT_GRID_TILE = (1024, 4)
+# (elements, warps) of a program of 4-bit block codes with a master correction (state_bits=4's default):
+# the correction's split and join on 16 elements a thread took 130 registers; at 8 the step is shorter (A/B
+# of step_speed.py --block-tiles, benchmarks/RESULTS.md). Without a correction BLOCK, NUM_WARPS is faster.
+NIBBLE_MASTER_TILE = (512, 2)
 MAX_REGISTERS = None  # per thread (Triton's maxnreg); None: the compiler's choice
 CHECK_TILE = 2048  # elements per iteration of the finite check
 CHECK_TILES = 8  # iterations per check program (fewer programs: fewer ticket atomics)
@@ -810,7 +814,7 @@ class PreparedUpdate:
         self.scratch, self.step, self.skipped = scratch, step, skipped
         # plain integer division: triton.cdiv is a JIT function, ~7 us per call from Python
         self.check_programs = -(-max(n, 1) // (CHECK_TILE * CHECK_TILES))
-        block, warps = _tile(m_fmt, v_fmt)
+        block, warps = _tile(m_fmt, v_fmt, correction is not None)
         self.programs = -(-n // block)
         corr_bits = 0 if correction is None else (16 if correction.dtype == torch.int16 else 8)
         self.configs = [  # [has_accum]
@@ -939,10 +943,13 @@ def bucket_config(config: LaunchConfig) -> LaunchConfig:
     return LaunchConfig({**config.constexprs, "BUCKET": True}, config.options)
 
 
-def _tile(m_fmt: KernelFormat, v_fmt: KernelFormat) -> tuple[int, int]:
-    """(elements, warps) of one update program for these moments."""
+def _tile(m_fmt: KernelFormat, v_fmt: KernelFormat, corrected: bool) -> tuple[int, int]:
+    """(elements, warps) of one update program for these moments (``corrected``: the parameter has a master
+    correction). Any multiple of the moments' blocks stores the same bits: the tile is a speed choice."""
     if Family.ROOT_GRID in (m_fmt.family, v_fmt.family) or Family.NORMALISED in (m_fmt.family, v_fmt.family):
         return ROOT_GRID_TILE
+    if corrected and any(f.family == Family.BLOCK and f.bits == 4 for f in (m_fmt, v_fmt)):
+        return NIBBLE_MASTER_TILE
     return BLOCK, NUM_WARPS
 
 

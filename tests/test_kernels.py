@@ -133,13 +133,15 @@ def test_kernel_matches_reference(monkeypatch, device, algo, fmt, dtype, shape):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("tile", [(256, 1), (512, 2), (2048, 4)], ids=lambda t: f"{t[0]}x{t[1]}")
 def test_any_tile_of_whole_blocks_stores_the_references_bits(monkeypatch, device, tile, bits):
-    """The block formats' update tile (``update.BLOCK`` elements on ``update.NUM_WARPS`` warps) is a speed
-    choice: programs of 16 to 128 blocks, the last one partial, store the reference's bits (bf16 weights
-    with a 24-bit master: the shared draw feeds the moments and the master)."""
+    """The block formats' update tile (``update.BLOCK`` elements on ``update.NUM_WARPS`` warps; 4-bit codes
+    with a correction ``update.NIBBLE_MASTER_TILE``) is a speed choice: programs of 16 to 128 blocks, the
+    last one partial, store the reference's bits (bf16 weights with a 24-bit master: the shared draw feeds
+    the moments and the master)."""
     from fusedopt.kernels import update
 
     monkeypatch.setattr(update, "BLOCK", tile[0])
     monkeypatch.setattr(update, "NUM_WARPS", tile[1])
+    monkeypatch.setattr(update, "NIBBLE_MASTER_TILE", tile)
     gen = torch.Generator().manual_seed(bits)
     w0 = torch.randn(37, 41, generator=gen).to(torch.bfloat16)
     grads = [torch.randn(37, 41, generator=gen).to(torch.bfloat16) for _ in range(3)]
@@ -151,6 +153,32 @@ def test_any_tile_of_whole_blocks_stores_the_references_bits(monkeypatch, device
     assert_moments_nonzero(ref_state)
     assert_param_parity(ref_w, got_w)
     assert_state_parity(ref_state, got_state, _codecs(ref_opt), w0.numel())
+
+
+@pytest.mark.parametrize(
+    "kwargs,tile",
+    [
+        (dict(state_bits=4, master_weight_bits=24), "NIBBLE_MASTER_TILE"),
+        (dict(state_bits=4, master_weight_bits=None), "BLOCK"),
+        (dict(state_bits=8, master_weight_bits=24), "BLOCK"),
+        (dict(state_format="norm2-root4", master_weight_bits=24), "ROOT_GRID_TILE"),
+    ],
+)
+def test_each_format_takes_its_tile(monkeypatch, device, kwargs, tile):
+    """4-bit block codes with a correction run programs of ``NIBBLE_MASTER_TILE``; without one, and 8-bit codes,
+    of ``BLOCK`` elements; norm2-root4 of ``ROOT_GRID_TILE``."""
+    from fusedopt.kernels import update
+
+    monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
+    sizes = dict(BLOCK=2048, NIBBLE_MASTER_TILE=512, ROOT_GRID_TILE=256)  # distinct: each case tells
+    monkeypatch.setattr(update, "BLOCK", sizes["BLOCK"])
+    monkeypatch.setattr(update, "NIBBLE_MASTER_TILE", (sizes["NIBBLE_MASTER_TILE"], 2))
+    monkeypatch.setattr(update, "ROOT_GRID_TILE", (sizes["ROOT_GRID_TILE"], 2))
+    w = torch.nn.Parameter(torch.randn(64, 512, device=device, dtype=torch.bfloat16))
+    opt = fusedopt.AdamW([w], lr=1e-3, min_compress_numel=0, **kwargs)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    assert [p.launch.programs for p in opt._dispatch._prepared.values()] == [w.numel() // sizes[tile]]
 
 
 @pytest.mark.parametrize(
