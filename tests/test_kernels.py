@@ -174,7 +174,7 @@ def test_each_format_takes_its_tile(monkeypatch, device, kwargs, tile):
     monkeypatch.setattr(update, "BLOCK", sizes["BLOCK"])
     monkeypatch.setattr(update, "NIBBLE_MASTER_TILE", (sizes["NIBBLE_MASTER_TILE"], 2))
     monkeypatch.setattr(update, "ROOT_GRID_TILE", (sizes["ROOT_GRID_TILE"], 2))
-    w = torch.nn.Parameter(torch.randn(64, 512, device=device, dtype=torch.bfloat16))
+    w = torch.nn.Parameter(torch.randn(16, 256, device=device, dtype=torch.bfloat16))
     opt = fusedopt.AdamW([w], lr=1e-3, min_compress_numel=0, **kwargs)
     w.grad = torch.randn_like(w)
     opt.step()
