@@ -172,9 +172,10 @@ def main(argv=None) -> int:
         for text in [f"fusedopt.AdamW:state_format='{f}'" for f in args.formats] + list(args.configs):
             config = parse_config(text)
             name = f"{config.label} {'tile' if option == 'root' else 'block tile'} {tile}"
-            tiles[name] = dict(ROOT_GRID_TILE=(elements, warps)) if option == "root" else dict(BLOCK=elements)
-            if option == "block":
-                tiles[name].update(NUM_WARPS=warps, NIBBLE_MASTER_TILE=(elements, warps))
+            if option == "root":
+                tiles[name] = dict(ROOT_GRID_TILE=(elements, warps))
+            else:
+                tiles[name] = dict(BLOCK=elements, NUM_WARPS=warps, NIBBLE_MASTER_TILE=(elements, warps))
             names[name] = (config, dtype, step_bytes(config, dtype))
     for entry in harness.select(",".join(args.lineup), "step") if args.lineup else ():
         if entry.release:

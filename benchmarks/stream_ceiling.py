@@ -35,6 +35,9 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
+import step_speed  # noqa: E402
+
+from fusedopt.profile import parse_config  # noqa: E402
 
 # stream: (name, dtype, elements per stored item); every stream is read and written, the gradient only read
 STREAMS = {
@@ -118,17 +121,17 @@ class Skeleton:
             raise ValueError(f"a tile of {tile} elements does not hold whole items of every stream")
         self.grad = torch.randint(-(2**15), 2**15, (n,), dtype=torch.int16, device=device)
         self.tensors = [torch.zeros(math.ceil(n / per), dtype=dtype, device=device) for _, dtype, per in streams]
-        self.items = [tile // per for _, _, per in streams]
-        self.n, self.tile, self.warps, self.extra = n, tile, warps, extra
+        # the launch's arguments, built once (the step is timed): unused slots point at the parameter, 0 items
+        unused = MAX_STREAMS - len(streams)
+        rest = self.tensors[1:] + [self.tensors[0]] * unused
+        counts = [t.numel() for t in self.tensors[1:]] + [0] * unused
+        items = [tile // per for _, _, per in streams[1:]] + [0] * unused
+        self.args = (self.grad, self.tensors[0], *rest, n, *counts, *items)
+        self.grid = (triton.cdiv(n, tile),)
+        self.options = dict(TILE=tile, EXTRA=extra, num_warps=warps)
 
     def step(self):
-        rest = self.tensors[1:] + [self.tensors[0]] * (MAX_STREAMS - len(self.tensors))
-        counts = [t.numel() for t in self.tensors[1:]] + [0] * (MAX_STREAMS - len(self.tensors))
-        items = self.items[1:] + [0] * (MAX_STREAMS - len(self.tensors))
-        _streams_kernel[(triton.cdiv(self.n, self.tile),)](
-            self.grad, self.tensors[0], *rest, self.n, *counts, *items,
-            TILE=self.tile, EXTRA=self.extra, num_warps=self.warps,
-        )  # fmt: skip
+        _streams_kernel[self.grid](*self.args, **self.options)
 
 
 def main(argv=None) -> int:
@@ -150,10 +153,6 @@ def main(argv=None) -> int:
     steppers, nbytes = {}, {}
     baseline = "torch fused AdamW, bf16 state"
     if not args.no_steps:
-        import step_speed  # noqa: E402
-
-        from fusedopt.profile import parse_config
-
         rows = 2 if args.elements % (2 * 16384) == 0 else 1
         shapes = [(args.elements // (rows * 16384) or 1, 16384 if args.elements >= 16384 else args.elements)] * rows
         for name in [baseline] + [f for f in args.formats if f != baseline]:
@@ -182,8 +181,6 @@ def main(argv=None) -> int:
     print(harness.table(["configuration", "B/element", "median ms", "% of copy", f"ratio to {ref}"], rows))
     kernels = {}
     if args.kernels and device == "cuda":
-        import step_speed  # noqa: E402
-
         rows = []
         for name, stepper in steppers.items():
             per_kernel, _ = step_speed.kernel_times(stepper, device)
