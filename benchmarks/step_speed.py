@@ -4,6 +4,7 @@ libraries, timed in one process as ratios.
     python benchmarks/step_speed.py                          # GPU: the default against torch, 8 x 8192 x 16384 bf16
     python benchmarks/step_speed.py --formats norm2-root4 block4 --lineup H E4 --rounds 6 --reps 5
     python benchmarks/step_speed.py --configs "fusedopt:master_weight_bits=None" "fusedopt:state_bits=16"
+    python benchmarks/step_speed.py --configs fusedopt --constants APPROXIMATE_DENOMINATOR=False  # kernel A/B
     python benchmarks/step_speed.py --model 1b               # the 1.1B Llama's 201 tensors (host-bound)
     python benchmarks/step_speed.py --adafactor --layers 4 --dtype fp32   # Adafactor against torch.optim.Adafactor
     python benchmarks/step_speed.py --device cpu --shape 256x512 --tensors 2 --rounds 2 --reps 2 --lineup B  # smoke
@@ -34,6 +35,7 @@ kernel, launches and GPU time per step, against the event-timed step.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import math
 import os
@@ -129,6 +131,13 @@ def main(argv=None) -> int:
         help="also --formats, --configs built with these ELEMENTSxWARPS tiles of every block format "
         "(update.BLOCK and NUM_WARPS, update.NIBBLE_MASTER_TILE)",
     )
+    parser.add_argument(
+        "--constants",
+        nargs="*",
+        default=(),
+        help="also --formats, --configs built with these kernels/update.py constants, each NAME=VALUE[,NAME=VALUE] "
+        "(e.g. APPROXIMATE_DENOMINATOR=False)",
+    )
     parser.add_argument("--lineup", nargs="*", default=(), help="also these line-up keys (plain steps)")
     parser.add_argument("--baseline", help="the configuration ratios are to (default: torch's fused AdamW)")
     parser.add_argument("--model", help="the parameters of this fusedopt.profile.models preset (e.g. 1b)")
@@ -177,6 +186,12 @@ def main(argv=None) -> int:
             else:
                 tiles[name] = dict(BLOCK=elements, NUM_WARPS=warps, NIBBLE_MASTER_TILE=(elements, warps))
             names[name] = (config, dtype, step_bytes(config, dtype))
+    for text in args.constants:
+        constants = {k: ast.literal_eval(v) for k, v in (item.split("=", 1) for item in text.split(","))}
+        for config_text in [f"fusedopt.AdamW:state_format='{f}'" for f in args.formats] + list(args.configs):
+            config = parse_config(config_text)
+            tiles[f"{config.label} {text}"] = constants
+            names[f"{config.label} {text}"] = (config, dtype, step_bytes(config, dtype))
     for entry in harness.select(",".join(args.lineup), "step") if args.lineup else ():
         if entry.release:
             raise SystemExit(f"line-up key {entry.key}: a release configuration has no optimizer step to time")
@@ -189,7 +204,7 @@ def main(argv=None) -> int:
             if why:
                 raise RuntimeError(why)
             lr = None if config.optimizer.endswith("Adafactor") else args.lr
-            tile = tiles.get(name)  # only for --root-grid-tiles, --block-tiles: an older fusedopt may lack them
+            tile = tiles.get(name)  # --root-grid-tiles, --block-tiles, --constants: an older fusedopt may lack them
             with mock.patch.multiple(update, **tile, create=True) if tile else contextlib.nullcontext():
                 optimizers[name] = build(config, shapes, param_dtype, device, 1e-2 if args.adafactor else 1.0, lr)
         except Exception as exc:  # one configuration failing must not end the run

@@ -67,6 +67,10 @@ ROOT_GRID_TILE = (1024, 4)
 # the correction's split and join on 16 elements a thread took 130 registers; at 8 the step is shorter (A/B
 # of step_speed.py --block-tiles, benchmarks/RESULTS.md). Without a correction BLOCK, NUM_WARPS is faster.
 NIBBLE_MASTER_TILE = (512, 2)
+# AdamW's sqrt(v) and division: the GPU's approximate instructions (within 2 ulp; about 18 fewer per
+# element) unless the moments are fp32, where the update is torch.optim.AdamW's (IEEE). False: IEEE in
+# every format (benchmarks compare the two). The interpreter computes both exactly.
+APPROXIMATE_DENOMINATOR = True
 MAX_REGISTERS = None  # per thread (Triton's maxnreg); None: the compiler's choice
 CHECK_TILE = 2048  # elements per iteration of the finite check
 CHECK_TILES = 8  # iterations per check program (fewer programs: fewer ticket atomics)
@@ -113,6 +117,27 @@ def _as_f32(x):
     A cast, not ``x + 0.0``: on the GPU the argument is fp32 already and the cast is free, where
     the add cost an instruction per scalar (and turned a -0.0 argument into +0.0)."""
     return tl.cast(x, tl.float32)
+
+
+# sqrt.approx flushes a subnormal v to zero, moving the denominator by under sqrt(2**-126) * c = 2**-63 * c
+# (c = 1/sqrt(bias_correction2)): at most 2**-24 of eps from this eps up; below it sqrt_rn runs.
+_FLUSH_SAFE_EPS = tl.constexpr(2.0**-39)
+
+
+@triton.jit
+def _adam_direction(m, v, c, eps, IEEE: tl.constexpr, SQRT_RN: tl.constexpr):
+    """AdamW's m / (sqrt(v) * c + eps), c = 1/sqrt(bias_correction2), in torch.optim.AdamW's order: IEEE, or
+    the approximate division (div.full) and square root (sqrt.approx; ``SQRT_RN``: the IEEE one, which
+    the root-grid encode of the same v computes anyway)."""
+    if IEEE:
+        direction = tl.div_rn(m, tl.sqrt_rn(v) * c + eps)
+    elif SQRT_RN:
+        direction = m / (tl.sqrt_rn(v) * c + eps)
+    elif eps >= _FLUSH_SAFE_EPS * c:  # one branch per program
+        direction = m / (tl.sqrt(v) * c + eps)
+    else:
+        direction = m / (tl.sqrt_rn(v) * c + eps)
+    return direction
 
 
 @triton.jit
@@ -377,7 +402,7 @@ def _update_tile(
     M_CLIP: tl.constexpr,
     V_FAMILY: tl.constexpr, V_BITS: tl.constexpr, V_SIGNED: tl.constexpr, V_POWER: tl.constexpr,
     V_QMAX: tl.constexpr, V_K: tl.constexpr, V_MIN_E: tl.constexpr, V_THR: tl.constexpr, V_TOP: tl.constexpr,
-    NB: tl.constexpr, QBLOCK: tl.constexpr, SCALE_GRAD: tl.constexpr,
+    NB: tl.constexpr, QBLOCK: tl.constexpr, SCALE_GRAD: tl.constexpr, IEEE_DENOMINATOR: tl.constexpr,
 ):  # fmt: skip
     """Decode, update and re-encode one tile (the update kernel's arguments, as it documents them)."""
     g, accum, head, correction, m_stored, m_scales, v_stored, v_scales = stored
@@ -423,8 +448,11 @@ def _update_tile(
             m = tl.fma(-(g - m), 1.0 - lerp_weight, g)
         v = tl.fma(one_minus_beta2 * g, g, v * beta2)  # torch.addcmul
         p = p * decay
-        denom = tl.sqrt_rn(v) * inv_bias_correction2_sqrt + eps
-        p = p - tl.div_rn(m, denom) * step_size
+        p = (
+            p
+            - _adam_direction(m, v, inv_bias_correction2_sqrt, eps, IEEE_DENOMINATOR, V_FAMILY == _ROOT_GRID)
+            * step_size
+        )
     elif ALGO == _SGD:  # as torch.optim.SGD (torch.add(x, y, alpha=a) is fma(a, y, x))
         d = tl.fma(weight_decay, p, g)
         if M_FAMILY != _NONE:
@@ -599,6 +627,7 @@ def _update_kernel(
     INDEX_64: tl.constexpr,  # element offsets need 64 bits
     BUCKET: tl.constexpr,  # one launch over several parameters (kernels/bucket.py)
     SCALE_GRAD: tl.constexpr,  # the gradients are multiplied by the clipping coefficient
+    IEEE_DENOMINATOR: tl.constexpr,  # AdamW: IEEE sqrt(v) and division (else the approximate ones)
 ):
     if BUCKET:  # this program's member: its pointers, size and keys
         member, program, row = _bucket_member(table_ptr, COL_UPDATE_START)
@@ -649,6 +678,7 @@ def _update_kernel(
         v_decay, v_decay_root, ALGO, MASTER, PARAM_BF16, CORR_BITS, STOCHASTIC_MASTER, PARAM_OWN_DRAW, HAS_ACCUM,
         MAXIMIZE, NESTEROV, M_FAMILY, M_BITS, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, M_THR, M_TOP, M_CLIP,
         V_FAMILY, V_BITS, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, V_THR, V_TOP, NB, QBLOCK, SCALE_GRAD,
+        IEEE_DENOMINATOR,
     )  # fmt: skip
 
 
@@ -833,6 +863,7 @@ class PreparedUpdate:
                 # 64-bit indices past 2**31, and hash indices from a `first` the 32-bit tiles cannot take
                 # (a tile row must start at a multiple of its length: hashing.tile_bits)
                 first + n >= 2**31 - block or first % max(32, _tile_row(m_fmt, v_fmt)) != 0,
+                not APPROXIMATE_DENOMINATOR,
             )  # fmt: skip
             for has_accum in (False, True)
         ]
@@ -971,7 +1002,7 @@ def _tile_row(m_fmt: KernelFormat, v_fmt: KernelFormat) -> int:
 @functools.lru_cache(maxsize=1024)
 def _update_config(
     algo, dtype, corr_bits, param_own_draw, has_accum, maximize, nesterov, m_fmt, v_fmt, block, num_warps, maxnreg,
-    index_64,
+    index_64, ieee_denominator,
 ) -> LaunchConfig:  # fmt: skip
     """The compile-time switches of one update configuration (cached: launches happen per parameter)."""
     qblock = _tile_row(m_fmt, v_fmt)
@@ -993,6 +1024,7 @@ def _update_config(
         INDEX_64=index_64,
         BUCKET=False,
         SCALE_GRAD=False,
+        IEEE_DENOMINATOR=ieee_denominator or (m_fmt.family == Family.FP32 and v_fmt.family == Family.FP32),
     )
     options = dict(
         num_warps=num_warps,

@@ -182,6 +182,57 @@ def test_each_format_takes_its_tile(monkeypatch, device, kwargs, tile):
 
 
 @pytest.mark.parametrize(
+    "kwargs,ieee",
+    [
+        (dict(state_bits=32), True),
+        (dict(state_bits=16), False),
+        (dict(state_bits=8), False),
+        (dict(state_bits=4), False),
+        (dict(state_format="norm2-root4"), False),
+    ],
+    ids=lambda x: str(x) if isinstance(x, bool) else next(iter(x.values())),
+)
+def test_adamw_divides_exactly_only_with_fp32_moments(monkeypatch, device, kwargs, ieee):
+    """With fp32 moments AdamW's square root and division are IEEE (torch.optim.AdamW's results); the other
+    formats take the GPU's approximate ones, unless ``update.APPROXIMATE_DENOMINATOR`` is False."""
+    from fusedopt.kernels import update
+
+    monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
+
+    def ieee_flags():
+        w = torch.nn.Parameter(torch.randn(16, 256, device=device, dtype=torch.bfloat16))
+        opt = fusedopt.AdamW([w], lr=1e-3, min_compress_numel=0, **kwargs)
+        w.grad = torch.randn_like(w)
+        opt.step()
+        return [c.constexprs["IEEE_DENOMINATOR"] for p in opt._dispatch._prepared.values() for c in p.launch.configs]
+
+    assert ieee_flags() == [ieee, ieee]
+    monkeypatch.setattr(update, "APPROXIMATE_DENOMINATOR", False)
+    assert ieee_flags() == [True, True]
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-30, 1e-8])
+def test_adamw_with_subnormal_second_moments_matches_the_reference(monkeypatch, device, eps):
+    """Gradients of 1e-20 make v subnormal (about 1e-43): the approximate square root would flush it to zero,
+    and with eps below 2**-39 / sqrt(bias_correction2) the kernel takes the IEEE one. Every eps agrees with
+    the reference (on a GPU an eps of 0 would otherwise divide m by zero, 1e-30 take steps 1e9 too large)."""
+    gen = torch.Generator().manual_seed(5)
+    w0 = torch.randn(37, 64, generator=gen).to(torch.bfloat16)
+    # |g| >= 1e-20, so v >= 1e-43 is never 0 (where torch's m / 0 is infinite too)
+    grads = [
+        (torch.randn(37, 64, generator=gen).sign() * (1 + torch.rand(37, 64, generator=gen)) * 1e-20).to(torch.bfloat16)
+        for _ in range(3)
+    ]
+    kwargs = dict(eps=eps, master_weight_bits=24)
+    ref_w, ref_state, ref_opt = _run("reference", monkeypatch, device, fusedopt.AdamW, kwargs, w0, grads)
+    got_w, got_state, _ = _run("triton", monkeypatch, device, fusedopt.AdamW, kwargs, w0, grads)
+    assert ref_w.isfinite().all()
+    assert not torch.equal(ref_w, w0) or eps > 0  # with eps 0 the steps are lr-sized
+    assert_param_parity(ref_w, got_w)
+    assert_state_parity(ref_state, got_state, _codecs(ref_opt), w0.numel())
+
+
+@pytest.mark.parametrize(
     "algo,dtype,master_weight_bits", cross(ALGORITHM_CASES, dtype_cases(*LOW_DTYPES), master_cases(24, 32))
 )
 def test_kernel_master_weight_splitting(monkeypatch, device, algo, dtype, master_weight_bits):
