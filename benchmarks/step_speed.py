@@ -4,7 +4,7 @@ libraries, timed in one process as ratios.
     python benchmarks/step_speed.py                          # GPU: the default against torch, 8 x 8192 x 16384 bf16
     python benchmarks/step_speed.py --formats norm2-root4 block4 --lineup H E4 --rounds 6 --reps 5
     python benchmarks/step_speed.py --configs "fusedopt:master_weight_bits=None" "fusedopt:state_bits=16"
-    python benchmarks/step_speed.py --configs fusedopt --constants APPROXIMATE_DENOMINATOR=False  # kernel A/B
+    python benchmarks/step_speed.py --configs fusedopt --constants APPROXIMATE_DENOMINATOR=True  # kernel A/B
     python benchmarks/step_speed.py --model 1b               # the 1.1B Llama's 201 tensors (host-bound)
     python benchmarks/step_speed.py --adafactor --layers 4 --dtype fp32   # Adafactor against torch.optim.Adafactor
     python benchmarks/step_speed.py --device cpu --shape 256x512 --tensors 2 --rounds 2 --reps 2 --lineup B  # smoke
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
         nargs="*",
         default=(),
         help="also --formats, --configs built with these kernels/update.py constants, each NAME=VALUE[,NAME=VALUE] "
-        "(e.g. APPROXIMATE_DENOMINATOR=False)",
+        "(e.g. APPROXIMATE_DENOMINATOR=True)",
     )
     parser.add_argument("--lineup", nargs="*", default=(), help="also these line-up keys (plain steps)")
     parser.add_argument("--baseline", help="the configuration ratios are to (default: torch's fused AdamW)")

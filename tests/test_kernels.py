@@ -193,8 +193,8 @@ def test_each_format_takes_its_tile(monkeypatch, device, kwargs, tile):
     ids=lambda x: str(x) if isinstance(x, bool) else next(iter(x.values())),
 )
 def test_adamw_divides_exactly_only_with_fp32_moments(monkeypatch, device, kwargs, ieee):
-    """With fp32 moments AdamW's square root and division are IEEE (torch.optim.AdamW's results); the other
-    formats take the GPU's approximate ones, unless ``update.APPROXIMATE_DENOMINATOR`` is False."""
+    """AdamW's square root and division are IEEE; with ``update.APPROXIMATE_DENOMINATOR`` the formats but fp32
+    moments (torch.optim.AdamW's results) take the GPU's approximate ones."""
     from fusedopt.kernels import update
 
     monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
@@ -206,16 +206,19 @@ def test_adamw_divides_exactly_only_with_fp32_moments(monkeypatch, device, kwarg
         opt.step()
         return [c.constexprs["IEEE_DENOMINATOR"] for p in opt._dispatch._prepared.values() for c in p.launch.configs]
 
-    assert ieee_flags() == [ieee, ieee]
-    monkeypatch.setattr(update, "APPROXIMATE_DENOMINATOR", False)
     assert ieee_flags() == [True, True]
+    monkeypatch.setattr(update, "APPROXIMATE_DENOMINATOR", True)
+    assert ieee_flags() == [ieee, ieee]
 
 
 @pytest.mark.parametrize("eps", [0.0, 1e-30, 1e-8])
 def test_adamw_with_subnormal_second_moments_matches_the_reference(monkeypatch, device, eps):
-    """Gradients of 1e-20 make v subnormal (about 1e-43): the approximate square root would flush it to zero,
-    and with eps below 2**-39 / sqrt(bias_correction2) the kernel takes the IEEE one. Every eps agrees with
-    the reference (on a GPU an eps of 0 would otherwise divide m by zero, 1e-30 take steps 1e9 too large)."""
+    """With ``update.APPROXIMATE_DENOMINATOR``: gradients of 1e-20 make v subnormal (about 1e-43), which the
+    approximate square root may flush to zero, so with eps below 2**-39 / sqrt(bias_correction2) the kernel
+    takes the IEEE one. Every eps agrees with the reference, each branch in the interpreter bit for bit."""
+    from fusedopt.kernels import update
+
+    monkeypatch.setattr(update, "APPROXIMATE_DENOMINATOR", True)
     gen = torch.Generator().manual_seed(5)
     w0 = torch.randn(37, 64, generator=gen).to(torch.bfloat16)
     # |g| >= 1e-20, so v >= 1e-43 is never 0 (where torch's m / 0 is infinite too)
