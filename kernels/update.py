@@ -67,9 +67,9 @@ ROOT_GRID_TILE = (1024, 4)
 # the correction's split and join on 16 elements a thread took 130 registers; at 8 the step is shorter (A/B
 # of step_speed.py --block-tiles, benchmarks/RESULTS.md). Without a correction BLOCK, NUM_WARPS is faster.
 NIBBLE_MASTER_TILE = (512, 2)
-# AdamW's sqrt(v) and division: IEEE, as the reference; True: the GPU's approximate instructions (within
-# 2 ulp; about 10 fewer per element) unless the moments are fp32. Off: on the GPU high-precision masters
-# then leave the reference's parity bounds (benchmarks/RESULTS.md). The interpreter computes both exactly.
+# AdamW's sqrt(v) and division: IEEE, as the reference; True: the GPU's approximate instructions (within 2 ulp,
+# about 10 fewer per element) wherever _needs_ieee_denominator allows. Off until that rule has passed the GPU
+# tests (benchmarks/RESULTS.md). The interpreter computes both exactly.
 APPROXIMATE_DENOMINATOR = False
 MAX_REGISTERS = None  # per thread (Triton's maxnreg); None: the compiler's choice
 CHECK_TILE = 2048  # elements per iteration of the finite check
@@ -125,14 +125,11 @@ _FLUSH_SAFE_EPS = tl.constexpr(2.0**-39)
 
 
 @triton.jit
-def _adam_direction(m, v, c, eps, IEEE: tl.constexpr, SQRT_RN: tl.constexpr):
+def _adam_direction(m, v, c, eps, IEEE: tl.constexpr):
     """AdamW's m / (sqrt(v) * c + eps), c = 1/sqrt(bias_correction2), in torch.optim.AdamW's order: IEEE, or
-    the approximate division (div.full) and square root (sqrt.approx; ``SQRT_RN``: the IEEE one, which
-    the root-grid encode of the same v computes anyway)."""
+    the approximate division (div.full) and square root (sqrt.approx)."""
     if IEEE:
         direction = tl.div_rn(m, tl.sqrt_rn(v) * c + eps)
-    elif SQRT_RN:
-        direction = m / (tl.sqrt_rn(v) * c + eps)
     elif eps >= _FLUSH_SAFE_EPS * c:  # one branch per program
         direction = m / (tl.sqrt(v) * c + eps)
     else:
@@ -448,11 +445,7 @@ def _update_tile(
             m = tl.fma(-(g - m), 1.0 - lerp_weight, g)
         v = tl.fma(one_minus_beta2 * g, g, v * beta2)  # torch.addcmul
         p = p * decay
-        p = (
-            p
-            - _adam_direction(m, v, inv_bias_correction2_sqrt, eps, IEEE_DENOMINATOR, V_FAMILY == _ROOT_GRID)
-            * step_size
-        )
+        p = p - _adam_direction(m, v, inv_bias_correction2_sqrt, eps, IEEE_DENOMINATOR) * step_size
     elif ALGO == _SGD:  # as torch.optim.SGD (torch.add(x, y, alpha=a) is fma(a, y, x))
         d = tl.fma(weight_decay, p, g)
         if M_FAMILY != _NONE:
@@ -999,6 +992,14 @@ def _tile_row(m_fmt: KernelFormat, v_fmt: KernelFormat) -> int:
     return row
 
 
+def _needs_ieee_denominator(dtype, corr_bits: int, m_fmt: KernelFormat, v_fmt: KernelFormat) -> bool:
+    """Whether AdamW's square root and division stay IEEE under ``APPROXIMATE_DENOMINATOR``: with fp32 moments
+    (torch.optim.AdamW's results), an fp32 parameter or master (bf16/fp16 + int16), whose grid resolves the
+    approximations' 2 ulp of an update, and a root-grid v (its kernel stores the reference's bits)."""
+    fp32_moments = m_fmt.family == Family.FP32 and v_fmt.family == Family.FP32
+    return fp32_moments or dtype == torch.float32 or corr_bits == 16 or v_fmt.family == Family.ROOT_GRID
+
+
 @functools.lru_cache(maxsize=1024)
 def _update_config(
     algo, dtype, corr_bits, param_own_draw, has_accum, maximize, nesterov, m_fmt, v_fmt, block, num_warps, maxnreg,
@@ -1024,7 +1025,7 @@ def _update_config(
         INDEX_64=index_64,
         BUCKET=False,
         SCALE_GRAD=False,
-        IEEE_DENOMINATOR=ieee_denominator or (m_fmt.family == Family.FP32 and v_fmt.family == Family.FP32),
+        IEEE_DENOMINATOR=ieee_denominator or _needs_ieee_denominator(dtype, corr_bits, m_fmt, v_fmt),
     )
     options = dict(
         num_warps=num_warps,

@@ -182,25 +182,28 @@ def test_each_format_takes_its_tile(monkeypatch, device, kwargs, tile):
 
 
 @pytest.mark.parametrize(
-    "kwargs,ieee",
+    "kwargs,dtype,ieee",
     [
-        (dict(state_bits=32), True),
-        (dict(state_bits=16), False),
-        (dict(state_bits=8), False),
-        (dict(state_bits=4), False),
-        (dict(state_format="norm2-root4"), False),
+        (dict(state_bits=32), torch.bfloat16, True),  # torch.optim.AdamW's results
+        (dict(state_bits=16), torch.bfloat16, False),
+        (dict(state_bits=8), torch.bfloat16, False),
+        (dict(state_bits=8, master_weight_bits=None), torch.float16, False),
+        (dict(state_bits=4), torch.bfloat16, False),
+        (dict(state_bits=8), torch.float32, True),  # an fp32 parameter resolves 2 ulp of an update
+        (dict(state_bits=8, master_weight_bits=32), torch.bfloat16, True),  # so does an fp32 master
+        (dict(state_format="norm2-root4"), torch.bfloat16, True),  # its kernel stores the reference's bits
     ],
-    ids=lambda x: str(x) if isinstance(x, bool) else next(iter(x.values())),
+    ids=["32", "16", "8", "8-fp16-nomaster", "4", "8-fp32", "8-master32", "norm2-root4"],
 )
-def test_adamw_divides_exactly_only_with_fp32_moments(monkeypatch, device, kwargs, ieee):
-    """AdamW's square root and division are IEEE; with ``update.APPROXIMATE_DENOMINATOR`` the formats but fp32
-    moments (torch.optim.AdamW's results) take the GPU's approximate ones."""
+def test_adamw_approximates_its_denominator_only_where_no_bit_shows_it(monkeypatch, device, kwargs, dtype, ieee):
+    """AdamW's square root and division are IEEE; with ``update.APPROXIMATE_DENOMINATOR`` they are the GPU's
+    approximate ones but with fp32 moments, an fp32 parameter or master, or a root-grid second moment."""
     from fusedopt.kernels import update
 
     monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
 
     def ieee_flags():
-        w = torch.nn.Parameter(torch.randn(16, 256, device=device, dtype=torch.bfloat16))
+        w = torch.nn.Parameter(torch.randn(16, 256, device=device, dtype=dtype))
         opt = fusedopt.AdamW([w], lr=1e-3, min_compress_numel=0, **kwargs)
         w.grad = torch.randn_like(w)
         opt.step()
