@@ -16,6 +16,8 @@ in the same order, fused multiply-adds exactly where torch uses one), and the te
 that; on a GPU the bounds above are the contract.
 """
 
+import contextlib
+import re
 import zlib
 
 import pytest
@@ -448,13 +450,21 @@ def _launch_one(kernel_id, m_fmt, v_fmt=None, device="cpu"):
     return param.cpu()
 
 
+@contextlib.contextmanager
 def _compile_time_failure(message):
     """The error a failed ``tl.static_assert`` raises: in Triton's interpreter (the CPU) an
-    ``InterpreterError`` wrapping an ``AssertionError`` with the message, on the GPU a compilation error."""
+    ``InterpreterError`` wrapping an ``AssertionError`` with the message; compiled (the GPU) a
+    ``CompilationError`` at the outermost call whose chain of causes ends in the assertion's."""
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import InterpreterError
 
-    return pytest.raises((InterpreterError, CompilationError), match=message)
+    with pytest.raises((InterpreterError, CompilationError)) as caught:
+        yield
+    chain, error = [], caught.value
+    while error is not None:
+        chain.append(str(error))
+        error = error.__cause__
+    assert any(re.search(message, text) for text in chain), chain
 
 
 def test_an_unknown_algorithm_fails_to_compile(monkeypatch, device):
