@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# AdamW's approximate denominator (kernels/update.py APPROXIMATE_DENOMINATOR) against IEEE, on the GPU machine
+# from the repository root: every figure of benchmarks/RESULTS.md "How we chose" on it, and the CUDA runs of the
+# test files that hold the kernel to the reference, with it on. Stages (STAGES, default all, in this order):
+#   tests    tests/test_kernels.py, tests/test_lowbit_kernel.py and the fast GPU tier, with it on
+#   speed    step_speed.py: each configuration with and without it in one process (ratios to torch's fused AdamW)
+#   counters kernel_counters.sh (ncu) in both trees: executed instructions per element of the update
+#   quality  quality.py --quick --draw-seeds in both trees at each of LRS, same seeds and draws; paired difference
+# The tree with it on is a copy under /tmp (the flag set by sed), imported through PYTHONPATH.
+# Results under $OUT (default out/). BUDGET seconds (default 560) bound the whole script; a stage that would
+# start past it is skipped.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
+BUDGET=${BUDGET:-560}
+STAGES=${STAGES:-tests speed counters quality}
+LRS=${LRS:-2.5e-4 1e-3 3e-3}
+DEVICE=${DEVICE:-cuda}  # cpu: a smoke test of the quality stage (on the CPU both trees compute the same)
+JOBS=${JOBS:-12}
+SEEDS=${SEEDS:-0,1,2,3,4,5}
+KEYS=${KEYS:-default,default~,block4,nomaster}
+CONFIGS=("fusedopt.AdamW" "fusedopt.AdamW:state_bits=4" "fusedopt.AdamW:master_weight_bits=None")
+
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+APPROX=/tmp/fusedopt_approximate
+rm -rf "$APPROX" && mkdir -p "$APPROX"
+cp -r fusedopt kernels benchmarks tests pyproject.toml "$APPROX"/ && ln -s ../kernels "$APPROX/fusedopt/kernels"
+sed -i 's/^APPROXIMATE_DENOMINATOR = False/APPROXIMATE_DENOMINATOR = True/' "$APPROX/kernels/update.py"
+(cd "$APPROX" && PYTHONPATH="$APPROX" python3 -c "from fusedopt.kernels import update as u
+assert u.__file__.startswith('$APPROX') and u.APPROXIMATE_DENOMINATOR, u.__file__") || exit 1
+approx() { (cd "$APPROX" && PYTHONPATH="$APPROX" "$@"); }
+left() { echo $((BUDGET - SECONDS)); }
+
+for stage in $STAGES; do
+  [ "$(left)" -lt 30 ] && { echo "$stage: not run, $(left) s left of BUDGET=$BUDGET"; continue; }
+  echo "== $stage at $SECONDS s"
+  case $stage in
+    tests)
+      approx timeout -s INT 200 python3 -m pytest -q -rf --tb=line -p no:cacheprovider tests/test_kernels.py \
+        tests/test_lowbit_kernel.py > "$OUT/tests_approximate.log" 2>&1
+      tail -15 "$OUT/tests_approximate.log"
+      approx env OUT="$OUT/approximate_tier" SKIP_INSTALL=1 TIERS=fast BUDGET=$(($(left) < 300 ? $(left) : 300)) \
+        bash tests/gpu/run_tiers.sh | tail -3 ;;
+    speed)
+      python3 benchmarks/step_speed.py --tensors 2 --rounds 8 --reps 5 --configs "${CONFIGS[@]}" \
+        --constants APPROXIMATE_DENOMINATOR=True --out "$OUT/speed.json" 2>&1 | tail -9 ;;
+    counters)
+      OUT="$OUT/ieee" bash benchmarks/kernel_counters.sh "${CONFIGS[@]}" | tail -8
+      approx env OUT="$OUT/approximate" bash benchmarks/kernel_counters.sh "${CONFIGS[@]}" | tail -8 ;;
+    quality)
+      for lr in $LRS; do
+        [ "$(left)" -lt 60 ] && { echo "lr $lr: not run"; continue; }
+        common=(--quick --draw-seeds --device "$DEVICE" --seeds "$SEEDS" --only "$KEYS" --lr "$lr" --jobs "$JOBS")
+        python3 benchmarks/quality.py "${common[@]}" --out "$OUT/q_ieee_$lr.json" > "$OUT/q_ieee_$lr.log" 2>&1
+        approx python3 benchmarks/quality.py "${common[@]}" --out "$OUT/q_approximate_$lr.json" \
+          > "$OUT/q_approximate_$lr.log" 2>&1
+      done
+      python3 - "$OUT" <<'EOF'
+import glob, json, os, statistics, sys
+# per key and lr: the approximate run's held-out loss against the IEEE run's of the same seed, in %
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "q_approximate_*.json"))):
+    lr, ieee = path.rsplit("_", 1)[1][:-5], path.replace("q_approximate_", "q_ieee_")
+    runs = [{(r["key"], r["seed"]): r["final_eval"] for r in json.load(open(p))["runs"]} for p in (path, ieee)]
+    for key in sorted({k for k, _ in runs[0]}):
+        d = [100 * (runs[0][k, s] / runs[1][k, s] - 1) for k, s in runs[0] if k == key and (k, s) in runs[1]]
+        sd = statistics.stdev(d) if len(d) > 1 else float("nan")
+        print(f"lr {lr} {key}: approximate - IEEE {statistics.fmean(d):+.3f} ± {sd:.3f}% over {len(d)} seeds")
+EOF
+      ;;
+    *) echo "unknown stage: $stage"; exit 2 ;;
+  esac
+done
+echo "== end at $SECONDS s"
