@@ -175,23 +175,22 @@ def main(argv=None) -> int:
     for text in dict.fromkeys(texts):
         config = parse_config(text)
         names[config.label] = (config, dtype, step_bytes(config, dtype))
-    tiles = {}  # name -> the module constants of kernels/update.py it is built under (--root-grid-tiles, --block-tiles)
-    for option, tile in [("root", t) for t in args.root_grid_tiles] + [("block", t) for t in args.block_tiles]:
+    variants = []  # (name suffix, the kernels/update.py constants a configuration is built under)
+    for tile in args.root_grid_tiles:
+        variants.append((f"tile {tile}", dict(ROOT_GRID_TILE=tuple(int(x) for x in tile.split("x")))))
+    for tile in args.block_tiles:
         elements, warps = (int(x) for x in tile.split("x"))
+        variants.append(
+            (f"block tile {tile}", dict(BLOCK=elements, NUM_WARPS=warps, NIBBLE_MASTER_TILE=(elements, warps)))
+        )
+    for text in args.constants:
+        variants.append((text, {k: ast.literal_eval(v) for k, v in (item.split("=", 1) for item in text.split(","))}))
+    constants_of = {}  # name -> its variant's constants
+    for suffix, constants in variants:
         for text in [f"fusedopt.AdamW:state_format='{f}'" for f in args.formats] + list(args.configs):
             config = parse_config(text)
-            name = f"{config.label} {'tile' if option == 'root' else 'block tile'} {tile}"
-            if option == "root":
-                tiles[name] = dict(ROOT_GRID_TILE=(elements, warps))
-            else:
-                tiles[name] = dict(BLOCK=elements, NUM_WARPS=warps, NIBBLE_MASTER_TILE=(elements, warps))
-            names[name] = (config, dtype, step_bytes(config, dtype))
-    for text in args.constants:
-        constants = {k: ast.literal_eval(v) for k, v in (item.split("=", 1) for item in text.split(","))}
-        for config_text in [f"fusedopt.AdamW:state_format='{f}'" for f in args.formats] + list(args.configs):
-            config = parse_config(config_text)
-            tiles[f"{config.label} {text}"] = constants
-            names[f"{config.label} {text}"] = (config, dtype, step_bytes(config, dtype))
+            constants_of[f"{config.label} {suffix}"] = constants
+            names[f"{config.label} {suffix}"] = (config, dtype, step_bytes(config, dtype))
     for entry in harness.select(",".join(args.lineup), "step") if args.lineup else ():
         if entry.release:
             raise SystemExit(f"line-up key {entry.key}: a release configuration has no optimizer step to time")
@@ -204,8 +203,8 @@ def main(argv=None) -> int:
             if why:
                 raise RuntimeError(why)
             lr = None if config.optimizer.endswith("Adafactor") else args.lr
-            tile = tiles.get(name)  # --root-grid-tiles, --block-tiles, --constants: an older fusedopt may lack them
-            with mock.patch.multiple(update, **tile, create=True) if tile else contextlib.nullcontext():
+            constants = constants_of.get(name)  # an older fusedopt may lack them
+            with mock.patch.multiple(update, **constants, create=True) if constants else contextlib.nullcontext():
                 optimizers[name] = build(config, shapes, param_dtype, device, 1e-2 if args.adafactor else 1.0, lr)
         except Exception as exc:  # one configuration failing must not end the run
             failed[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

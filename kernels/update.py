@@ -856,7 +856,7 @@ class PreparedUpdate:
                 # 64-bit indices past 2**31, and hash indices from a `first` the 32-bit tiles cannot take
                 # (a tile row must start at a multiple of its length: hashing.tile_bits)
                 first + n >= 2**31 - block or first % max(32, _tile_row(m_fmt, v_fmt)) != 0,
-                not APPROXIMATE_DENOMINATOR,
+                not APPROXIMATE_DENOMINATOR or _needs_ieee_denominator(param.dtype, corr_bits, m_fmt, v_fmt),
             )  # fmt: skip
             for has_accum in (False, True)
         ]
@@ -1025,7 +1025,7 @@ def _update_config(
         INDEX_64=index_64,
         BUCKET=False,
         SCALE_GRAD=False,
-        IEEE_DENOMINATOR=ieee_denominator or _needs_ieee_denominator(dtype, corr_bits, m_fmt, v_fmt),
+        IEEE_DENOMINATOR=ieee_denominator,
     )
     options = dict(
         num_warps=num_warps,
