@@ -2,7 +2,7 @@
 # AdamW's approximate denominator (kernels/update.py APPROXIMATE_DENOMINATOR) against IEEE, on the GPU machine
 # from the repository root: every figure of benchmarks/RESULTS.md "How we chose" on it, and the CUDA runs of the
 # test files that hold the kernel to the reference, with it on. Stages (STAGES, default all, in this order):
-#   tests    tests/test_kernels.py, tests/test_lowbit_kernel.py and the fast GPU tier, with it on
+#   tests    tests/test_kernels.py, tests/test_lowbit_kernel.py and the fast GPU tier (FAST_BUDGET s), with it on
 #   speed    step_speed.py: each configuration with and without it in one process (ratios to torch's fused AdamW)
 #   counters kernel_counters.sh (ncu) in both trees: executed instructions per element of the update
 #   quality  quality.py --quick --draw-seeds in both trees at each of LRS, same seeds and draws; paired difference
@@ -14,6 +14,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 BUDGET=${BUDGET:-560}
+FAST_BUDGET=${FAST_BUDGET:-300}  # the fast GPU tier after the test files (0: not run)
 STAGES=${STAGES:-tests speed counters quality}
 LRS=${LRS:-2.5e-4 1e-3 3e-3}
 DEVICE=${DEVICE:-cuda}  # cpu: a smoke test of the quality stage (on the CPU both trees compute the same)
@@ -45,7 +46,8 @@ for stage in $STAGES; do
       approx timeout -s INT 200 python3 -m pytest -q -rf --tb=line -p no:cacheprovider tests/test_kernels.py \
         tests/test_lowbit_kernel.py -k "not approximates_its_denominator" > "$OUT/tests_approximate.log" 2>&1
       tail -15 "$OUT/tests_approximate.log"
-      approx env OUT="$OUT/approximate_tier" SKIP_INSTALL=1 TIERS=fast BUDGET=$(($(left) < 300 ? $(left) : 300)) \
+      fast=$(($(left) < FAST_BUDGET ? $(left) : FAST_BUDGET))
+      [ "$fast" -ge 30 ] && approx env OUT="$OUT/approximate_tier" SKIP_INSTALL=1 TIERS=fast BUDGET=$fast \
         bash tests/gpu/run_tiers.sh | tail -3 ;;
     speed)
       python3 benchmarks/step_speed.py --tensors 2 --rounds 8 --reps 5 --configs "${CONFIGS[@]}" \
