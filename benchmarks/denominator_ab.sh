@@ -6,8 +6,9 @@
 #   speed    step_speed.py: each configuration with and without it in one process (ratios to torch's fused AdamW)
 #   counters kernel_counters.sh (ncu) in both trees: executed instructions per element of the update
 #   quality  quality.py --quick --draw-seeds in both trees at each of LRS, same seeds and draws; paired difference
-# The package with it on is a copy under /tmp (the flag set by sed), imported through PYTHONPATH; everything runs
-# from this repository's root (tests/conftest.py drops the root from sys.path, so a copied tree's root would not do).
+# The other setting is a copy of the package under /tmp (the flag flipped by sed), imported through PYTHONPATH;
+# everything runs from this repository's root (tests/conftest.py drops the root from sys.path, so a copied tree's
+# root would not do).
 # Results under $OUT (default out/). BUDGET seconds (default 560) bound the whole script; a stage that would
 # start past it is skipped.
 set -uo pipefail
@@ -25,17 +26,21 @@ CONFIGS=("fusedopt.AdamW" "fusedopt.AdamW:state_bits=4" "fusedopt.AdamW:master_w
 
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
-APPROX=/tmp/fusedopt_approximate
-rm -rf "$APPROX" && mkdir -p "$APPROX"
-cp -r fusedopt "$APPROX"/ && rm -rf "$APPROX/fusedopt/kernels" && cp -r kernels "$APPROX/fusedopt/kernels"
-sed -i 's/^APPROXIMATE_DENOMINATOR = False/APPROXIMATE_DENOMINATOR = True/' "$APPROX/fusedopt/kernels/update.py"
-approx() { PYTHONPATH="$APPROX" "$@"; }
+FLAG=$(sed -n 's/^APPROXIMATE_DENOMINATOR = \(True\|False\)$/\1/p' kernels/update.py)
+[ "$FLAG" = True ] && OTHER=False || OTHER=True
+COPY=/tmp/fusedopt_denominator_$OTHER
+rm -rf "$COPY" && mkdir -p "$COPY"
+cp -r fusedopt "$COPY"/ && rm -rf "$COPY/fusedopt/kernels" && cp -r kernels "$COPY/fusedopt/kernels"
+sed -i "s/^APPROXIMATE_DENOMINATOR = $FLAG\$/APPROXIMATE_DENOMINATOR = $OTHER/" "$COPY/fusedopt/kernels/update.py"
+copy() { PYTHONPATH="$COPY" "$@"; }
+here() { "$@"; }
+if [ "$FLAG" = True ]; then approx() { here "$@"; }; ieee() { copy "$@"; }; else approx() { copy "$@"; }; ieee() { here "$@"; }; fi
 # (from /tmp: \`python3 -c\` would find this root's fusedopt/ first; scripts put their own folder there instead)
-(cd /tmp && approx python3 -c "from fusedopt.kernels import update as u
-assert u.__file__.startswith('$APPROX') and u.APPROXIMATE_DENOMINATOR, u.__file__") || exit 1
-# under pytest too: the test that holds the flag off by default must fail there
-approx python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k approximates_its_denominator > "$OUT/canary.log" 2>&1
-[ $? -eq 1 ] || { echo "pytest does not import the copy with the flag on:"; tail -5 "$OUT/canary.log"; exit 1; }
+(cd /tmp && copy python3 -c "from fusedopt.kernels import update as u
+assert u.__file__.startswith('$COPY') and u.APPROXIMATE_DENOMINATOR == $OTHER, u.__file__") || exit 1
+# under pytest too: the test that holds the flag's default must fail there
+copy python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k approximates_its_denominator > "$OUT/canary.log" 2>&1
+[ $? -eq 1 ] || { echo "pytest does not import the copy with the flag flipped:"; tail -5 "$OUT/canary.log"; exit 1; }
 left() { echo $((BUDGET - SECONDS)); }
 
 for stage in $STAGES; do
@@ -51,15 +56,15 @@ for stage in $STAGES; do
         bash tests/gpu/run_tiers.sh | tail -3 ;;
     speed)
       python3 benchmarks/step_speed.py --tensors 2 --rounds 8 --reps 5 --configs "${CONFIGS[@]}" \
-        --constants APPROXIMATE_DENOMINATOR=True --out "$OUT/speed.json" 2>&1 | tail -9 ;;
+        --constants APPROXIMATE_DENOMINATOR=$OTHER --out "$OUT/speed.json" 2>&1 | tail -9 ;;
     counters)
-      OUT="$OUT/ieee" bash benchmarks/kernel_counters.sh "${CONFIGS[@]}" | tail -8
+      ieee env OUT="$OUT/ieee" bash benchmarks/kernel_counters.sh "${CONFIGS[@]}" | tail -8
       approx env OUT="$OUT/approximate" bash benchmarks/kernel_counters.sh "${CONFIGS[@]}" | tail -8 ;;
     quality)
       for lr in $LRS; do
         [ "$(left)" -lt 60 ] && { echo "lr $lr: not run"; continue; }
         common=(--quick --draw-seeds --device "$DEVICE" --seeds "$SEEDS" --only "$KEYS" --lr "$lr" --jobs "$JOBS")
-        python3 benchmarks/quality.py "${common[@]}" --out "$OUT/q_ieee_$lr.json" > "$OUT/q_ieee_$lr.log" 2>&1
+        ieee python3 benchmarks/quality.py "${common[@]}" --out "$OUT/q_ieee_$lr.json" > "$OUT/q_ieee_$lr.log" 2>&1
         approx python3 benchmarks/quality.py "${common[@]}" --out "$OUT/q_approximate_$lr.json" \
           > "$OUT/q_approximate_$lr.log" 2>&1
       done

@@ -198,8 +198,8 @@ def test_each_format_takes_its_tile(monkeypatch, device, kwargs, tile):
     ids=["32", "16", "8", "8-fp16-nomaster", "4", "8-fp32", "8-master32", "norm2-root4"],
 )
 def test_adamw_approximates_its_denominator_only_where_no_bit_shows_it(monkeypatch, device, kwargs, dtype, ieee):
-    """AdamW's square root and division are IEEE; with ``update.APPROXIMATE_DENOMINATOR`` they are the GPU's
-    approximate ones but with fp32 moments, an fp32 parameter or master, or a root-grid second moment."""
+    """AdamW's square root and division are the GPU's approximate ones (``update.APPROXIMATE_DENOMINATOR``) but
+    with fp32 moments, an fp32 parameter or master, or a root-grid second moment; without the flag, IEEE."""
     from fusedopt.kernels import update
 
     monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
@@ -211,9 +211,9 @@ def test_adamw_approximates_its_denominator_only_where_no_bit_shows_it(monkeypat
         opt.step()
         return [c.constexprs["IEEE_DENOMINATOR"] for p in opt._dispatch._prepared.values() for c in p.launch.configs]
 
-    assert ieee_flags() == [True, True]
-    monkeypatch.setattr(update, "APPROXIMATE_DENOMINATOR", True)
     assert ieee_flags() == [ieee, ieee]
+    monkeypatch.setattr(update, "APPROXIMATE_DENOMINATOR", False)
+    assert ieee_flags() == [True, True]
 
 
 @pytest.mark.parametrize("eps", [0.0, 1e-30, 1e-8])
