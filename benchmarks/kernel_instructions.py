@@ -16,7 +16,8 @@ kernel's last program) is counted as if every program took it, so check kernels 
 instruction was inlined from (the line information of ``nvdisasm -gi``), and Adafactor's element-wise
 kernels' by the innermost statement of ``kernels/factored.py``, on their fast path: without the
 out-of-line slow paths of IEEE division and square root and the calls to them, which no finite,
-normal input takes (the full count above includes them); a branch's two sides both count.
+normal input takes (the full count above includes them); a branch's two sides both count, but for the code
+of a kernel line marked ``# rare branch`` (AdamW's IEEE fallback for an eps below the flush-safe bound).
 
 The local Triton may differ from the GPU machine's: compare counts made with one Triton only.
 """
@@ -152,14 +153,28 @@ def count(sass: str) -> collections.Counter:
 _FRAME = re.compile(r'"([^"]+)", line (\d+)')  # a frame of nvdisasm's "//## File ..., line N inlined at ..."
 
 
-def statements(sass: str, body: range, source: str = "kernels/update.py") -> collections.Counter:
+RARE = "# rare branch"  # a kernel line's marker: its code runs on inputs the fast path never sees
+
+
+def rare_lines(paths=("kernels/update.py",)) -> set:
+    """(file, line) of every kernel line marked ``RARE``."""
+    here, found = os.path.dirname(os.path.dirname(os.path.abspath(__file__))), set()
+    for path in paths:
+        with open(os.path.join(here, path)) as f:
+            found |= {(path, n) for n, text in enumerate(f, 1) if RARE in text}
+    return found
+
+
+def statements(sass: str, body: range, source: str = "kernels/update.py", rare=frozenset()) -> collections.Counter:
     """Fast-path instructions of nvdisasm ``-gi`` output by the line of ``source`` in ``body`` (for the
     update kernel the lines of ``_update_tile``) their code was inlined from, the innermost such line;
     None: the rest of the kernel. Left out: the
-    out-of-line slow-path routines after the kernel's body, and each call site's block (after the
-    conditional branch that skips it, up to the branch back or the label after its CALL)."""
+    out-of-line slow-path routines after the kernel's body, each call site's block (after the
+    conditional branch that skips it, up to the branch back or the label after its CALL), and the code
+    of a ``rare`` (file, line) (a runtime branch's side no normal input takes)."""
     counts = collections.Counter()
     where, frames = None, []  # frames: the line information since the last instruction
+    in_rare = False
     pending = []  # statements of the instructions since the last conditional branch or label
     in_call = False
     kernel = re.split(r"\n\s*\.type\s+\$__internal", sass)[0]
@@ -176,7 +191,10 @@ def statements(sass: str, body: range, source: str = "kernels/update.py") -> col
             continue
         if frames:
             inside = [n for f, n in frames if f.endswith(source) and n in body]
+            in_rare = any(f.endswith(r) and n == line for f, n in frames for r, line in rare)
             where, frames = (inside[0] if inside else None), []
+        if in_rare:
+            continue
         opcode, conditional = found.group(2), bool(found.group(1))
         if in_call:
             in_call = not (opcode == "BRA" and not conditional)
@@ -211,7 +229,7 @@ def _by_statement(fn, record) -> list:
     elif record["kernel"] in BY_STATEMENT:
         body = range(1, len(lines) + 1)
     sass, _ = _sass(fn, record, lines=True)
-    counts = statements(sass, body, f"kernels/{module.__name__.rsplit('.', 1)[-1]}.py")
+    counts = statements(sass, body, f"kernels/{module.__name__.rsplit('.', 1)[-1]}.py", rare_lines())
     # a line of a statement of several lines counts for the statement: its first line names it
     first_line = {}
     for node in sorted(ast.walk(ast.parse("".join(lines))), key=lambda n: -getattr(n, "lineno", 0)):

@@ -133,7 +133,7 @@ def _adam_direction(m, v, c, eps, IEEE: tl.constexpr):
     elif eps >= _FLUSH_SAFE_EPS * c:  # one branch per program
         direction = m / (tl.sqrt(v) * c + eps)
     else:
-        direction = m / (tl.sqrt_rn(v) * c + eps)
+        direction = m / (tl.sqrt_rn(v) * c + eps)  # rare branch (not in kernel_instructions.py's fast path)
     return direction
 
 

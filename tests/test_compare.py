@@ -521,6 +521,17 @@ def test_kernel_instructions_counts_the_fast_path_by_statement():
     assert counts == {40: 3, 41: 2, None: 2}
     # by the innermost line of another file (Adafactor's kernels by kernels/factored.py)
     assert kernel_instructions.statements(body, range(1, 100), "kernels/moments.py") == {9: 3, None: 4}
+    # a line marked as a rare branch: its code (up to the next line information) is not on the fast path
+    assert kernel_instructions.statements(body, range(30, 60), rare={("kernels/update.py", 41)}) == {40: 3, None: 2}
+    assert kernel_instructions.statements(body, range(30, 60), rare={("kernels/moments.py", 41)}) == counts
+
+
+def test_kernel_instructions_finds_the_rare_branch_of_adams_denominator():
+    """The approximate denominator's IEEE fallback (eps below the flush-safe bound) is marked rare in the kernel
+    source, so the static fast path counts the branch a normal eps takes."""
+    ((path, line),) = kernel_instructions.rare_lines()
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)) as f:
+        assert "tl.sqrt_rn(v)" in f.read().splitlines()[line - 1]
 
 
 def test_draw_seeds_give_each_seed_its_own_rounding_draws():
