@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import ast
 import collections
+import importlib
+import inspect
 import json
 import os
 import re
@@ -156,12 +158,13 @@ _FRAME = re.compile(r'"([^"]+)", line (\d+)')  # a frame of nvdisasm's "//## Fil
 RARE = "# rare branch"  # a kernel line's marker: its code runs on inputs the fast path never sees
 
 
-def rare_lines(paths=("kernels/update.py",)) -> set:
-    """(file, line) of every kernel line marked ``RARE``."""
-    here, found = os.path.dirname(os.path.dirname(os.path.abspath(__file__))), set()
-    for path in paths:
-        with open(os.path.join(here, path)) as f:
-            found |= {(path, n) for n, text in enumerate(f, 1) if RARE in text}
+def rare_lines(modules=("update",)) -> set:
+    """(file, line) of every line marked ``RARE`` in these ``fusedopt.kernels`` modules, as imported (the
+    source the compiled kernels' line information refers to)."""
+    found = set()
+    for name in modules:
+        lines = inspect.getsourcelines(importlib.import_module(f"fusedopt.kernels.{name}"))[0]
+        found |= {(f"kernels/{name}.py", n) for n, text in enumerate(lines, 1) if RARE in text}
     return found
 
 
@@ -217,9 +220,6 @@ def _by_statement(fn, record) -> list:
     """[(statement, fast-path instructions per program)] of a kernel, largest first (statements of
     ``_update_tile`` for the update kernel, of ``factored.py`` for Adafactor's element-wise kernels; one
     entry for the other kernels)."""
-    import importlib
-    import inspect
-
     module = importlib.import_module(f"fusedopt.kernels.{BY_STATEMENT.get(record['kernel'], 'update')}")
     lines = inspect.getsourcelines(module)[0]
     body = range(0)
@@ -268,8 +268,6 @@ def main(argv=None) -> int:
     from triton.runtime import driver
 
     driver.set_active(_NoGPU())
-    import importlib
-
     modules = [importlib.import_module(f"fusedopt.kernels.{m}") for m in ("update", "factored", "clipping", "norms")]
     seen, results = set(), []
     for record in captured["records"]:
