@@ -2,7 +2,8 @@
 # AdamW's approximate denominator (kernels/update.py APPROXIMATE_DENOMINATOR) against IEEE, on the GPU machine
 # from the repository root: every figure of benchmarks/RESULTS.md "How we chose" on it, and the CUDA runs of the
 # test files that hold the kernel to the reference, with it on. Stages (STAGES, default all, in this order):
-#   tests    tests/test_kernels.py, tests/test_lowbit_kernel.py and the fast GPU tier (FAST_BUDGET s), with it on
+#   tests    tests/test_kernels.py, tests/test_lowbit_kernel.py, every norm2-root4 case of the kernel against the CPU
+#            reference (tests/gpu/test_state_formats_on_cuda.py) and the fast GPU tier (FAST_BUDGET s), with it on
 #   speed    step_speed.py: each configuration with and without it in one process (ratios to torch's fused AdamW)
 #   counters kernel_counters.sh (ncu) in both trees: executed instructions per element of the update
 #   quality  quality.py --quick --draw-seeds in both trees at each of LRS, same seeds and draws; paired difference
@@ -21,8 +22,9 @@ LRS=${LRS:-2.5e-4 1e-3 3e-3}
 DEVICE=${DEVICE:-cuda}  # cpu: a smoke test of the quality stage (on the CPU both trees compute the same)
 JOBS=${JOBS:-12}
 SEEDS=${SEEDS:-0,1,2,3,4,5}
-KEYS=${KEYS:-default,default~,block4,nomaster}
-CONFIGS=("fusedopt.AdamW" "fusedopt.AdamW:state_bits=4" "fusedopt.AdamW:master_weight_bits=None")
+KEYS=${KEYS:-default,block4,nomaster,norm2-root4,norm2-root4-nomaster}
+CONFIGS=("fusedopt.AdamW" "fusedopt.AdamW:state_bits=4" "fusedopt.AdamW:master_weight_bits=None"
+  "fusedopt.AdamW:state_format='norm2-root4'" "fusedopt.AdamW:state_format='norm2-root4',master_weight_bits=None")
 
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
@@ -48,8 +50,9 @@ for stage in $STAGES; do
   echo "== $stage at $SECONDS s"
   case $stage in
     tests)
-      approx timeout -s INT 200 python3 -m pytest -q -rf --tb=line -p no:cacheprovider tests/test_kernels.py \
-        tests/test_lowbit_kernel.py -k "not approximates_its_denominator" > "$OUT/tests_approximate.log" 2>&1
+      approx timeout -s INT 240 python3 -m pytest -q -rf --tb=line -p no:cacheprovider tests/test_kernels.py \
+        tests/test_lowbit_kernel.py "tests/gpu/test_state_formats_on_cuda.py::test_the_kernel_on_cuda_matches_the_cpu_reference" \
+        -k "not approximates_its_denominator" > "$OUT/tests_approximate.log" 2>&1
       tail -15 "$OUT/tests_approximate.log"
       fast=$(($(left) < FAST_BUDGET ? $(left) : FAST_BUDGET))
       [ "$fast" -ge 30 ] && approx env OUT="$OUT/approximate_tier" SKIP_INSTALL=1 TIERS=fast BUDGET=$fast \

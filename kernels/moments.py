@@ -21,10 +21,14 @@ A program owns ``NB`` whole quantisation blocks (``NB * QBLOCK`` consecutive ele
 as a [NB, QBLOCK] tile, so no other program touches its blocks or their scales.
 """
 
+import os
+
 import triton
 import triton.language as tl
 
 from fusedopt.codecs.base import Family
+
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
 _NONE = tl.constexpr(Family.NONE)
 _FP32 = tl.constexpr(Family.FP32)
@@ -51,6 +55,20 @@ _ROUNDER_BITS = tl.constexpr(0x4B400000)
 def small_int_to_f32(i):
     """int32 in [0, 2**23) -> fp32, exactly."""
     return (i | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def approximate_div(x, y):
+    """fp32 ``x / y`` by ``div.approx.ftz.f32``: ``x * (1 / y)`` within 2 ulp for ``|y|`` in [2**-126, 2**126],
+    a subnormal ``x`` or quotient flushed to zero; two instructions where ``x / y`` (``div.full.f32``) takes
+    about eight. Exact in the interpreter."""
+    if INTERPRETED:
+        q = x / y
+    else:
+        q = tl.inline_asm_elementwise(
+            "div.approx.ftz.f32 $0, $1, $2;", "=r,r,r", [x, y], dtype=tl.float32, is_pure=True, pack=1
+        )
+    return q
 
 
 @triton.jit

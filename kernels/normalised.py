@@ -13,7 +13,7 @@ the padding's codes are still stored).
 import triton
 import triton.language as tl
 
-from fusedopt.kernels.moments import block_rows, commit_mask, floor_small, small_int_to_f32
+from fusedopt.kernels.moments import approximate_div, block_rows, commit_mask, floor_small, small_int_to_f32
 
 BLOCK = tl.constexpr(64)  # elements per block (fusedopt.codecs.normalised.BLOCK)
 _BIG = tl.constexpr(2.0**60)  # the reference's saturation of q
@@ -93,6 +93,7 @@ def store_normalised(
     status,  # the check kernel's status: non-zero stores nothing
     BITS: tl.constexpr,
     CLIP: tl.constexpr,  # the half-range's cap in block rms (an fp32 value)
+    IEEE: tl.constexpr,  # m / r by the IEEE division (else the approximate one: kernels/update.py's denominator)
     R: tl.constexpr,
 ):
     """``NormalisedCodec.encode``: q = m / r, the block's half-range rounded up to bf16, the codes
@@ -100,7 +101,10 @@ def store_normalised(
     tl.static_assert(BITS == 2, "normalised codes are 2 bits")
     tl.static_assert(CLIP > 0, "the half-range's cap must be positive")
     TOP: tl.constexpr = 3  # 2**BITS - 1
-    q = tl.where(r > 0, tl.div_rn(x, r), 0.0)
+    if IEEE:
+        q = tl.where(r > 0, tl.div_rn(x, r), 0.0)
+    else:
+        q = tl.where(r > 0, approximate_div(x, r), 0.0)  # r is 0 or in [2**-63, 2**50]: in its range
     q = tl.where(q != q, 0.0, tl.minimum(tl.maximum(q, -_BIG), _BIG))  # nan_to_num, saturated
     half = tl.minimum(tl.max(tl.abs(q), axis=1), block_rms(q, R) * CLIP)
     # rounded up to bf16: the smallest bf16 pattern not below half's (half >= 0, finite)

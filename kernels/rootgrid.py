@@ -60,6 +60,7 @@ def decode_root_grid(packed, units, R: tl.constexpr):
 @triton.jit
 def store_root_grid(
     x,  # fp32 new moment [R, 128]
+    root,  # sqrt(x), IEEE or approximate (the update's denominator takes it too)
     codes,  # the codes, units and decoded values (roots squared) before the update
     units,
     values,
@@ -76,16 +77,18 @@ def store_root_grid(
 ):
     """``RootGridCodec.encode_decayed``: the unit decays by ``sqrt(d)``, elements without an increment
     keep their codes, the others are rounded on the decayed grid, a block above its top level afresh.
-    Returns the roots as now stored."""
-    # sqrt of the saturated moment (NaN: 0), as the reference; the update's sqrt_rn(x) is the same value
-    r = tl.sqrt_rn(x)
-    r = tl.where(r != r, 0.0, tl.minimum(tl.maximum(r, 0.0), _BIG_ROOT))
+    Returns the roots as now stored. A refitted unit is the IEEE root of the block's largest moment (the
+    reference's bits whichever ``root`` is: sqrt is monotonic); an approximate ``root`` moves only codes."""
+    # sqrt of the saturated moment (NaN: 0), as the reference
+    r = tl.where(root != root, 0.0, tl.minimum(tl.maximum(root, 0.0), _BIG_ROOT))
     r = tl.where(local < n_elements, r, 0.0)  # the reference's zero padding
     kept_units = units * decay_root
     same = x == values * decay  # no increment: the code stays
     fits = tl.min((same | (r <= (kept_units * _TOP_SLACK)[:, None])).to(tl.int32), axis=1) > 0
     fits = fits & (kept_units > 0)
-    new_units = tl.where(fits, kept_units, tl.max(r, axis=1) * _FRESH)
+    # x >= 0: the largest saturated moment is the largest moment saturated (tl.max passes over a NaN)
+    largest = tl.minimum(tl.max(tl.where(local < n_elements, x, 0.0), axis=1), _BIG_ROOT * _BIG_ROOT)
+    new_units = tl.where(fits, kept_units, tl.sqrt_rn(largest) * _FRESH)
     inverse = tl.where(new_units > 0, tl.div_rn(1.0, new_units), 0.0)
     t = r * inverse[:, None]
     t = tl.where(t < _TOP, t, _TOP)  # saturate (inf, NaN too)

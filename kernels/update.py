@@ -31,7 +31,6 @@ a kernel several times. Block sizes and warps are fixed here.
 
 import functools
 import math
-import os
 import struct
 
 import torch
@@ -43,7 +42,15 @@ from fusedopt.codecs.base import NO_MOMENT, Family, KernelFormat
 from fusedopt.kernels.hashing import spread_bits, spread_uniform, step_hash, tile_bits
 from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig, launch_remembered
 from fusedopt.kernels.master import decode_master, load_master_raw, store_master
-from fusedopt.kernels.moments import commit_mask, decode_moment, load_moment_raw, store_moment, tile_offsets
+from fusedopt.kernels.moments import (
+    INTERPRETED,
+    approximate_div,
+    commit_mask,
+    decode_moment,
+    load_moment_raw,
+    store_moment,
+    tile_offsets,
+)
 from fusedopt.kernels.normalised import decode_normalised, load_normalised_raw, store_normalised
 from fusedopt.kernels.rootgrid import decode_root_grid, load_root_grid_raw, store_root_grid
 from fusedopt.master import MASTER_CORRECTION
@@ -52,7 +59,6 @@ from fusedopt.master import MASTER_CORRECTION
 ADAMW, SGD, LION = 0, 1, 2
 KERNEL_IDS = {ADAMW: "AdamW", SGD: "SGD", LION: "Lion"}
 _ADAMW, _SGD, _LION = tl.constexpr(ADAMW), tl.constexpr(SGD), tl.constexpr(LION)
-_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 # Elements per update program (a multiple of every quantisation block) and warps: 16 elements per
 # thread, so each thread's fixed work (hash row keys, scalars, scale handling) spreads over more
 # elements; chosen by A/B runs of benchmarks/step_ab.py --variants (at commit 7d4d420) against other
@@ -130,8 +136,21 @@ def _adam_direction(m, v, c, eps, IEEE: tl.constexpr):
     the approximate division (div.full) and square root (sqrt.approx)."""
     if IEEE:
         direction = tl.div_rn(m, tl.sqrt_rn(v) * c + eps)
-    elif eps >= _FLUSH_SAFE_EPS * c:  # one branch per program
-        direction = m / (tl.sqrt(v) * c + eps)
+    elif eps >= _FLUSH_SAFE_EPS * c:  # one branch per program; the denominator is at least 2**-39
+        direction = approximate_div(m, tl.sqrt(v) * c + eps)
+    else:
+        direction = m / (tl.sqrt_rn(v) * c + eps)  # rare branch (not in kernel_instructions.py's fast path)
+    return direction
+
+
+@triton.jit
+def _adam_direction_of_root(m, v, root, c, eps, IEEE: tl.constexpr):
+    """``_adam_direction`` given root = sqrt(v), IEEE or approximate as ``IEEE`` says (the root grid's encode
+    takes the same square root)."""
+    if IEEE:
+        direction = tl.div_rn(m, root * c + eps)
+    elif eps >= _FLUSH_SAFE_EPS * c:
+        direction = approximate_div(m, root * c + eps)
     else:
         direction = m / (tl.sqrt_rn(v) * c + eps)  # rare branch (not in kernel_instructions.py's fast path)
     return direction
@@ -144,7 +163,7 @@ def _scaled(x, scale):
     one conversion; Triton's CPU interpreter truncates that cast, so there it is integer arithmetic
     (the same bits)."""
     y = x.to(tl.float32) * scale
-    if x.dtype == tl.bfloat16 and _INTERPRETED:
+    if x.dtype == tl.bfloat16 and INTERPRETED:
         bits = y.to(tl.int32, bitcast=True)
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
         y = tl.where(y != y, y, rounded)
@@ -445,7 +464,15 @@ def _update_tile(
             m = tl.fma(-(g - m), 1.0 - lerp_weight, g)
         v = tl.fma(one_minus_beta2 * g, g, v * beta2)  # torch.addcmul
         p = p * decay
-        p = p - _adam_direction(m, v, inv_bias_correction2_sqrt, eps, IEEE_DENOMINATOR) * step_size
+        if V_FAMILY == _ROOT_GRID:  # one square root for the direction and the encode
+            if IEEE_DENOMINATOR:
+                v_root = tl.sqrt_rn(v)
+            else:
+                v_root = tl.sqrt(v)  # approximate: a subnormal v flushed to 0
+            direction = _adam_direction_of_root(m, v, v_root, inv_bias_correction2_sqrt, eps, IEEE_DENOMINATOR)
+        else:
+            direction = _adam_direction(m, v, inv_bias_correction2_sqrt, eps, IEEE_DENOMINATOR)
+        p = p - direction * step_size
     elif ALGO == _SGD:  # as torch.optim.SGD (torch.add(x, y, alpha=a) is fma(a, y, x))
         d = tl.fma(weight_decay, p, g)
         if M_FAMILY != _NONE:
@@ -468,7 +495,8 @@ def _update_tile(
     if V_FAMILY == _ROOT_GRID:  # first: a normalised first moment is stored in units of v as stored
         v_draws = tl.where(mask, spread_bits(((shared << 12) >> 20) << 20, offs), 0)
         stored_roots = store_root_grid(
-            tl.reshape(v, [ROOT_ROWS, _ROOT_BLOCK]), v_codes, v_units, v_values, _as_f32(v_decay),
+            tl.reshape(v, [ROOT_ROWS, _ROOT_BLOCK]), tl.reshape(v_root, [ROOT_ROWS, _ROOT_BLOCK]), v_codes, v_units,
+            v_values, _as_f32(v_decay),
             _as_f32(v_decay_root), tl.reshape(v_draws, [ROOT_ROWS, _ROOT_BLOCK]),
             tl.reshape(offs, [ROOT_ROWS, _ROOT_BLOCK]), v_ptr, v_scale_ptr, start, n_elements, status, ROOT_ROWS,
         )  # fmt: skip
@@ -478,7 +506,7 @@ def _update_tile(
         store_normalised(
             tl.reshape(m, [NORM_ROWS, _NORM_BLOCK]), tl.reshape(root, [NORM_ROWS, _NORM_BLOCK]),
             tl.reshape(m_u, [NORM_ROWS, _NORM_BLOCK]), m_ptr, m_scale_ptr, start, n_elements, status,
-            M_BITS, M_CLIP, NORM_ROWS,
+            M_BITS, M_CLIP, IEEE_DENOMINATOR, NORM_ROWS,
         )  # fmt: skip
     else:
         store_moment(
@@ -995,9 +1023,10 @@ def _tile_row(m_fmt: KernelFormat, v_fmt: KernelFormat) -> int:
 def _needs_ieee_denominator(dtype, corr_bits: int, m_fmt: KernelFormat, v_fmt: KernelFormat) -> bool:
     """Whether AdamW's square root and division stay IEEE under ``APPROXIMATE_DENOMINATOR``: with fp32 moments
     (torch.optim.AdamW's results), an fp32 parameter or master (bf16/fp16 + int16), whose grid resolves the
-    approximations' 2 ulp of an update, and a root-grid v (its kernel stores the reference's bits)."""
+    approximations' 2 ulp of an update. (A root grid's square roots, which set its stored units, stay IEEE; its
+    normalised first moment's division follows this.)"""
     fp32_moments = m_fmt.family == Family.FP32 and v_fmt.family == Family.FP32
-    return fp32_moments or dtype == torch.float32 or corr_bits == 16 or v_fmt.family == Family.ROOT_GRID
+    return fp32_moments or dtype == torch.float32 or corr_bits == 16
 
 
 @functools.lru_cache(maxsize=1024)

@@ -527,11 +527,13 @@ def test_kernel_instructions_counts_the_fast_path_by_statement():
 
 
 def test_kernel_instructions_finds_the_rare_branch_of_adams_denominator():
-    """The approximate denominator's IEEE fallback (eps below the flush-safe bound) is marked rare in the kernel
-    source, so the static fast path counts the branch a normal eps takes."""
-    ((path, line),) = kernel_instructions.rare_lines()
-    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)) as f:
-        assert "tl.sqrt_rn(v)" in f.read().splitlines()[line - 1]
+    """The approximate denominator's IEEE fallbacks (eps below the flush-safe bound; one per direction helper)
+    are marked rare in the kernel source, so the static fast path counts the branch a normal eps takes."""
+    rare = kernel_instructions.rare_lines()
+    assert len(rare) == 2
+    for path, line in rare:
+        with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)) as f:
+            assert "tl.sqrt_rn(v)" in f.read().splitlines()[line - 1]
 
 
 def test_draw_seeds_give_each_seed_its_own_rounding_draws():

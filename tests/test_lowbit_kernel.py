@@ -234,14 +234,14 @@ def _root_store_kernel(x_ptr, draws_ptr, codes_ptr, units_ptr, n, decay, decay_r
     at = tl.arange(0, R)[:, None] * 128 + tl.arange(0, 128)[None, :]
     codes, units, roots = rootgrid.load_root_grid(codes_ptr, units_ptr, 0, n, R)
     x, draws = tl.load(x_ptr + at), tl.load(draws_ptr + at)
-    rootgrid.store_root_grid(x, codes, units, roots * roots, decay, decay_root, draws, at, codes_ptr, units_ptr, 0, n,
-                             0, R)  # fmt: skip
+    rootgrid.store_root_grid(x, tl.sqrt_rn(x), codes, units, roots * roots, decay, decay_root, draws, at, codes_ptr,
+                             units_ptr, 0, n, 0, R)  # fmt: skip
 
 
 def _root_grid_case(huge: bool):
     """A previous root-grid state and a new moment that visit every branch of ``encode_decayed``: per
     block, elements without an increment, on a decayed level, an ulp either side, between levels, 0, above
-    the decayed top (its block refitted), within fp32 rounding of the top, inf; blocks whose unit is 0,
+    the decayed top (its block refitted), within fp32 rounding of the top, inf, NaN; blocks whose unit is 0,
     whose roots are around 2**-63, and (``huge``) whose decayed values exceed 2**100, where v saturates."""
     gen = torch.Generator().manual_seed(8)
     rows, decay = 16, 0.999
@@ -265,6 +265,7 @@ def _root_grid_case(huge: bool):
     x[4:8, 100] = (TOP * kept[4:8] * (1 + 2.0**-22)) ** 2  # at the top, up to rounding
     x[8:12, 101] = (TOP * kept[8:12] * 1.5) ** 2  # above it: refitted
     x[12, 102] = float("inf")
+    x[8, 102] = float("nan")  # counts as 0 (its block refitted)
     if huge:
         x[2:4, 32:] = values[2:4, 32:] * decay  # no increment, v above 2**100
     words = torch.randint(0, 2**32, (rows * 128,), generator=gen, dtype=torch.int64)
@@ -309,7 +310,7 @@ def test_a_moment_above_the_saturation_keeps_parity(monkeypatch, device):
 def _normalised_store_kernel(x_ptr, r_ptr, u_ptr, codes_ptr, scales_ptr, n, CLIP: tl.constexpr, R: tl.constexpr):
     at = tl.arange(0, R)[:, None] * 64 + tl.arange(0, 64)[None, :]
     x, r, u = tl.load(x_ptr + at), tl.load(r_ptr + at), tl.load(u_ptr + at)
-    normalised.store_normalised(x, r, u, codes_ptr, scales_ptr, 0, n, 0, 2, CLIP, R)
+    normalised.store_normalised(x, r, u, codes_ptr, scales_ptr, 0, n, 0, 2, CLIP, True, R)
 
 
 def test_the_normalised_encode_multiplies_by_the_blocks_reciprocal(device):
