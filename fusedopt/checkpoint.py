@@ -38,7 +38,7 @@ import torch
 
 from . import rng
 from .codecs import MomentCodec, codec_named, decode_moments, known_formats, removed_format_error
-from .codecs.base import value_problems
+from .codecs.base import check_draws, value_problems
 from .codecs.blockwise import BlockCodec
 from .master import MASTER_CORRECTION, convert_correction
 from .sharding import as_sharded, element_offset, is_sharded, local
@@ -439,6 +439,7 @@ def _convert_param_state(
 
     step = _load_step(saved.get("step"), where, has_moments=any(k != "step" for k in saved), optimizer=optimizer)
     out = {"step": torch.tensor(step, dtype=torch.float32, device=p.device)}
+    check_draws(codecs)
     draws = rng.UpdateDraws(seed, index, out["step"], p, None, first)  # re-encoding rounds like an update
     signed_of = {slot: slot not in optimizer.nonnegative_slots for slot in codecs}
     sources = {
@@ -482,7 +483,7 @@ def _convert_param_state(
         if codec.frame:
             frame_slot = optimizer.frames[slot]
             frame = {"frame": codecs[frame_slot].decode(stored_out[frame_slot])}
-        encoded = codec.encode(decoded, draws.moment(i), **frame)
+        encoded = codec.encode(decoded, draws.moment(i, codec.whole_word), **frame)
         stored_out[slot] = encoded
         error = (codec.decode(encoded, **frame) - decoded).abs().max().item() if decoded.numel() else 0.0
         if error > 0:

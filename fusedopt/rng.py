@@ -26,7 +26,12 @@ the roundings stay independent. A parameter that needs more bits (bf16 without a
 16; fp16: up to 24) draws its own word from ``STREAM_PARAM``. Every consumer reads the TOP
 bits of the word it is given, so a 12-bit field is a word whose low 20 bits are zero and
 stochastic rounding resolves probabilities to 2**-12 (moments) or 2**-8 (a 24-bit master,
-whose grid is 2**-8 of a bf16 ulp: exactly what it can hold).
+whose grid is 2**-8 of a bf16 ulp: exactly what it can hold). A moment whose codec rounds
+between levels far apart next to its increments (``MomentCodec.whole_word``: the normalised
+first moment, the root grid) reads 23 bits (``top_uniform``) of a whole word instead: moment 0
+the shared word itself (above a bf16 + int8 parameter's low 8 bits), moment 1 a word of its
+own, hashed under the shared word's per-step hash re-mixed (``second_step_hash``), so the kernel
+needs no other key. Moment 1 takes a 12-bit field only where moment 0 does (``encode_moments``).
 
 Default seeds (``DefaultSeeds``). An optimizer built without ``seed`` over several parameters uses seed
 0, as before. One built without ``seed`` over ONE parameter (torchtune's optimizer-in-backward builds
@@ -61,6 +66,7 @@ STREAM_PARAM = 1  # a parameter that needs a word of its own (see the docstring)
 STREAM_SHARED = 16  # the word shared by the moments (and a bf16 + int8 parameter)
 STREAM_GRAD_ACCUM = 1 << 20  # + micro-batch index: low-precision gradient accumulation
 MOMENT_DRAW_BITS = 12  # bits of the shared word per moment
+SECOND_WORD_SALT = 0x2545F491  # the second moment's whole word: its per-step hash is the shared one's re-mixed
 
 
 def _mul32(x, c: int):
@@ -92,13 +98,22 @@ def host_key(seed: int, param_index: int, stream: int) -> int:
     return fmix32(h ^ (stream & MASK32))
 
 
+def second_step_hash(h: torch.Tensor) -> torch.Tensor:
+    """The per-step hash of the second moment's whole word, from the shared word's ``h = step_hash(...)``."""
+    return fmix32(h ^ SECOND_WORD_SALT)
+
+
 def uniform_bits(key: int, step: torch.Tensor, shape: torch.Size, device: torch.device, first: int = 0) -> torch.Tensor:
     """32 uniform bits per element of a tensor of ``shape`` (row-major element index), as int64.
 
     ``step`` is a 0-d tensor (any real dtype) holding the parameter's step count. ``first``: the
     index of the tensor's first element (a shard of a larger parameter draws its elements' bits).
     """
-    h = step_hash(key, step.to(device))
+    return hash_bits(step_hash(key, step.to(device)), shape, device, first)
+
+
+def hash_bits(h: torch.Tensor, shape: torch.Size, device: torch.device, first: int = 0) -> torch.Tensor:
+    """``uniform_bits`` under the per-step hash ``h``."""
     idx = torch.arange(first, first + shape.numel(), dtype=torch.int64, device=device).reshape(shape)
     return element_bits(h, idx, beyond_32_bits=first + shape.numel() > 1 << 32)
 
@@ -148,13 +163,9 @@ def moment_word(shared: torch.Tensor, i: int) -> torch.Tensor:
     return (((shared << (MOMENT_DRAW_BITS * i)) & MASK32) >> keep) << keep
 
 
-def spread_uniform(words: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Uniforms in [0, 1) on a 2**-24 grid from moment words (``moment_word``) and element indices:
-    ``(fmix32(word ^ idx) >> 8) / 2**24``. Each element still has only its word's 12 random bits, but
-    mixed with its index they spread over 24: a probability far below 2**-12 (a tiny increment of an
-    EMA) comes out right on average over elements, where the word alone would round it to 0."""
-    mixed = fmix32(words ^ (idx & MASK32))
-    return (mixed >> 8).to(torch.float32) * 2.0**-24
+def top_uniform(words: torch.Tensor) -> torch.Tensor:
+    """Uniforms in [0, 1) on a 2**-23 grid: the top 23 bits of uint32 ``words`` (int64), exactly."""
+    return (words >> 9).to(torch.int32).to(torch.float32) * 2.0**-23
 
 
 def param_word(shared: torch.Tensor) -> torch.Tensor:
@@ -187,9 +198,21 @@ class UpdateDraws:
             self._shared = self._draw(STREAM_SHARED)
         return self._shared
 
-    def moment(self, i: int):
-        """Moment ``i``'s bits, as the lazy callable the codecs take."""
-        return lambda: moment_word(self.shared(), i)
+    def moment(self, i: int, whole: bool = False):
+        """Moment ``i``'s bits, as the lazy callable the codecs take: its 12-bit field of the shared word, or
+        (``whole``, moments 0 and 1 only) a whole word (the module docstring)."""
+        if not whole:
+            return lambda: moment_word(self.shared(), i)
+        if i == 0:
+            return self.shared
+        if i == 1:
+            return self._second
+        raise ValueError(f"only moments 0 and 1 draw a whole word, not moment {i}")
+
+    def _second(self) -> torch.Tensor:
+        key = host_key(self._seed, self._index, STREAM_SHARED)
+        h = second_step_hash(step_hash(key, self._step.to(self._param.device)))
+        return hash_bits(h, self._param.shape, self._param.device, self._first)
 
     def param(self):
         """The parameter's bits, as a lazy callable."""

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedopt import rng
+
 
 @triton.jit
 def fmix32(h):
@@ -39,21 +41,13 @@ def element_bits(h, offsets):
     return fmix32(x)
 
 
-@triton.jit
-def spread_uniform(word, local):
-    """``fusedopt.rng.spread_uniform``: uniforms on a 2**-24 grid from a moment's field of the shared
-    word (``word``, its top bits) mixed with the int32 / int64 element index ``local``."""
-    return spread_bits(word, local).to(tl.float32) * (2.0**-24)
+SECOND_WORD_SALT = tl.constexpr(rng.SECOND_WORD_SALT)
 
 
 @triton.jit
-def spread_bits(word, local):
-    """The 24 bits behind ``spread_uniform`` (its uniform times 2**24), as int32."""
-    if local.dtype == tl.int64:
-        index = (local & 0xFFFFFFFF).to(tl.uint32)
-    else:
-        index = local.to(tl.uint32)
-    return (fmix32(word ^ index) >> 8).to(tl.int32)
+def second_step_hash(h):
+    """``fusedopt.rng.second_step_hash``: the second moment's per-step hash from the shared word's."""
+    return fmix32(h ^ SECOND_WORD_SALT)
 
 
 @triton.jit

@@ -81,7 +81,7 @@ def floor_small(y):
 
 
 @triton.jit
-def _uniform(rbits):
+def top_uniform(rbits):
     """The top 23 bits of a uint32 draw as fp32 in [0, 1): (rbits >> 9) * 2**-23, exactly."""
     return ((rbits >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
 
@@ -377,5 +377,5 @@ def _quantize_power(t, rbits, POWER: tl.constexpr, TOP: tl.constexpr):
         d = tl.fma(-lo, lo, t)  # t - lo**2, exact
         gap = tl.fma(2.0, lo, 1.0)  # (lo + 1)**2 - lo**2
     # round up with probability d / gap: u * gap < d, decided exactly by the sign of one fma
-    up = tl.fma(_uniform(rbits), gap, -d) < 0
+    up = tl.fma(top_uniform(rbits), gap, -d) < 0
     return (rounded.to(tl.int32, bitcast=True) - _ROUNDER_BITS) + up.to(tl.int32)

@@ -85,7 +85,7 @@ def decode_normalised(packed, scales, r, BITS: tl.constexpr, R: tl.constexpr):
 def store_normalised(
     x,  # fp32 new moment [R, 64]
     r,  # the square root of the frame as just stored [R, 64] (0 past the tensor's end)
-    u,  # uniforms [R, 64] (hashing.spread_uniform of the moment's field; 0 past the tensor's end)
+    u,  # uniforms [R, 64] (moments.top_uniform of the moment's whole words; 0 past the tensor's end)
     codes_ptr,
     scales_ptr,
     start,

@@ -66,7 +66,7 @@ def store_root_grid(
     values,
     decay,  # the EMA's decay (fp32) and its square root (the unit's decay)
     decay_root,
-    draws,  # int32 [R, 128]: the 24-bit draws (hashing.spread_bits of the moment's field)
+    draws,  # int32 [R, 128]: the top 24 bits of the moment's whole hash words (fusedopt.rng)
     local,  # element offsets [R, 128]
     codes_ptr,
     units_ptr,

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from fusedopt import rng
 from fusedopt.codecs.base import NO_MOMENT, Family, KernelFormat
-from fusedopt.kernels.hashing import spread_bits, spread_uniform, step_hash, tile_bits
+from fusedopt.kernels.hashing import second_step_hash, step_hash, tile_bits
 from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig, launch_remembered
 from fusedopt.kernels.master import decode_master, load_master_raw, store_master
 from fusedopt.kernels.moments import (
@@ -50,6 +50,7 @@ from fusedopt.kernels.moments import (
     load_moment_raw,
     store_moment,
     tile_offsets,
+    top_uniform,
 )
 from fusedopt.kernels.normalised import decode_normalised, load_normalised_raw, store_normalised
 from fusedopt.kernels.rootgrid import decode_root_grid, load_root_grid_raw, store_root_grid
@@ -489,11 +490,13 @@ def _update_tile(
         m = tl.fma(one_minus_beta2, g, m * beta2)
     else:
         tl.static_assert(False, "the update kernel has no branch for this ALGO")
-    # One hash per element feeds every rounding (fields as in fusedopt.rng: moment i takes
-    # 12 bits from the top down, a bf16 + int8 parameter the low 8); each reads its top bits.
+    # One hash per element feeds the roundings (as fusedopt.rng lays them out: moment i takes 12 bits from the
+    # top down, or whole words: moment 0 this one, moment 1 its own; a bf16 + int8 parameter the low 8).
     shared = tile_bits(shared_hash, hash_start, NB, QBLOCK)
     if V_FAMILY == _ROOT_GRID:  # first: a normalised first moment is stored in units of v as stored
-        v_draws = tl.where(mask, spread_bits(((shared << 12) >> 20) << 20, offs), 0)
+        # a whole word of its own (fusedopt.rng: the root grid reads its top bits)
+        second = tile_bits(second_step_hash(shared_hash), hash_start, NB, QBLOCK)
+        v_draws = tl.where(mask, (second >> 8).to(tl.int32), 0)
         stored_roots = store_root_grid(
             tl.reshape(v, [ROOT_ROWS, _ROOT_BLOCK]), tl.reshape(v_root, [ROOT_ROWS, _ROOT_BLOCK]), v_codes, v_units,
             v_values, _as_f32(v_decay),
@@ -502,7 +505,7 @@ def _update_tile(
         )  # fmt: skip
     if M_FAMILY == _NORMALISED:
         root = tl.where(mask, tl.reshape(stored_roots, [NB, QBLOCK]), 0.0)  # sqrt(v) as just stored
-        m_u = tl.where(mask, spread_uniform((shared >> 20) << 20, offs), 0.0)
+        m_u = tl.where(mask, top_uniform(shared), 0.0)  # the shared word's top 23 bits (fusedopt.rng)
         store_normalised(
             tl.reshape(m, [NORM_ROWS, _NORM_BLOCK]), tl.reshape(root, [NORM_ROWS, _NORM_BLOCK]),
             tl.reshape(m_u, [NORM_ROWS, _NORM_BLOCK]), m_ptr, m_scale_ptr, start, n_elements, status,

@@ -96,11 +96,20 @@ def step_with(opt, params, grads, fused: bool) -> None:
     opt.zero_grad()
 
 
-def moment_draws(key: int, step: int, shape, field: int = 0):
-    """A codec's bits callback as the optimizer hands it: moment ``field``'s 12 bits of the
-    counter-based hash of ``key`` at ``step`` (a new step, new draws)."""
-    step_t = torch.tensor(float(step))
-    return lambda: rng.moment_word(rng.uniform_bits(key, step_t, torch.Size(shape), torch.device("cpu")), field)
+def moment_draws(key: int, step: int, shape, field: int = 0, whole: bool = False):
+    """A codec's bits callback as the optimizer hands it (``rng.UpdateDraws.moment``), with the
+    counter-based hash of ``key`` at ``step`` (a new step, new draws): moment ``field``'s 12 bits of the
+    shared word, or (``whole``) its whole word: field 0 the shared word, field 1 the second one."""
+    step_t, shape, cpu = torch.tensor(float(step)), torch.Size(shape), torch.device("cpu")
+    if not whole:
+        return lambda: rng.moment_word(rng.uniform_bits(key, step_t, shape, cpu), field)
+    h = rng.step_hash(key, step_t)
+    return lambda: rng.hash_bits(rng.second_step_hash(h) if field else h, shape, cpu)
+
+
+def whole_draws(key: int, step: int, shape, field: int = 0):
+    """``moment_draws`` of a codec that reads whole words (``MomentCodec.whole_word``)."""
+    return moment_draws(key, step, shape, field, whole=True)
 
 
 def second_moment(shape, seed: int) -> torch.Tensor:

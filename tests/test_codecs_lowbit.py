@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers import inputs, make_model, moment_draws, second_moment, train
+from helpers import inputs, make_model, second_moment, train, whole_draws
 
 import fusedopt
 from fusedopt.codecs import (
@@ -32,7 +32,7 @@ SHAPES = [torch.Size([67, 61]), torch.Size([3, 5]), torch.Size([4, 128])]
 BYTES = {"norm2-root4": 0.8125}
 
 
-draw = moment_draws  # the optimizer's bits callback of the first moment's field
+draw = whole_draws  # the optimizer's bits callback of a moment that reads whole words (both codecs here do)
 
 
 def root4(shape=SHAPES[0]) -> RootGridCodec:
@@ -161,7 +161,7 @@ def test_decode_and_encode_moments_put_the_frame_first():
     gen = torch.Generator().manual_seed(2)
     v = second_moment(shape, 1)
     m = torch.randn(shape, generator=gen) * v.sqrt() * 0.2
-    stored = encode_moments(codecs, {"exp_avg": m, "exp_avg_sq": v}, lambda i: draw(3, i + 1, shape), frames)
+    stored = encode_moments(codecs, {"exp_avg": m, "exp_avg_sq": v}, lambda i, whole: draw(3, i + 1, shape), frames)
     v_stored = codecs["exp_avg_sq"].decode(stored["exp_avg_sq"])
     alone = codecs["exp_avg"].encode(m, draw(3, 1, shape), frame=v_stored)  # in units of v as stored
     assert all(torch.equal(alone[s], stored["exp_avg"][s]) for s in alone)

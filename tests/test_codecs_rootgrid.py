@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-from helpers import moment_draws as draw
 from helpers import second_moment
+from helpers import whole_draws as draw
 
 import fusedopt
 from fusedopt.codecs import codec_for, codec_named

@@ -17,7 +17,6 @@ import triton.language as tl
 from helpers import step_with
 
 import fusedopt
-from fusedopt import rng
 from fusedopt.codecs import PAIRED_FORMATS, codec_named
 from fusedopt.codecs.normalised import block_rms
 from fusedopt.codecs.rootgrid import TOP, RootGridCodec, root_decay
@@ -269,7 +268,7 @@ def _root_grid_case(huge: bool):
     if huge:
         x[2:4, 32:] = values[2:4, 32:] * decay  # no increment, v above 2**100
     words = torch.randint(0, 2**32, (rows * 128,), generator=gen, dtype=torch.int64)
-    draws = (rng.fmix32(words ^ torch.arange(rows * 128)) >> 8).to(torch.int32).view(rows, 128)
+    draws = (words >> 8).to(torch.int32).view(rows, 128)  # the top 24 bits of the whole words
     expected = codec.encode_decayed(x.reshape(-1), lambda: words, previous, decay)
     return codec, previous, x, draws, decay, expected
 
@@ -322,7 +321,7 @@ def test_the_normalised_encode_multiplies_by_the_blocks_reciprocal(device):
     codec = codec_named("norm2", True, torch.Size([n]))
     top, ones = codec.top, torch.ones(n)  # 3 gaps; a frame of ones: the codes are q's own
     words = torch.randint(0, 2**32, (n,), generator=gen, dtype=torch.int64)
-    u = fusedopt.rng.spread_uniform(words, torch.arange(n)).view(rows, 64)
+    u = fusedopt.rng.top_uniform(words).view(rows, 64)
     # 16 anchors of each block (|q| = a, its absmax and, with the others, within the cap) keep its scale
     # at a while the other 48 elements are placed relative to it; placing them moves the scale a little, so place,
     # re-take the scales (the clipped half-range rounded up to bf16) and repeat until they stay

@@ -71,6 +71,9 @@ class MomentCodec:
     # (on encode, the frame as stored after the update); ``decode_moments`` and
     # ``encode_moments`` keep that order.
     frame: bool = False
+    # True: ``bits`` gives whole 32-bit words, of which the codec reads the top 23 (``rng.top_uniform``); False:
+    # the moment's 12-bit field of the shared word (``fusedopt.rng``'s docstring)
+    whole_word: bool = False
 
     def zeros(self, shape: torch.Size, device: torch.device) -> dict[str, torch.Tensor]:
         """Storage for an all-zero moment."""
@@ -161,6 +164,19 @@ def decode_moments(
     return {slot: out[slot] for slot in codecs}
 
 
+def check_draws(codecs: dict[str, MomentCodec]) -> None:
+    """Refuse codecs whose draws would overlap: a first moment reading the shared word whole (its top 23 bits)
+    beside a second moment reading its 12-bit field of the same word; a third moment drawing a whole word."""
+    whole = [codec.whole_word for codec in codecs.values()]
+    if len(whole) > 1 and whole[0] and not whole[1]:
+        raise ValueError(
+            f"moment codecs {list(codecs.values())}: the first draws a whole word, so the second must too (its "
+            "12-bit field lies in the first one's bits)"
+        )
+    if any(whole[2:]):
+        raise ValueError(f"moment codecs {list(codecs.values())}: only the first two moments may draw whole words")
+
+
 def encode_moments(
     codecs: dict[str, MomentCodec],
     values: dict[str, torch.Tensor],
@@ -169,20 +185,23 @@ def encode_moments(
     previous: dict[str, dict[str, torch.Tensor]] | None = None,
     decays: dict[str, float] | None = None,
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """Slot -> new storage of every slot (``draws(i)``: the bits of the i-th slot). With ``previous``
-    (the storage before the update), slots in ``decays`` go through ``encode_decayed``. A framed
-    moment is encoded after its frame, in units of the frame as now stored."""
+    """Slot -> new storage of every slot (``draws(i, whole)``: the bits of the i-th slot, whole words or its
+    12-bit field as its codec's ``whole_word`` says). With ``previous`` (the storage before the update), slots
+    in ``decays`` go through ``encode_decayed``. A framed moment is encoded after its frame, in units of the
+    frame as now stored."""
+    check_draws(codecs)
     decays = decays or {}
     out = {}
     for i, (slot, codec) in enumerate(codecs.items()):
         if codec.frame:
             continue
         if previous is not None and slot in decays:
-            out[slot] = codec.encode_decayed(values[slot], draws(i), previous[slot], decays[slot])
+            out[slot] = codec.encode_decayed(values[slot], draws(i, codec.whole_word), previous[slot], decays[slot])
         else:
-            out[slot] = codec.encode(values[slot], draws(i))
+            out[slot] = codec.encode(values[slot], draws(i, codec.whole_word))
     for i, (slot, codec) in enumerate(codecs.items()):
         if codec.frame:
             frame = _frame_of(slot, codecs, frames)
-            out[slot] = codec.encode(values[slot], draws(i), frame=codecs[frame].decode(out[frame]))
+            bits = draws(i, codec.whole_word)
+            out[slot] = codec.encode(values[slot], bits, frame=codecs[frame].decode(out[frame]))
     return {slot: out[slot] for slot in codecs}

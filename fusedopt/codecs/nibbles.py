@@ -6,9 +6,9 @@ adds its per-block tensors, its levels and its rounding.
 * **Codes** (``<slot>.codes``, uint8, shape ``(64 * blocks,)``): a 4-bit index per element, two per
   byte, element ``2i`` in the low nibble.
 * **Values to encode**: saturated at ``BIG`` (inf there, NaN as 0), at least 0.
-* **Draws**: the moment's 12-bit field of the update's shared hash word for element ``i``, mixed with
-  ``i`` into a 24-bit uniform (``rng.spread_uniform``): an increment of an EMA is often a thousandth
-  of the gap between two levels.
+* **Draws**: a whole hash word per element, of which the top 23 bits make a uniform
+  (``rng.top_uniform``; ``whole_word``): an increment of an EMA is often a thousandth of the gap between
+  two levels, far below what a 12-bit field resolves.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class NibbleBlockCodec(MomentCodec):
 
     state_bits = 4
     block_tensors: dict[str, torch.dtype] = {}  # suffix -> dtype of one value per block
+    whole_word = True
 
     def __init__(self, shape: torch.Size, name: str):
         self.name = name
@@ -63,8 +64,7 @@ class NibbleBlockCodec(MomentCodec):
 
     def uniforms(self, bits: BitsFn) -> torch.Tensor:
         """One uniform in [0, 1) per element, ``(blocks, 128)`` (padding: 0, never used)."""
-        words = bits().reshape(-1)
-        return self.padded(rng.spread_uniform(words, torch.arange(self.numel, dtype=torch.int64, device=words.device)))
+        return self.padded(rng.top_uniform(bits().reshape(-1)))
 
     def decode_blocks(self, stored) -> tuple[torch.Tensor, torch.Tensor]:
         """(int32 codes, fp32 values), each ``(blocks, 128)``."""

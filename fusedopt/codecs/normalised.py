@@ -26,8 +26,8 @@ Format of one moment tensor of ``n`` elements, taken flattened in row-major orde
   3-level code over the same range). A block of scale 0 is all zeros.
 
 Encode: stochastic rounding to the two levels around ``q * (1 / scale)`` (the reciprocal rounded
-once per block), unbiased, from the moment's 12-bit draw mixed with the element index
-(``rng.spread_uniform``). The codes are rounded afresh each step: the frame moves every step, so a
+once per block), unbiased, from the top 23 bits of a whole hash word per element (``rng.top_uniform``;
+``whole_word``). The codes are rounded afresh each step: the frame moves every step, so a
 decay cannot be kept exact on a scale. Each step's
 rounding noise stays in ``m`` with weight ``b1**k``, about ``1 / (1 - b1**2)`` steps' worth; with 4
 levels spanning the block's absmax that noise is larger than ``m`` itself, so the half-range is
@@ -80,6 +80,7 @@ class NormalisedCodec(MomentCodec):
 
     suffixes = (".codes", ".scales")
     frame = True
+    whole_word = True
 
     def __init__(self, bits: int, clip: float, shape: torch.Size, name: str):
         if bits != 2 or not clip > 0:
@@ -160,9 +161,7 @@ class NormalisedCodec(MomentCodec):
         half = torch.minimum(q.abs().amax(dim=1), self.clip * block_rms(q))
         scales = half.to(torch.bfloat16)
         scales = torch.where(scales.float() < half, scales.view(torch.int16).add(1).view(torch.bfloat16), scales)
-        words = bits().reshape(-1)
-        u = rng.spread_uniform(words, torch.arange(self.numel, dtype=torch.int64, device=words.device))
-        u = F.pad(u, (0, self.blocks * BLOCK - self.numel)).view(self.blocks, BLOCK)
+        u = F.pad(rng.top_uniform(bits().reshape(-1)), (0, self.blocks * BLOCK - self.numel)).view(self.blocks, BLOCK)
         unit = scales.float().unsqueeze(1)
         # times the block's reciprocal (one division per block, not per element: the kernel's cost)
         t = ((q * (1.0 / unit.clamp_min(1e-30)) + 1) * (self.top / 2)).clamp(0, self.top)

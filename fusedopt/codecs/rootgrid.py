@@ -32,8 +32,7 @@ increment (``v == d * v_old``) keeps its code, and the others are rounded on the
 where their old value sits on a level, so rounding noise enters in proportion to the increment. A
 block with a root above its decayed top level (or whose unit decayed to 0) is encoded afresh.
 
-Draws: the moment's 12-bit field of the update's shared hash word for element ``i``, mixed with
-``i`` into 24 bits (``rng.spread_uniform``).
+Draws: a whole hash word per element, its top 23 bits (``NibbleBlockCodec.uniforms``).
 """
 
 from __future__ import annotations
