@@ -3,9 +3,10 @@
 
 On the CPU the kernel runs in Triton's interpreter (conftest.py), where it repeats the reference's
 operations in the reference's order, so every stored bit must agree: parameters, master
-corrections, codes, scales, step counts. On a GPU this file runs the compiled kernel and
-asserts the same; ``tests/gpu/test_state_formats_on_cuda.py`` holds CUDA to the CPU reference with the
-bounds of a compiled kernel.
+corrections, codes, scales, step counts. On a GPU this file runs the compiled kernel with IEEE
+arithmetic (``update.APPROXIMATE_DENOMINATOR`` off) and asserts the same;
+``tests/gpu/test_state_formats_on_cuda.py`` holds CUDA, approximate as it runs, to the CPU reference
+with the bounds of a compiled kernel.
 """
 
 from types import SimpleNamespace
@@ -28,6 +29,14 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
     pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _ieee_on_a_gpu(monkeypatch):
+    """The GPU's approximate square root and divisions move bits; the interpreter computes them exactly."""
+    if torch.cuda.is_available():
+        monkeypatch.setattr(update, "APPROXIMATE_DENOMINATOR", False)
+
 
 PAIRED = list(PAIRED_FORMATS)
 # 15 elements: less than one block of every codec; 1517: several blocks over two programs, the last
