@@ -154,6 +154,33 @@ def test_normalised_no_nan_from_junk():
     assert torch.isfinite(y).all()
 
 
+def test_whole_word_draws_never_overlap_a_field():
+    """A first moment that reads the shared word whole beside a second that reads its 12-bit field of that word
+    (a plugin's pairing) is refused before anything is drawn; so is a third moment drawing a whole word. The
+    whole words are the shared word and a second word that differs from it."""
+    shape = SHAPES[0]
+    whole, field = norm("norm2", shape), codec_named("block8", False, shape)
+    m, v = torch.randn(shape), torch.rand(shape)
+    drawn = []
+
+    def draws(i, whole_word):
+        drawn.append(i)
+        return draw(1, 1, shape, i)
+
+    with pytest.raises(ValueError, match="the second must too"):
+        encode_moments({"exp_avg": whole, "exp_avg_sq": field}, {"exp_avg": m, "exp_avg_sq": v}, draws, {})
+    with pytest.raises(ValueError, match="only the first two moments"):
+        encode_moments({"a": root4(shape), "b": root4(shape), "c": root4(shape)}, {"a": v, "b": v, "c": v}, draws, {})
+    assert drawn == []
+    p = torch.zeros(shape)
+    ups = fusedopt.rng.UpdateDraws(3, 0, torch.tensor(2.0), p, 24)
+    assert torch.equal(ups.moment(0, whole=True)(), ups.shared())
+    second = ups.moment(1, whole=True)()
+    assert second.shape == p.shape and (second != ups.shared()).float().mean() > 0.99
+    with pytest.raises(ValueError, match="not moment 2"):
+        ups.moment(2, whole=True)
+
+
 def test_decode_and_encode_moments_put_the_frame_first():
     shape = SHAPES[0]
     codecs = {"exp_avg": norm("norm2", shape), "exp_avg_sq": root4(shape)}
