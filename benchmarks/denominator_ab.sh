@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# AdamW's approximate denominator (kernels/update.py APPROXIMATE_DENOMINATOR) against IEEE, on the GPU machine
+# AdamW's approximate denominator (kernels/update.py APPROXIMATE_DENOMINATOR, or the constant SWITCH names:
+# APPROXIMATE_ROOT_GRID, norm2-root4's) against IEEE, on the GPU machine
 # from the repository root: every figure of benchmarks/RESULTS.md "How we chose" on it, and the CUDA runs of the
 # test files that hold the kernel to the reference, with it on. Stages (STAGES, default all, in this order):
 #   tests    tests/test_kernels.py, tests/test_lowbit_kernel.py, every norm2-root4 case of the kernel against the CPU
@@ -24,6 +25,7 @@ STAGES=${STAGES:-tests speed counters quality}
 LRS=${LRS:-2.5e-4 1e-3 3e-3}
 DEVICE=${DEVICE:-cuda}  # cpu: a smoke test of the quality stage (on the CPU both trees compute the same)
 JOBS=${JOBS:-12}
+SWITCH=${SWITCH:-APPROXIMATE_DENOMINATOR}
 SEEDS=${SEEDS:-0,1,2,3,4,5}
 KEYS=${KEYS:-default,block4,nomaster,norm2-root4,norm2-root4-nomaster}
 CONFIGS=("fusedopt.AdamW" "fusedopt.AdamW:state_bits=4" "fusedopt.AdamW:master_weight_bits=None"
@@ -41,17 +43,18 @@ if [ -n "${OTHER_TREE:-}" ]; then
   a() { here "$@"; }; b() { copy "$@"; }
   (cd /tmp && copy python3 -c "import fusedopt; assert fusedopt.__file__.startswith('$COPY'), fusedopt.__file__") || exit 1
 else
-  FLAG=$(sed -n 's/^APPROXIMATE_DENOMINATOR = \(True\|False\)$/\1/p' kernels/update.py)
+  FLAG=$(sed -n "s/^$SWITCH = \\(True\\|False\\)\$/\\1/p" kernels/update.py)
+  [ -n "$FLAG" ] || { echo "no line '$SWITCH = True|False' in kernels/update.py"; exit 2; }
   [ "$FLAG" = True ] && OTHER=False || OTHER=True
-  COPY=/tmp/fusedopt_denominator_$OTHER
+  COPY=/tmp/fusedopt_${SWITCH}_$OTHER
   rm -rf "$COPY" && mkdir -p "$COPY"
   cp -r fusedopt "$COPY"/ && rm -rf "$COPY/fusedopt/kernels" && cp -r kernels "$COPY/fusedopt/kernels"
-  sed -i "s/^APPROXIMATE_DENOMINATOR = $FLAG\$/APPROXIMATE_DENOMINATOR = $OTHER/" "$COPY/fusedopt/kernels/update.py"
+  sed -i "s/^$SWITCH = $FLAG\$/$SWITCH = $OTHER/" "$COPY/fusedopt/kernels/update.py"
   A=approximate B=ieee
   if [ "$FLAG" = True ]; then a() { here "$@"; }; b() { copy "$@"; }; else a() { copy "$@"; }; b() { here "$@"; }; fi
   # (from /tmp: \`python3 -c\` would find this root's fusedopt/ first; scripts put their own folder there instead)
   (cd /tmp && copy python3 -c "from fusedopt.kernels import update as u
-assert u.__file__.startswith('$COPY') and u.APPROXIMATE_DENOMINATOR == $OTHER, u.__file__") || exit 1
+assert u.__file__.startswith('$COPY') and u.$SWITCH == $OTHER, u.__file__") || exit 1
   # under pytest too: the test that holds the flag's default must fail there
   copy python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k approximates_its_denominator > "$OUT/canary.log" 2>&1
   [ $? -eq 1 ] || { echo "pytest does not import the copy with the flag flipped:"; tail -5 "$OUT/canary.log"; exit 1; }
@@ -73,7 +76,7 @@ for stage in $STAGES; do
         bash tests/gpu/run_tiers.sh | tail -3 ;;
     speed)
       python3 benchmarks/step_speed.py --tensors 2 --rounds 8 --reps 5 --configs "${CONFIGS[@]}" \
-        --constants APPROXIMATE_DENOMINATOR=$OTHER --out "$OUT/speed.json" 2>&1 | tail -9 ;;
+        --constants $SWITCH=$OTHER --out "$OUT/speed.json" 2>&1 | tail -9 ;;
     counters)
       b env OUT="$OUT/ieee" bash benchmarks/kernel_counters.sh "${CONFIGS[@]}" | tail -8
       a env OUT="$OUT/approximate" bash benchmarks/kernel_counters.sh "${CONFIGS[@]}" | tail -8 ;;

@@ -78,6 +78,9 @@ NIBBLE_MASTER_TILE = (512, 2)
 # element) wherever _needs_ieee_denominator allows; False: IEEE everywhere, as the reference. The interpreter
 # computes both exactly. The A/B: benchmarks/denominator_ab.sh.
 APPROXIMATE_DENOMINATOR = True
+# The same for norm2-root4 (its root grid's square root, its direction's and its normalised encode's divisions:
+# moments.approximate_div): off until its GPU tests and paired quality have run (denominator_ab.sh FLAG=...).
+APPROXIMATE_ROOT_GRID = False
 MAX_REGISTERS = None  # per thread (Triton's maxnreg); None: the compiler's choice
 CHECK_TILE = 2048  # elements per iteration of the finite check
 CHECK_TILES = 8  # iterations per check program (fewer programs: fewer ticket atomics)
@@ -137,8 +140,8 @@ def _adam_direction(m, v, c, eps, IEEE: tl.constexpr):
     the approximate division (div.full) and square root (sqrt.approx)."""
     if IEEE:
         direction = tl.div_rn(m, tl.sqrt_rn(v) * c + eps)
-    elif eps >= _FLUSH_SAFE_EPS * c:  # one branch per program; the denominator is at least 2**-39
-        direction = approximate_div(m, tl.sqrt(v) * c + eps)
+    elif eps >= _FLUSH_SAFE_EPS * c:  # one branch per program
+        direction = m / (tl.sqrt(v) * c + eps)
     else:
         direction = m / (tl.sqrt_rn(v) * c + eps)  # rare branch (not in kernel_instructions.py's fast path)
     return direction
@@ -150,7 +153,7 @@ def _adam_direction_of_root(m, v, root, c, eps, IEEE: tl.constexpr):
     takes the same square root)."""
     if IEEE:
         direction = tl.div_rn(m, root * c + eps)
-    elif eps >= _FLUSH_SAFE_EPS * c:
+    elif eps >= _FLUSH_SAFE_EPS * c:  # the denominator is at least 2**-39: in approximate_div's range
         direction = approximate_div(m, root * c + eps)
     else:
         direction = m / (tl.sqrt_rn(v) * c + eps)  # rare branch (not in kernel_instructions.py's fast path)
@@ -1026,10 +1029,10 @@ def _tile_row(m_fmt: KernelFormat, v_fmt: KernelFormat) -> int:
 def _needs_ieee_denominator(dtype, corr_bits: int, m_fmt: KernelFormat, v_fmt: KernelFormat) -> bool:
     """Whether AdamW's square root and division stay IEEE under ``APPROXIMATE_DENOMINATOR``: with fp32 moments
     (torch.optim.AdamW's results), an fp32 parameter or master (bf16/fp16 + int16), whose grid resolves the
-    approximations' 2 ulp of an update. (A root grid's square roots, which set its stored units, stay IEEE; its
-    normalised first moment's division follows this.)"""
+    approximations' 2 ulp of an update, and a root-grid v unless ``APPROXIMATE_ROOT_GRID``."""
     fp32_moments = m_fmt.family == Family.FP32 and v_fmt.family == Family.FP32
-    return fp32_moments or dtype == torch.float32 or corr_bits == 16
+    root_grid = v_fmt.family == Family.ROOT_GRID and not APPROXIMATE_ROOT_GRID
+    return fp32_moments or dtype == torch.float32 or corr_bits == 16 or root_grid
 
 
 @functools.lru_cache(maxsize=1024)

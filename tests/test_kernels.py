@@ -193,14 +193,14 @@ def test_each_format_takes_its_tile(monkeypatch, device, kwargs, tile):
         (dict(state_bits=4), torch.bfloat16, False),
         (dict(state_bits=8), torch.float32, True),  # an fp32 parameter resolves 2 ulp of an update
         (dict(state_bits=8, master_weight_bits=32), torch.bfloat16, True),  # so does an fp32 master
-        (dict(state_format="norm2-root4"), torch.bfloat16, False),
-        (dict(state_format="norm2-root4"), torch.float32, True),
+        (dict(state_format="norm2-root4"), torch.bfloat16, True),  # until APPROXIMATE_ROOT_GRID
     ],
-    ids=["32", "16", "8", "8-fp16-nomaster", "4", "8-fp32", "8-master32", "norm2-root4", "norm2-root4-fp32"],
+    ids=["32", "16", "8", "8-fp16-nomaster", "4", "8-fp32", "8-master32", "norm2-root4"],
 )
 def test_adamw_approximates_its_denominator_only_where_no_bit_shows_it(monkeypatch, device, kwargs, dtype, ieee):
     """AdamW's square root and division are the GPU's approximate ones (``update.APPROXIMATE_DENOMINATOR``) but
-    with fp32 moments or an fp32 parameter or master; without the flag, IEEE."""
+    with fp32 moments, an fp32 parameter or master, or a root-grid v (``update.APPROXIMATE_ROOT_GRID`` off);
+    without the flag, IEEE. With ``APPROXIMATE_ROOT_GRID`` a bf16 norm2-root4 is approximate, an fp32 one not."""
     from fusedopt.kernels import update
 
     monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
@@ -213,6 +213,9 @@ def test_adamw_approximates_its_denominator_only_where_no_bit_shows_it(monkeypat
         return [c.constexprs["IEEE_DENOMINATOR"] for p in opt._dispatch._prepared.values() for c in p.launch.configs]
 
     assert ieee_flags() == [ieee, ieee]
+    if "state_format" in kwargs:
+        monkeypatch.setattr(update, "APPROXIMATE_ROOT_GRID", True)
+        assert ieee_flags() == [False, False]
     monkeypatch.setattr(update, "APPROXIMATE_DENOMINATOR", False)
     assert ieee_flags() == [True, True]
 

@@ -219,6 +219,18 @@ def test_the_kernel_refuses_layouts_it_has_no_branch_for():
     assert update._tile_row(norm.kernel_format, root.kernel_format) == 128
 
 
+def test_the_approximate_root_grid_branch_stores_the_references_bits(monkeypatch, device):
+    """``update.APPROXIMATE_ROOT_GRID``'s branch (a root and divisions a GPU approximates, the units still the
+    IEEE root of a block's largest moment) computes exactly in the interpreter: the reference's bits there."""
+    monkeypatch.setattr(update, "APPROXIMATE_ROOT_GRID", True)
+    shapes = [(37, 41), (4, 256)]
+    ref = _train("reference", device, monkeypatch, PAIRED[0], shapes, dtype=torch.bfloat16, master=24)
+    got = _train("triton", device, monkeypatch, PAIRED[0], shapes, dtype=torch.bfloat16, master=24)
+    flags = {c.constexprs["IEEE_DENOMINATOR"] for p in got[2]._dispatch._prepared.values() for c in p.launch.configs}
+    assert flags == {torch.cuda.is_available()}  # a GPU runs this file with IEEE arithmetic
+    _assert_identical(ref, got)
+
+
 @triton.jit
 def _rms_kernel(q_ptr, rms_ptr, R: tl.constexpr):
     rows = tl.arange(0, R)
