@@ -79,7 +79,8 @@ NIBBLE_MASTER_TILE = (512, 2)
 # computes both exactly. The A/B: benchmarks/denominator_ab.sh.
 APPROXIMATE_DENOMINATOR = True
 # The same for norm2-root4 (its root grid's square root, its direction's and its normalised encode's divisions:
-# moments.approximate_div): off until its GPU tests and paired quality have run (denominator_ab.sh FLAG=...).
+# moments.approximate_div): off until its GPU tests and paired quality have run (SWITCH=APPROXIMATE_ROOT_GRID
+# bash benchmarks/denominator_ab.sh).
 APPROXIMATE_ROOT_GRID = False
 MAX_REGISTERS = None  # per thread (Triton's maxnreg); None: the compiler's choice
 CHECK_TILE = 2048  # elements per iteration of the finite check
@@ -502,8 +503,7 @@ def _update_tile(
         v_draws = tl.where(mask, (second >> 8).to(tl.int32), 0)
         stored_roots = store_root_grid(
             tl.reshape(v, [ROOT_ROWS, _ROOT_BLOCK]), tl.reshape(v_root, [ROOT_ROWS, _ROOT_BLOCK]), v_codes, v_units,
-            v_values, _as_f32(v_decay),
-            _as_f32(v_decay_root), tl.reshape(v_draws, [ROOT_ROWS, _ROOT_BLOCK]),
+            v_values, _as_f32(v_decay), _as_f32(v_decay_root), tl.reshape(v_draws, [ROOT_ROWS, _ROOT_BLOCK]),
             tl.reshape(offs, [ROOT_ROWS, _ROOT_BLOCK]), v_ptr, v_scale_ptr, start, n_elements, status, ROOT_ROWS,
         )  # fmt: skip
     if M_FAMILY == _NORMALISED:

@@ -41,7 +41,7 @@ ALGORITHMS = {"adamw": (fusedopt.AdamW, {})}
 # (dtype, master_weight_bits) each format is held to the reference in
 PRECISIONS = {fmt: [(torch.float32, None), (torch.bfloat16, 24), (torch.float16, None)] for fmt in FORMATS}
 # each format's case in the fast tier: (dtype, master_weight_bits, fused); a new format needs one here
-FAST_KERNEL_CASES = {"norm2-root4": (torch.bfloat16, 24, False)}  # the approximate denominator's (update.py)
+FAST_KERNEL_CASES = {"norm2-root4": (torch.bfloat16, 24, False)}  # the precision most runs use
 FAST_BUCKET_CASES = {("norm2-root4", False)}
 assert FAST_KERNEL_CASES.keys() == set(FORMATS), "every state format needs its case in the fast tier"
 assert all((dtype, master) in PRECISIONS[fmt] for fmt, (dtype, master, _) in FAST_KERNEL_CASES.items())
