@@ -189,9 +189,11 @@ class UpdateDraws:
         self._shares = param_shares_draw(param.dtype, master_weight_bits)
         self._shared = None
 
+    def _step_hash(self, stream: int) -> torch.Tensor:
+        return step_hash(host_key(self._seed, self._index, stream), self._step.to(self._param.device))
+
     def _draw(self, stream: int) -> torch.Tensor:
-        key = host_key(self._seed, self._index, stream)
-        return uniform_bits(key, self._step, self._param.shape, self._param.device, self._first)
+        return hash_bits(self._step_hash(stream), self._param.shape, self._param.device, self._first)
 
     def shared(self) -> torch.Tensor:
         if self._shared is None:
@@ -210,8 +212,7 @@ class UpdateDraws:
         raise ValueError(f"only moments 0 and 1 draw a whole word, not moment {i}")
 
     def _second(self) -> torch.Tensor:
-        key = host_key(self._seed, self._index, STREAM_SHARED)
-        h = second_step_hash(step_hash(key, self._step.to(self._param.device)))
+        h = second_step_hash(self._step_hash(STREAM_SHARED))
         return hash_bits(h, self._param.shape, self._param.device, self._first)
 
     def param(self):

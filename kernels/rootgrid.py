@@ -73,12 +73,14 @@ def store_root_grid(
     start,
     n_elements,
     status,  # the check kernel's status: non-zero stores nothing
+    EXACT_ROOT: tl.constexpr,  # root is tl.sqrt_rn(x)
     R: tl.constexpr,
 ):
     """``RootGridCodec.encode_decayed``: the unit decays by ``sqrt(d)``, elements without an increment
     keep their codes, the others are rounded on the decayed grid, a block above its top level afresh.
     Returns the roots as now stored. A refitted unit is the IEEE root of the block's largest moment (the
-    reference's bits whichever ``root`` is: sqrt is monotonic); an approximate ``root`` moves only codes."""
+    reference's bits whichever ``root`` is: sqrt is monotonic), the largest ``root`` where that is exact;
+    an approximate ``root`` moves only codes."""
     # sqrt of the saturated moment (NaN: 0), as the reference
     r = tl.where(root != root, 0.0, tl.minimum(tl.maximum(root, 0.0), _BIG_ROOT))
     r = tl.where(local < n_elements, r, 0.0)  # the reference's zero padding
@@ -86,9 +88,13 @@ def store_root_grid(
     same = x == values * decay  # no increment: the code stays
     fits = tl.min((same | (r <= (kept_units * _TOP_SLACK)[:, None])).to(tl.int32), axis=1) > 0
     fits = fits & (kept_units > 0)
-    # x >= 0: the largest saturated moment is the largest moment saturated (tl.max passes over a NaN)
-    largest = tl.minimum(tl.max(tl.where(local < n_elements, x, 0.0), axis=1), _BIG_ROOT * _BIG_ROOT)
-    new_units = tl.where(fits, kept_units, tl.sqrt_rn(largest) * _FRESH)
+    if EXACT_ROOT:
+        largest_root = tl.max(r, axis=1)
+    else:  # x >= 0: the largest saturated moment is the largest moment saturated (tl.max passes over a NaN)
+        largest_root = tl.sqrt_rn(
+            tl.minimum(tl.max(tl.where(local < n_elements, x, 0.0), axis=1), _BIG_ROOT * _BIG_ROOT)
+        )
+    new_units = tl.where(fits, kept_units, largest_root * _FRESH)
     inverse = tl.where(new_units > 0, tl.div_rn(1.0, new_units), 0.0)
     t = r * inverse[:, None]
     t = tl.where(t < _TOP, t, _TOP)  # saturate (inf, NaN too)

@@ -504,7 +504,8 @@ def _update_tile(
         stored_roots = store_root_grid(
             tl.reshape(v, [ROOT_ROWS, _ROOT_BLOCK]), tl.reshape(v_root, [ROOT_ROWS, _ROOT_BLOCK]), v_codes, v_units,
             v_values, _as_f32(v_decay), _as_f32(v_decay_root), tl.reshape(v_draws, [ROOT_ROWS, _ROOT_BLOCK]),
-            tl.reshape(offs, [ROOT_ROWS, _ROOT_BLOCK]), v_ptr, v_scale_ptr, start, n_elements, status, ROOT_ROWS,
+            tl.reshape(offs, [ROOT_ROWS, _ROOT_BLOCK]), v_ptr, v_scale_ptr, start, n_elements, status,
+            IEEE_DENOMINATOR, ROOT_ROWS,
         )  # fmt: skip
     if M_FAMILY == _NORMALISED:
         root = tl.where(mask, tl.reshape(stored_roots, [NB, QBLOCK]), 0.0)  # sqrt(v) as just stored

@@ -250,12 +250,13 @@ def test_the_kernels_block_rms_is_the_references(device):
 
 
 @triton.jit
-def _root_store_kernel(x_ptr, draws_ptr, codes_ptr, units_ptr, n, decay, decay_root, R: tl.constexpr):
+def _root_store_kernel(x_ptr, draws_ptr, codes_ptr, units_ptr, n, decay, decay_root, EXACT: tl.constexpr,
+                       R: tl.constexpr):  # fmt: skip
     at = tl.arange(0, R)[:, None] * 128 + tl.arange(0, 128)[None, :]
     codes, units, roots = rootgrid.load_root_grid(codes_ptr, units_ptr, 0, n, R)
     x, draws = tl.load(x_ptr + at), tl.load(draws_ptr + at)
     rootgrid.store_root_grid(x, tl.sqrt_rn(x), codes, units, roots * roots, decay, decay_root, draws, at, codes_ptr,
-                             units_ptr, 0, n, 0, R)  # fmt: skip
+                             units_ptr, 0, n, 0, EXACT, R)  # fmt: skip
 
 
 def _root_grid_case(huge: bool):
@@ -294,22 +295,24 @@ def _root_grid_case(huge: bool):
     return codec, previous, x, draws, decay, expected
 
 
-def _store_root_grid(device, codec, previous, x, draws, decay):
+def _store_root_grid(device, codec, previous, x, draws, decay, exact):
     codes, units = previous[".codes"].clone().to(device), previous[".scales"].clone().to(device)
     n, rows = codec.numel, codec.blocks
-    _root_store_kernel[(1,)](x.to(device), draws.to(device), codes, units, n, decay, root_decay(decay), R=rows,
-                             enable_fp_fusion=False)  # fmt: skip
+    _root_store_kernel[(1,)](x.to(device), draws.to(device), codes, units, n, decay, root_decay(decay), EXACT=exact,
+                             R=rows, enable_fp_fusion=False)  # fmt: skip
     return {".codes": codes.cpu(), ".scales": units.cpu()}
 
 
+@pytest.mark.parametrize("exact", [pytest.param(True, id="exact-root"), pytest.param(False, id="units-from-moments")])
 @pytest.mark.parametrize("huge", [pytest.param(False, id="in-range"), pytest.param(True, id="above-2**100")])
-def test_the_kernels_root_grid_store_is_the_references(device, huge):
+def test_the_kernels_root_grid_store_is_the_references(device, huge, exact):
     """``store_root_grid`` on its own against ``RootGridCodec.encode_decayed``: the same units and codes for
-    every branch (kept codes, decayed and refitted units, saturation, units of 0, roots around 2**-63)."""
+    every branch (kept codes, decayed and refitted units, saturation, units of 0, roots around 2**-63), with
+    refitted units from the largest root or (as under an approximate root) from the largest moment."""
     codec, previous, x, draws, decay, expected = _root_grid_case(huge)
     refitted = expected[".scales"] != previous[".scales"] * root_decay(decay)
     assert refitted[0] and refitted[8:13].all() and not refitted[4:8].any() and refitted.float().mean() < 0.5
-    got = _store_root_grid(device, codec, previous, x, draws, decay)
+    got = _store_root_grid(device, codec, previous, x, draws, decay, exact)
     assert torch.equal(got[".scales"], expected[".scales"])
     assert torch.equal(got[".codes"], expected[".codes"])
 
