@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # AdamW's approximate denominator (kernels/update.py APPROXIMATE_DENOMINATOR, or the constant SWITCH names:
-# APPROXIMATE_ROOT_GRID, norm2-root4's) against IEEE, on the GPU machine
+# APPROXIMATE_ROOT_GRID, norm2-root4's; APPROXIMATE_DIVISION, the others' division) against IEEE, on the GPU machine
 # from the repository root: every figure of benchmarks/RESULTS.md "How we chose" on it, and the CUDA runs of the
 # test files that hold the kernel to the reference, with it on. Stages (STAGES, default all, in this order):
 #   tests    tests/test_kernels.py, tests/test_lowbit_kernel.py, every norm2-root4 case of the kernel against the CPU

@@ -82,6 +82,10 @@ APPROXIMATE_DENOMINATOR = True
 # moments.approximate_div): off until its GPU tests and paired quality have run (SWITCH=APPROXIMATE_ROOT_GRID
 # bash benchmarks/denominator_ab.sh).
 APPROXIMATE_ROOT_GRID = False
+# AdamW's division by div.approx.ftz (moments.approximate_div, 2 instructions where div.full takes about 8) where
+# the approximate denominator is on and v is not a root grid's: off until its GPU tests and paired quality have run
+# (SWITCH=APPROXIMATE_DIVISION bash benchmarks/denominator_ab.sh).
+APPROXIMATE_DIVISION = False
 MAX_REGISTERS = None  # per thread (Triton's maxnreg); None: the compiler's choice
 CHECK_TILE = 2048  # elements per iteration of the finite check
 CHECK_TILES = 8  # iterations per check program (fewer programs: fewer ticket atomics)
@@ -136,13 +140,16 @@ _FLUSH_SAFE_EPS = tl.constexpr(2.0**-39)
 
 
 @triton.jit
-def _adam_direction(m, v, c, eps, IEEE: tl.constexpr):
+def _adam_direction(m, v, c, eps, IEEE: tl.constexpr, APPROXIMATE_DIV: tl.constexpr):
     """AdamW's m / (sqrt(v) * c + eps), c = 1/sqrt(bias_correction2), in torch.optim.AdamW's order: IEEE, or
-    the approximate division (div.full) and square root (sqrt.approx)."""
+    the approximate square root (sqrt.approx) and division (div.full, or div.approx.ftz: ``APPROXIMATE_DIV``)."""
     if IEEE:
         direction = tl.div_rn(m, tl.sqrt_rn(v) * c + eps)
-    elif eps >= _FLUSH_SAFE_EPS * c:  # one branch per program
-        direction = m / (tl.sqrt(v) * c + eps)
+    elif eps >= _FLUSH_SAFE_EPS * c:  # one branch per program; the denominator is in approximate_div's range
+        if APPROXIMATE_DIV:
+            direction = approximate_div(m, tl.sqrt(v) * c + eps)
+        else:
+            direction = m / (tl.sqrt(v) * c + eps)
     else:
         direction = m / (tl.sqrt_rn(v) * c + eps)  # rare branch (not in kernel_instructions.py's fast path)
     return direction
@@ -424,6 +431,7 @@ def _update_tile(
     V_FAMILY: tl.constexpr, V_BITS: tl.constexpr, V_SIGNED: tl.constexpr, V_POWER: tl.constexpr,
     V_QMAX: tl.constexpr, V_K: tl.constexpr, V_MIN_E: tl.constexpr, V_THR: tl.constexpr, V_TOP: tl.constexpr,
     NB: tl.constexpr, QBLOCK: tl.constexpr, SCALE_GRAD: tl.constexpr, IEEE_DENOMINATOR: tl.constexpr,
+    APPROXIMATE_DIV: tl.constexpr,
 ):  # fmt: skip
     """Decode, update and re-encode one tile (the update kernel's arguments, as it documents them)."""
     g, accum, head, correction, m_stored, m_scales, v_stored, v_scales = stored
@@ -476,7 +484,7 @@ def _update_tile(
                 v_root = tl.sqrt(v)  # approximate: a subnormal v flushed to 0
             direction = _adam_direction_of_root(m, v, v_root, inv_bias_correction2_sqrt, eps, IEEE_DENOMINATOR)
         else:
-            direction = _adam_direction(m, v, inv_bias_correction2_sqrt, eps, IEEE_DENOMINATOR)
+            direction = _adam_direction(m, v, inv_bias_correction2_sqrt, eps, IEEE_DENOMINATOR, APPROXIMATE_DIV)
         p = p - direction * step_size
     elif ALGO == _SGD:  # as torch.optim.SGD (torch.add(x, y, alpha=a) is fma(a, y, x))
         d = tl.fma(weight_decay, p, g)
@@ -656,6 +664,7 @@ def _update_kernel(
     BUCKET: tl.constexpr,  # one launch over several parameters (kernels/bucket.py)
     SCALE_GRAD: tl.constexpr,  # the gradients are multiplied by the clipping coefficient
     IEEE_DENOMINATOR: tl.constexpr,  # AdamW: IEEE sqrt(v) and division (else the approximate ones)
+    APPROXIMATE_DIV: tl.constexpr,  # and where approximate, the division div.approx.ftz (else div.full)
 ):
     if BUCKET:  # this program's member: its pointers, size and keys
         member, program, row = _bucket_member(table_ptr, COL_UPDATE_START)
@@ -706,7 +715,7 @@ def _update_kernel(
         v_decay, v_decay_root, ALGO, MASTER, PARAM_BF16, CORR_BITS, STOCHASTIC_MASTER, PARAM_OWN_DRAW, HAS_ACCUM,
         MAXIMIZE, NESTEROV, M_FAMILY, M_BITS, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, M_THR, M_TOP, M_CLIP,
         V_FAMILY, V_BITS, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, V_THR, V_TOP, NB, QBLOCK, SCALE_GRAD,
-        IEEE_DENOMINATOR,
+        IEEE_DENOMINATOR, APPROXIMATE_DIV,
     )  # fmt: skip
 
 
@@ -892,6 +901,7 @@ class PreparedUpdate:
                 # (a tile row must start at a multiple of its length: hashing.tile_bits)
                 first + n >= 2**31 - block or first % max(32, _tile_row(m_fmt, v_fmt)) != 0,
                 not APPROXIMATE_DENOMINATOR or _needs_ieee_denominator(param.dtype, corr_bits, m_fmt, v_fmt),
+                APPROXIMATE_DIVISION,
             )  # fmt: skip
             for has_accum in (False, True)
         ]
@@ -1039,7 +1049,7 @@ def _needs_ieee_denominator(dtype, corr_bits: int, m_fmt: KernelFormat, v_fmt: K
 @functools.lru_cache(maxsize=1024)
 def _update_config(
     algo, dtype, corr_bits, param_own_draw, has_accum, maximize, nesterov, m_fmt, v_fmt, block, num_warps, maxnreg,
-    index_64, ieee_denominator,
+    index_64, ieee_denominator, approximate_division,
 ) -> LaunchConfig:  # fmt: skip
     """The compile-time switches of one update configuration (cached: launches happen per parameter)."""
     qblock = _tile_row(m_fmt, v_fmt)
@@ -1062,6 +1072,7 @@ def _update_config(
         BUCKET=False,
         SCALE_GRAD=False,
         IEEE_DENOMINATOR=ieee_denominator,
+        APPROXIMATE_DIV=approximate_division and not ieee_denominator,
     )
     options = dict(
         num_warps=num_warps,

@@ -200,7 +200,8 @@ def test_each_format_takes_its_tile(monkeypatch, device, kwargs, tile):
 def test_adamw_approximates_its_denominator_only_where_no_bit_shows_it(monkeypatch, device, kwargs, dtype, ieee):
     """AdamW's square root and division are the GPU's approximate ones (``update.APPROXIMATE_DENOMINATOR``) but
     with fp32 moments, an fp32 parameter or master, or a root-grid v (``update.APPROXIMATE_ROOT_GRID`` off);
-    without the flag, IEEE. With ``APPROXIMATE_ROOT_GRID`` a bf16 norm2-root4 is approximate, an fp32 one not."""
+    without the flag, IEEE. With ``APPROXIMATE_ROOT_GRID`` a bf16 norm2-root4 is approximate, an fp32 one not.
+    The division is div.full unless ``APPROXIMATE_DIVISION``, and then only where the denominator is approximate."""
     from fusedopt.kernels import update
 
     monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
@@ -210,9 +211,15 @@ def test_adamw_approximates_its_denominator_only_where_no_bit_shows_it(monkeypat
         opt = fusedopt.AdamW([w], lr=1e-3, min_compress_numel=0, **kwargs)
         w.grad = torch.randn_like(w)
         opt.step()
-        return [c.constexprs["IEEE_DENOMINATOR"] for p in opt._dispatch._prepared.values() for c in p.launch.configs]
+        configs = [c.constexprs for p in opt._dispatch._prepared.values() for c in p.launch.configs]
+        assert [c["APPROXIMATE_DIV"] for c in configs] == [update.APPROXIMATE_DIVISION and not ieee] * 2
+        return [c["IEEE_DENOMINATOR"] for c in configs]
 
+    assert update.APPROXIMATE_DIVISION is False  # (denominator_ab.sh's canary: flipped, this test fails)
     assert ieee_flags() == [ieee, ieee]
+    with monkeypatch.context() as patch:
+        patch.setattr(update, "APPROXIMATE_DIVISION", True)
+        ieee_flags()
     if "state_format" in kwargs:
         monkeypatch.setattr(update, "APPROXIMATE_ROOT_GRID", True)
         assert ieee_flags() == [False, False]
@@ -240,6 +247,30 @@ def test_adamw_with_subnormal_second_moments_matches_the_reference(monkeypatch, 
     got_w, got_state, _ = _run("triton", monkeypatch, device, fusedopt.AdamW, kwargs, w0, grads)
     assert ref_w.isfinite().all()
     assert not torch.equal(ref_w, w0) or eps > 0  # with eps 0 the steps are lr-sized
+    assert_param_parity(ref_w, got_w)
+    assert_state_parity(ref_state, got_state, _codecs(ref_opt), w0.numel())
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(master_weight_bits=24), dict(state_bits=4, master_weight_bits=24), dict()],
+    ids=["8", "4", "nomaster"],
+)
+def test_adamw_with_the_approximate_division_matches_the_reference(monkeypatch, device, kwargs):
+    """``update.APPROXIMATE_DIVISION`` (div.approx.ftz, exact in the interpreter): the reference's bits there,
+    within the parity bounds on a GPU."""
+    from fusedopt.kernels import update
+
+    monkeypatch.setattr(update, "APPROXIMATE_DENOMINATOR", True)
+    monkeypatch.setattr(update, "APPROXIMATE_DIVISION", True)
+    gen = torch.Generator().manual_seed(6)
+    w0 = torch.randn(37, 64, generator=gen).to(torch.bfloat16)
+    grads = [torch.randn(37, 64, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    ref_w, ref_state, ref_opt = _run("reference", monkeypatch, device, fusedopt.AdamW, kwargs, w0, grads)
+    got_w, got_state, got_opt = _run("triton", monkeypatch, device, fusedopt.AdamW, kwargs, w0, grads)
+    configs = [c.constexprs for p in got_opt._dispatch._prepared.values() for c in p.launch.configs]
+    assert {c["APPROXIMATE_DIV"] for c in configs} == {True}
+    assert not torch.equal(ref_w, w0)
     assert_param_parity(ref_w, got_w)
     assert_state_parity(ref_state, got_state, _codecs(ref_opt), w0.numel())
 
