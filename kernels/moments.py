@@ -72,6 +72,16 @@ def approximate_div(x, y):
 
 
 @triton.jit
+def reciprocal_rn(x):
+    """fp32 ``1 / x`` correctly rounded (IEEE, subnormals kept): ``tl.div_rn(1.0, x)``'s bits by ``rcp.rn.f32``."""
+    if INTERPRETED:
+        r = 1.0 / x
+    else:
+        r = tl.inline_asm_elementwise("rcp.rn.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    return r
+
+
+@triton.jit
 def floor_small(y):
     """``floor(y)`` as int32 for fp32 ``y`` in [0, 2**22), exactly, without the floor and float -> int
     conversions: the rounder holds round(y) in its low mantissa bits; one less where that rounded up."""

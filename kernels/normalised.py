@@ -4,20 +4,28 @@ Device twin of ``fusedopt.codecs.normalised`` (its docstring defines the format)
 units of ``r = sqrt(v)``, ``v`` the frame as decoded (the root-grid second moment, ``rootgrid.py``):
 the one before the update for the decode, the one just stored for the encode. The update's tile is
 viewed as ``[R, 64]``, one block per row. The same operations in the same order as the reference,
-so the interpreter agrees with it bit for bit: IEEE divisions and square roots (``div_rn``,
-``sqrt_rn``), the block's sum of squares in the reference's order (``neighbour_sums``), the scale
-rounded up to bf16 in integer arithmetic, the reference's draws (zero past the tensor's end, where
-the padding's codes are still stored).
+so the interpreter agrees with it bit for bit: correctly rounded divisions and square roots
+(``div_rn``, ``sqrt_rn``, ``third``, ``reciprocal_rn``), the block's sum of squares in the reference's
+order (``neighbour_sums``), the scale rounded up to bf16 in integer arithmetic, the reference's draws
+(zero past the tensor's end, where the padding's codes are still stored).
 """
 
 import triton
 import triton.language as tl
 
-from fusedopt.kernels.moments import approximate_div, block_rows, commit_mask, floor_small, small_int_to_f32
+from fusedopt.kernels.moments import (
+    approximate_div,
+    block_rows,
+    commit_mask,
+    floor_small,
+    reciprocal_rn,
+    small_int_to_f32,
+)
 
 BLOCK = tl.constexpr(64)  # elements per block (fusedopt.codecs.normalised.BLOCK)
 _BIG = tl.constexpr(2.0**60)  # the reference's saturation of q
 _TINY = tl.constexpr(1e-30)  # the reference's divisor of a block of scale 0
+_THIRD = tl.constexpr(1.0 / 3.0)  # rounded to fp32 where it is used
 
 
 @triton.jit
@@ -44,6 +52,14 @@ def block_rms(q, R: tl.constexpr):
     s = _pair_sums(s, R, 4)
     s = _pair_sums(s, R, 2)
     return tl.sqrt_rn(tl.reshape(s, [R]) * (1.0 / 64))
+
+
+@triton.jit
+def third(s):
+    """``s / 3`` correctly rounded for bf16 values ``s`` (checked for every finite one): a product and one fma's
+    correction, where ``tl.div_rn`` takes a division."""
+    q = s * _THIRD
+    return tl.fma(tl.fma(-3.0, q, s), _THIRD, q)
 
 
 @triton.jit
@@ -77,7 +93,7 @@ def decode_normalised(packed, scales, r, BITS: tl.constexpr, R: tl.constexpr):
     codes = tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), [R, BLOCK])
     TOP: tl.constexpr = 3  # 2**BITS - 1
     # the code as fp32 by a bit trick: an int -> float conversion issues at a quarter of the fp32 rate
-    q = (2.0 * small_int_to_f32(codes) - TOP) * tl.div_rn(scales, TOP * 1.0)[:, None]
+    q = (2.0 * small_int_to_f32(codes) - TOP) * third(scales)[:, None]
     return q * r
 
 
@@ -109,7 +125,7 @@ def store_normalised(
     half = tl.minimum(tl.max(tl.abs(q), axis=1), block_rms(q, R) * CLIP)
     # rounded up to bf16: the smallest bf16 pattern not below half's (half >= 0, finite)
     unit = ((half.to(tl.int32, bitcast=True) + 0xFFFF) & -65536).to(tl.float32, bitcast=True)
-    t = (q * tl.div_rn(1.0, tl.maximum(unit, _TINY))[:, None] + 1.0) * (TOP / 2)
+    t = (q * reciprocal_rn(tl.maximum(unit, _TINY))[:, None] + 1.0) * (TOP / 2)
     t = tl.minimum(tl.maximum(t, 0.0), TOP * 1.0)
     codes = tl.minimum(floor_small(t + u), TOP)
     codes = tl.where(unit[:, None] > 0, codes, 0)  # a zero block: the zero encoding

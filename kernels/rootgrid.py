@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from fusedopt.codecs.rootgrid import FRESH_UNIT
-from fusedopt.kernels.moments import block_rows, load_nibble_bytes, store_nibble_codes, unpack_nibbles
+from fusedopt.kernels.moments import block_rows, load_nibble_bytes, reciprocal_rn, store_nibble_codes, unpack_nibbles
 
 BLOCK = tl.constexpr(128)  # elements per block (fusedopt.codecs.rootgrid.BLOCK)
 _TOP = tl.constexpr(52.0)  # the top level, L(15)
@@ -95,7 +95,7 @@ def store_root_grid(
             tl.minimum(tl.max(tl.where(local < n_elements, x, 0.0), axis=1), _BIG_ROOT * _BIG_ROOT)
         )
     new_units = tl.where(fits, kept_units, largest_root * _FRESH)
-    inverse = tl.where(new_units > 0, tl.div_rn(1.0, new_units), 0.0)
+    inverse = tl.where(new_units > 0, reciprocal_rn(new_units), 0.0)
     t = r * inverse[:, None]
     t = tl.where(t < _TOP, t, _TOP)  # saturate (inf, NaN too)
     level_bits = (t + 4.0).to(tl.int32, bitcast=True)  # the one rounding, as the reference's

@@ -21,7 +21,7 @@ import fusedopt
 from fusedopt.codecs import PAIRED_FORMATS, codec_named
 from fusedopt.codecs.normalised import block_rms
 from fusedopt.codecs.rootgrid import TOP, RootGridCodec, root_decay
-from fusedopt.kernels import normalised, rootgrid, update
+from fusedopt.kernels import moments, normalised, rootgrid, update
 
 # The interpreter computes every lane, masked or not (a 0 / 0 in a lane whose result is discarded):
 # numpy warns about those.
@@ -229,6 +229,27 @@ def test_the_approximate_root_grid_branch_stores_the_references_bits(monkeypatch
     flags = {c.constexprs["IEEE_DENOMINATOR"] for p in got[2]._dispatch._prepared.values() for c in p.launch.configs}
     assert flags == {torch.cuda.is_available()}  # a GPU runs this file with IEEE arithmetic
     _assert_identical(ref, got)
+
+
+@triton.jit
+def _thirds_and_reciprocals_kernel(x_ptr, third_ptr, reciprocal_ptr, N: tl.constexpr):
+    x = tl.load(x_ptr + tl.arange(0, N))
+    tl.store(third_ptr + tl.arange(0, N), normalised.third(x))
+    tl.store(reciprocal_ptr + tl.arange(0, N), moments.reciprocal_rn(x))
+
+
+def test_the_kernels_thirds_and_reciprocals_are_ieee(device):
+    """``normalised.third`` (a product and an fma's correction) and ``moments.reciprocal_rn`` on every bf16
+    value: the correctly rounded ``x / 3`` of every finite one (a block's scale is), ``1 / x`` of each and of
+    fp32 values over the whole range (a root grid's units)."""
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    gen = torch.Generator().manual_seed(7)
+    x = torch.cat([x, torch.randint(0, 2**31 - 1, (2**16,), generator=gen, dtype=torch.int32).view(torch.float32)])
+    third, reciprocal = torch.empty_like(x, device=device), torch.empty_like(x, device=device)
+    _thirds_and_reciprocals_kernel[(1,)](x.to(device), third, reciprocal, N=x.numel(), enable_fp_fusion=False)
+    finite = x.isfinite()
+    assert torch.equal(third.cpu()[: 2**16][finite[: 2**16]], x[: 2**16][finite[: 2**16]] / 3)
+    assert torch.equal(reciprocal.cpu().nan_to_num(), (1 / x).nan_to_num())
 
 
 @triton.jit
