@@ -369,3 +369,27 @@ def test_a_corrupt_clipping_history_is_refused_and_leaves_the_optimizer_as_it_wa
     for index, state in before["state"].items():
         for name, t in state.items():
             assert torch.equal(after["state"][index][name], t)
+
+
+def test_a_pairing_whose_draws_overlap_is_refused_before_anything_converts():
+    """A plugin's pairing of a first moment that draws a whole word with a second that draws a 12-bit field of
+    it (``codecs.base.check_draws``) is refused by a load as by a step, before the first parameter converts:
+    the optimizer and its parameters stay as they were."""
+    saved = _checkpoint("adamw", torch.float32, state_bits=32)
+    opt, params = _stepped_target("adamw", torch.float32)
+    own_codecs = opt.codecs
+
+    def overlapping(p, group):
+        codecs = own_codecs(p, group)
+        if "exp_avg" in codecs:
+            codecs["exp_avg"] = codec_named("norm2", True, p.shape)
+            assert codecs["exp_avg"].whole_word and not codecs["exp_avg_sq"].whole_word
+        return codecs
+
+    opt.codecs = overlapping
+    before = copy.deepcopy(opt.state_dict())
+    values = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match="the first draws a whole word, so the second must too"):
+        opt.load_state_dict(saved)
+    assert not _differences(opt.state_dict(), before)
+    assert all(torch.equal(p.detach(), value) for p, value in zip(params, values))
