@@ -92,6 +92,10 @@ CONFIGS = {
         "fusedopt.AdamW:state_format='norm2-root4',master_weight_bits=None,seed=1",
         "control: norm2-root4, no correction, other rounding draws",
     ),
+    "state16": (  # for A/B runs of its kernel (denominator_ab.sh KEYS), not in the study
+        "fusedopt.AdamW:state_bits=16",
+        "bf16 moments (state_bits=16), 24-bit",
+    ),
     "turboadam": (
         "turboadam.TurboAdam",
         "TurboAdam 0.2.0 (its defaults: UState + 1Q, 0.81 B/param; bf16 parameters, no master)",
@@ -115,7 +119,7 @@ CONFIGS = {
     },
     "none": ("fusedopt.AdamW:fused=True,max_grad_norm=None", "fused=True, no clipping"),
 }
-FORMAT_KEYS = tuple(k for k in CONFIGS if k not in ("exact", "none", "norm2-root4-nomaster~", *CLIP_METHODS))
+FORMAT_KEYS = tuple(k for k in CONFIGS if k not in ("exact", "none", "norm2-root4-nomaster~", "state16", *CLIP_METHODS))
 PEAK_LR = {"adafactor-fp32": 0.03, "adafactor": 0.03, "adafactor-m32": 0.03, "adafactor-m8": 0.03, "adafactor-m4": 0.03}
 KNOWN_WORSE = ("bf16-rtn", "nomaster", "block4", "block4-nomaster")
 # also paired against these (configuration -> references besides the study's) in the report
