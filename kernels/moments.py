@@ -61,7 +61,7 @@ def small_int_to_f32(i):
 def approximate_div(x, y):
     """fp32 ``x / y`` by ``div.approx.ftz.f32``: ``x * (1 / y)`` within 2 ulp for ``|y|`` in [2**-126, 2**126],
     a subnormal ``x`` or quotient flushed to zero; two instructions where ``x / y`` (``div.full.f32``) takes
-    about eight. Exact in the interpreter. (Used where ``update.APPROXIMATE_ROOT_GRID`` is on.)"""
+    about eight. Exact in the interpreter. (Used under ``update.APPROXIMATE_ROOT_GRID``, ``APPROXIMATE_DIVISION``.)"""
     if INTERPRETED:
         q = x / y
     else:

@@ -79,9 +79,8 @@ NIBBLE_MASTER_TILE = (512, 2)
 # computes both exactly. The A/B: benchmarks/denominator_ab.sh.
 APPROXIMATE_DENOMINATOR = True
 # The same for norm2-root4 (its root grid's square root, its direction's and its normalised encode's divisions:
-# moments.approximate_div): off until its GPU tests and paired quality have run (SWITCH=APPROXIMATE_ROOT_GRID
-# bash benchmarks/denominator_ab.sh).
-APPROXIMATE_ROOT_GRID = False
+# moments.approximate_div); the A/B: SWITCH=APPROXIMATE_ROOT_GRID bash benchmarks/denominator_ab.sh.
+APPROXIMATE_ROOT_GRID = True
 # AdamW's division by div.approx.ftz (moments.approximate_div, 2 instructions where div.full takes about 8) where
 # the approximate denominator is on and v is not a root grid's: off until its GPU tests and paired quality have run
 # (SWITCH=APPROXIMATE_DIVISION bash benchmarks/denominator_ab.sh).

@@ -193,15 +193,17 @@ def test_each_format_takes_its_tile(monkeypatch, device, kwargs, tile):
         (dict(state_bits=4), torch.bfloat16, False),
         (dict(state_bits=8), torch.float32, True),  # an fp32 parameter resolves 2 ulp of an update
         (dict(state_bits=8, master_weight_bits=32), torch.bfloat16, True),  # so does an fp32 master
-        (dict(state_format="norm2-root4"), torch.bfloat16, True),  # until APPROXIMATE_ROOT_GRID
+        (dict(state_format="norm2-root4"), torch.bfloat16, False),  # APPROXIMATE_ROOT_GRID
+        (dict(state_format="norm2-root4"), torch.float32, True),
     ],
-    ids=["32", "16", "8", "8-fp16-nomaster", "4", "8-fp32", "8-master32", "norm2-root4"],
+    ids=["32", "16", "8", "8-fp16-nomaster", "4", "8-fp32", "8-master32", "norm2-root4", "norm2-root4-fp32"],
 )
 def test_adamw_approximates_its_denominator_only_where_no_bit_shows_it(monkeypatch, device, kwargs, dtype, ieee):
     """AdamW's square root and division are the GPU's approximate ones (``update.APPROXIMATE_DENOMINATOR``) but
-    with fp32 moments, an fp32 parameter or master, or a root-grid v (``update.APPROXIMATE_ROOT_GRID`` off);
-    without the flag, IEEE. With ``APPROXIMATE_ROOT_GRID`` a bf16 norm2-root4 is approximate, an fp32 one not.
-    The division is div.full unless ``APPROXIMATE_DIVISION``, and then only where the denominator is approximate."""
+    with fp32 moments, an fp32 parameter or master, or a root-grid v with ``update.APPROXIMATE_ROOT_GRID`` off
+    (on: a bf16 norm2-root4 is approximate, an fp32 one not); without the flag, IEEE. The division is div.full
+    unless ``APPROXIMATE_DIVISION``, and then only where the denominator is approximate. (denominator_ab.sh's
+    canary: with any of the three flags flipped, this test fails.)"""
     from fusedopt.kernels import update
 
     monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
@@ -215,14 +217,14 @@ def test_adamw_approximates_its_denominator_only_where_no_bit_shows_it(monkeypat
         assert [c["APPROXIMATE_DIV"] for c in configs] == [update.APPROXIMATE_DIVISION and not ieee] * 2
         return [c["IEEE_DENOMINATOR"] for c in configs]
 
-    assert update.APPROXIMATE_DIVISION is False  # (denominator_ab.sh's canary: flipped, this test fails)
+    assert update.APPROXIMATE_DIVISION is False
     assert ieee_flags() == [ieee, ieee]
     with monkeypatch.context() as patch:
         patch.setattr(update, "APPROXIMATE_DIVISION", True)
         ieee_flags()
     if "state_format" in kwargs:
-        monkeypatch.setattr(update, "APPROXIMATE_ROOT_GRID", True)
-        assert ieee_flags() == [False, False]
+        monkeypatch.setattr(update, "APPROXIMATE_ROOT_GRID", False)
+        assert ieee_flags() == [True, True]
     monkeypatch.setattr(update, "APPROXIMATE_DENOMINATOR", False)
     assert ieee_flags() == [True, True]
 
