@@ -82,8 +82,8 @@ APPROXIMATE_DENOMINATOR = True
 # moments.approximate_div); the A/B: SWITCH=APPROXIMATE_ROOT_GRID bash benchmarks/denominator_ab.sh.
 APPROXIMATE_ROOT_GRID = True
 # AdamW's division by div.approx.ftz (moments.approximate_div, 2 instructions where div.full takes about 8) where
-# the approximate denominator is on and v is not a root grid's: off until its GPU tests and paired quality have run
-# (SWITCH=APPROXIMATE_DIVISION bash benchmarks/denominator_ab.sh).
+# the approximate denominator is on and v is not a root grid's: its GPU tests pass, off until its paired quality has
+# run (SWITCH=APPROXIMATE_DIVISION bash benchmarks/denominator_ab.sh).
 APPROXIMATE_DIVISION = False
 MAX_REGISTERS = None  # per thread (Triton's maxnreg); None: the compiler's choice
 CHECK_TILE = 2048  # elements per iteration of the finite check
