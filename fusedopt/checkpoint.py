@@ -38,7 +38,7 @@ import torch
 
 from . import rng
 from .codecs import MomentCodec, codec_named, decode_moments, known_formats, removed_format_error
-from .codecs.base import check_draws, value_problems
+from .codecs.base import check_draws, first_draws_whole, value_problems
 from .codecs.blockwise import BlockCodec
 from .master import MASTER_CORRECTION, convert_correction
 from .sharding import as_sharded, element_offset, is_sharded, local
@@ -440,7 +440,8 @@ def _convert_param_state(
     step = _load_step(saved.get("step"), where, has_moments=any(k != "step" for k in saved), optimizer=optimizer)
     out = {"step": torch.tensor(step, dtype=torch.float32, device=p.device)}
     check_draws(codecs)
-    draws = rng.UpdateDraws(seed, index, out["step"], p, None, first)  # re-encoding rounds like an update
+    # re-encoding rounds like an update
+    draws = rng.UpdateDraws(seed, index, out["step"], p, group["master_weight_bits"], first, first_draws_whole(codecs))
     signed_of = {slot: slot not in optimizer.nonnegative_slots for slot in codecs}
     sources = {
         slot: _saved_codec(slot, saved, p.shape, signed_of[slot], saved_format, names.get(slot), where)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from . import rng
-from .codecs.base import MomentCodec, decode_moments, encode_moments
+from .codecs.base import MomentCodec, decode_moments, encode_moments, first_draws_whole
 from .master import read_master, write_master
 from .rounding import round_stochastic
 
@@ -69,7 +69,9 @@ def reference_update(math: UpdateMath, job: ParamUpdate) -> None:
     new_p, new_moments = math(master, g, moments, step, **math_hyper)
 
     new_state = {}
-    draws = rng.UpdateDraws(job.seed, job.index, step, p, job.master_weight_bits, job.first)
+    draws = rng.UpdateDraws(
+        job.seed, job.index, step, p, job.master_weight_bits, job.first, first_draws_whole(job.codecs)
+    )
     encoded = encode_moments(job.codecs, new_moments, draws.moment, frames, stored, job.decays)
     for slot, storage in encoded.items():
         new_state.update({slot + s: t for s, t in storage.items()})

@@ -21,17 +21,18 @@ fmix32 is a bijection with full avalanche, so consecutive indices give independe
 One draw, several roundings. The roundings of one update share the element's word from
 ``STREAM_SHARED`` (the kernel hashes once per element, not once per rounding: the hash was a
 seventh of the fused step's time): moment ``i`` takes 12 bits (``moment_word``) and a bf16
-parameter with an int8 correction the low 8 (``param_word``); the fields do not overlap, so
-the roundings stay independent. A parameter that needs more bits (bf16 without a correction:
-16; fp16: up to 24) draws its own word from ``STREAM_PARAM``. Every consumer reads the TOP
-bits of the word it is given, so a 12-bit field is a word whose low 20 bits are zero and
-stochastic rounding resolves probabilities to 2**-12 (moments) or 2**-8 (a 24-bit master,
-whose grid is 2**-8 of a bf16 ulp: exactly what it can hold). A moment whose codec rounds
-between levels far apart next to its increments (``MomentCodec.whole_word``: the normalised
-first moment, the root grid) reads 23 bits (``top_uniform``) of a whole word instead: moment 0
-the shared word itself (above a bf16 + int8 parameter's low 8 bits), moment 1 a word of its
-own, hashed under the shared word's per-step hash re-mixed (``second_step_hash``), so the kernel
-needs no other key. Moment 1 takes a 12-bit field only where moment 0 does (``encode_moments``).
+parameter with an int8 correction the low 8 (``param_word``); the fields do not overlap, so the
+roundings stay independent. A parameter that needs more bits (bf16 without a correction: 16; fp16:
+up to 24) draws its own word from ``STREAM_PARAM``. Every consumer reads the TOP bits of the word
+it is given, so a 12-bit field is a word whose low 20 bits are zero and stochastic rounding
+resolves probabilities to 2**-12 (moments) or 2**-8 (a 24-bit master, whose grid is 2**-8 of a bf16
+ulp: exactly what it can hold). A moment whose codec rounds between levels far apart next to its
+increments (``MomentCodec.whole_word``: the normalised first moment, the root grid) reads 23 bits
+(``top_uniform``) of a whole word instead: moment 0 the shared word itself (above a bf16 + int8
+parameter's low 8 bits; beside a bf16 parameter without a correction, which then takes the low 16
+and needs no word of its own, only its top 16: ``param_draw_bits``), moment 1 a word of its own,
+hashed under the shared word's per-step hash re-mixed (``second_step_hash``), so the kernel needs
+no other key. Moment 1 takes a 12-bit field only where moment 0 does (``encode_moments``).
 
 Default seeds (``DefaultSeeds``). An optimizer built without ``seed`` over several parameters uses seed
 0, as before. One built without ``seed`` over ONE parameter (torchtune's optimizer-in-backward builds
@@ -168,14 +169,25 @@ def top_uniform(words: torch.Tensor) -> torch.Tensor:
     return (words >> 9).to(torch.int32).to(torch.float32) * 2.0**-23
 
 
-def param_word(shared: torch.Tensor) -> torch.Tensor:
-    """The parameter's field of the shared word (its low 8 bits), moved to the top."""
-    return (shared << 24) & MASK32
+def param_word(shared: torch.Tensor, bits: int = 8) -> torch.Tensor:
+    """The parameter's field of the shared word (its low ``bits`` bits), moved to the top."""
+    return (shared << (32 - bits)) & MASK32
 
 
-def param_shares_draw(dtype: torch.dtype, master_weight_bits) -> bool:
-    """Whether the parameter's rounding takes 8 bits of the shared word (bf16 + int8 correction)."""
-    return dtype == torch.bfloat16 and master_weight_bits == 24
+def param_draw_bits(dtype: torch.dtype, master_weight_bits, first_moment_whole: bool = False) -> int:
+    """Bits of the shared word the parameter's rounding takes (0: a word of its own, or none): the low 8 for a
+    bf16 + int8 correction; the low 16 for bf16 without a correction beside a whole-word first moment, which
+    then reads only the top 16 (the other moments' 12-bit fields leave no 16 free)."""
+    if dtype == torch.bfloat16 and master_weight_bits == 24:
+        return 8
+    if dtype == torch.bfloat16 and master_weight_bits is None and first_moment_whole:
+        return 16
+    return 0
+
+
+def param_shares_draw(dtype: torch.dtype, master_weight_bits, first_moment_whole: bool = False) -> bool:
+    """Whether the parameter's rounding takes bits of the shared word (``param_draw_bits``)."""
+    return param_draw_bits(dtype, master_weight_bits, first_moment_whole) > 0
 
 
 class UpdateDraws:
@@ -183,10 +195,17 @@ class UpdateDraws:
     global index of ``param``'s first element, for the local shard of a sharded parameter)."""
 
     def __init__(
-        self, seed: int, index: int, step: torch.Tensor, param: torch.Tensor, master_weight_bits, first: int = 0
+        self,
+        seed: int,
+        index: int,
+        step: torch.Tensor,
+        param: torch.Tensor,
+        master_weight_bits,
+        first: int = 0,
+        first_moment_whole: bool = False,
     ):
         self._seed, self._index, self._step, self._param, self._first = seed, index, step, param, first
-        self._shares = param_shares_draw(param.dtype, master_weight_bits)
+        self._param_bits = param_draw_bits(param.dtype, master_weight_bits, first_moment_whole)
         self._shared = None
 
     def _step_hash(self, stream: int) -> torch.Tensor:
@@ -205,6 +224,8 @@ class UpdateDraws:
         (``whole``, moments 0 and 1 only) a whole word (the module docstring)."""
         if not whole:
             return lambda: moment_word(self.shared(), i)
+        if i == 0 and self._param_bits == 16:  # the parameter takes the low 16 bits
+            return lambda: (self.shared() >> 16) << 16
         if i == 0:
             return self.shared
         if i == 1:
@@ -217,7 +238,9 @@ class UpdateDraws:
 
     def param(self):
         """The parameter's bits, as a lazy callable."""
-        return (lambda: param_word(self.shared())) if self._shares else (lambda: self._draw(STREAM_PARAM))
+        if self._param_bits:
+            return lambda: param_word(self.shared(), self._param_bits)
+        return lambda: self._draw(STREAM_PARAM)
 
 
 DEFAULT_SEED_FLAG = 1 << 62  # marks a default seed (below 2**63, so every checkpoint takes it)

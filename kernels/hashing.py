@@ -51,6 +51,18 @@ def second_step_hash(h):
 
 
 @triton.jit
+def shared_word_fields(shared, PARAM_BITS: tl.constexpr):
+    """``rng.UpdateDraws``' split of the shared word between a whole-word first moment and a parameter taking
+    ``PARAM_BITS`` (0: none, 8 or 16) low bits: (the moment's word, the parameter's field moved to the top)."""
+    tl.static_assert((PARAM_BITS == 0) | (PARAM_BITS == 8) | (PARAM_BITS == 16), "0, 8 or 16 bits")
+    if PARAM_BITS == 16:
+        moment = (shared >> 16) << 16
+    else:
+        moment = shared
+    return moment, shared << ((32 - PARAM_BITS) % 32)
+
+
+@triton.jit
 def tile_bits(h, start, NB: tl.constexpr, QBLOCK: tl.constexpr):
     """``element_bits`` of the [NB, QBLOCK] tile at ``start`` (``moments.tile_offsets``), the same bits.
 

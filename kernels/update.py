@@ -38,8 +38,8 @@ import triton
 import triton.language as tl
 
 from fusedopt import rng
-from fusedopt.codecs.base import NO_MOMENT, Family, KernelFormat
-from fusedopt.kernels.hashing import second_step_hash, step_hash, tile_bits
+from fusedopt.codecs.base import NO_MOMENT, Family, KernelFormat, first_draws_whole
+from fusedopt.kernels.hashing import second_step_hash, shared_word_fields, step_hash, tile_bits
 from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig, launch_remembered
 from fusedopt.kernels.master import decode_master, load_master_raw, store_master
 from fusedopt.kernels.moments import (
@@ -502,8 +502,13 @@ def _update_tile(
     else:
         tl.static_assert(False, "the update kernel has no branch for this ALGO")
     # One hash per element feeds the roundings (as fusedopt.rng lays them out: moment i takes 12 bits from the
-    # top down, or whole words: moment 0 this one, moment 1 its own; a bf16 + int8 parameter the low 8).
+    # top down, or whole words: moment 0 this one, moment 1 its own; a bf16 + int8 parameter the low 8, a bf16
+    # parameter without a correction beside a whole-word moment 0 the low 16).
     shared = tile_bits(shared_hash, hash_start, NB, QBLOCK)
+    # the parameter's field (rng.param_draw_bits): none with a word of its own; a bf16 parameter without a correction
+    # shares the word only beside a whole-word first moment, and then takes its low 16
+    PARAM_BITS: tl.constexpr = 0 if PARAM_OWN_DRAW else (16 if MASTER == 1 else 8)
+    moment_word, param_field = shared_word_fields(shared, PARAM_BITS)
     if V_FAMILY == _ROOT_GRID:  # first: a normalised first moment is stored in units of v as stored
         # a whole word of its own (fusedopt.rng: the root grid reads its top bits)
         second = tile_bits(second_step_hash(shared_hash), hash_start, NB, QBLOCK)
@@ -516,7 +521,7 @@ def _update_tile(
         )  # fmt: skip
     if M_FAMILY == _NORMALISED:
         root = tl.where(mask, tl.reshape(stored_roots, [NB, QBLOCK]), 0.0)  # sqrt(v) as just stored
-        m_u = tl.where(mask, top_uniform(shared), 0.0)  # the shared word's top 23 bits (fusedopt.rng)
+        m_u = tl.where(mask, top_uniform(moment_word), 0.0)  # its top 23 bits, or 16 beside the parameter's 16
         store_normalised(
             tl.reshape(m, [NORM_ROWS, _NORM_BLOCK]), tl.reshape(root, [NORM_ROWS, _NORM_BLOCK]),
             tl.reshape(m_u, [NORM_ROWS, _NORM_BLOCK]), m_ptr, m_scale_ptr, start, n_elements, status,
@@ -569,7 +574,7 @@ def _update_tile(
     if PARAM_OWN_DRAW:
         param_bits = tile_bits(param_hash, hash_start, NB, QBLOCK)
     else:
-        param_bits = shared << 24
+        param_bits = param_field
     store_master(
         p,
         param_bits,
@@ -634,7 +639,7 @@ def _update_kernel(
     PARAM_BF16: tl.constexpr,
     CORR_BITS: tl.constexpr,  # 8 or 16 extra master bits (MASTER == 2)
     STOCHASTIC_MASTER: tl.constexpr,  # whether the split rounds (all but bf16 + int16)
-    PARAM_OWN_DRAW: tl.constexpr,  # the parameter's rounding needs more than the shared word's 8 bits
+    PARAM_OWN_DRAW: tl.constexpr,  # the parameter's rounding needs a word of its own (not rng.param_shares_draw)
     HAS_ACCUM: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     NESTEROV: tl.constexpr,
@@ -800,7 +805,7 @@ def launch_job(algorithm, job, scratch: torch.Tensor, scalars: tuple) -> "Prepar
         scratch,
         job.skipped,
         (rng.host_key(job.seed, job.index, rng.STREAM_SHARED), rng.host_key(job.seed, job.index, rng.STREAM_PARAM)),
-        not rng.param_shares_draw(job.param.dtype, job.master_weight_bits),
+        not rng.param_shares_draw(job.param.dtype, job.master_weight_bits, first_draws_whole(job.codecs)),
         (bool(hyper.get("maximize", False)), bool(hyper.get("nesterov", False))),
         scalars,
         job.first,

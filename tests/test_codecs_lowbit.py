@@ -181,6 +181,53 @@ def test_whole_word_draws_never_overlap_a_field():
         ups.moment(2, whole=True)
 
 
+@pytest.mark.parametrize(
+    "dtype,master,whole,bits",
+    [
+        (torch.bfloat16, None, True, 16),  # norm2-root4 without a correction: one hash word fewer
+        (torch.bfloat16, 24, True, 8),
+        (torch.bfloat16, 24, False, 8),
+        (torch.bfloat16, None, False, 0),  # the 12-bit fields leave no 16 free
+        (torch.float16, None, True, 0),  # fp16 needs up to 24
+        (torch.float32, None, True, 0),
+    ],
+)
+def test_a_bf16_parameter_without_a_correction_shares_the_whole_first_moments_word(dtype, master, whole, bits):
+    """Beside a whole-word first moment a bf16 parameter without a correction takes the shared word's low 16 bits
+    and the moment its top 16; the fields do not overlap and no word of the parameter's own is drawn. The kernel's
+    switch follows the same rule."""
+    p = torch.zeros(SHAPES[0], dtype=dtype)
+    ups = fusedopt.rng.UpdateDraws(3, 0, torch.tensor(2.0), p, master, first_moment_whole=whole)
+    assert fusedopt.rng.param_draw_bits(dtype, master, whole) == bits
+    shared = ups.shared()
+    moment, param = ups.moment(0, whole=True)(), ups.param()()
+    if bits:
+        assert torch.equal(param, (shared << (32 - bits)) & fusedopt.rng.MASK32)
+    else:
+        assert (param != shared).float().mean() > 0.99  # a word of its own (or none used)
+    if bits == 16:
+        assert torch.equal(moment, (shared >> 16) << 16) and not (moment & (param >> 16)).any()
+        assert torch.equal(moment | (param >> 16), shared)  # the two fields are the word, split
+    else:
+        assert torch.equal(moment, shared)
+
+
+def test_the_kernel_shares_the_word_where_the_reference_does(monkeypatch):
+    """norm2-root4 without a correction on bf16 draws no parameter word (the kernel's PARAM_OWN_DRAW off); the
+    8-bit default without a correction does."""
+    monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
+
+    def own_draw(**kwargs):
+        w = torch.nn.Parameter(torch.randn(16, 256, dtype=torch.bfloat16))
+        opt = fusedopt.AdamW([w], lr=1e-3, min_compress_numel=0, master_weight_bits=None, **kwargs)
+        w.grad = torch.randn_like(w)
+        opt.step()
+        return {c.constexprs["PARAM_OWN_DRAW"] for p in opt._dispatch._prepared.values() for c in p.launch.configs}
+
+    assert own_draw(state_format="norm2-root4") == {False}
+    assert own_draw() == {True}
+
+
 def test_decode_and_encode_moments_put_the_frame_first():
     shape = SHAPES[0]
     codecs = {"exp_avg": norm("norm2", shape), "exp_avg_sq": root4(shape)}

@@ -21,7 +21,7 @@ import fusedopt
 from fusedopt.codecs import PAIRED_FORMATS, codec_named
 from fusedopt.codecs.normalised import block_rms
 from fusedopt.codecs.rootgrid import TOP, RootGridCodec, root_decay
-from fusedopt.kernels import moments, normalised, rootgrid, update
+from fusedopt.kernels import hashing, moments, normalised, rootgrid, update
 
 # The interpreter computes every lane, masked or not (a 0 / 0 in a lane whose result is discarded):
 # numpy warns about those.
@@ -229,6 +229,27 @@ def test_the_approximate_root_grid_branch_stores_the_references_bits(monkeypatch
     flags = {c.constexprs["IEEE_DENOMINATOR"] for p in got[2]._dispatch._prepared.values() for c in p.launch.configs}
     assert flags == {torch.cuda.is_available()}  # a GPU runs this file with IEEE arithmetic
     _assert_identical(ref, got)
+
+
+@triton.jit
+def _shared_word_fields_kernel(words_ptr, moment_ptr, param_ptr, PARAM_BITS: tl.constexpr, N: tl.constexpr):
+    words = tl.load(words_ptr + tl.arange(0, N)).to(tl.uint32)
+    moment, param = hashing.shared_word_fields(words, PARAM_BITS)
+    tl.store(moment_ptr + tl.arange(0, N), moment.to(tl.int64))
+    tl.store(param_ptr + tl.arange(0, N), param.to(tl.int64))
+
+
+@pytest.mark.parametrize("master,bits", [(24, 8), (None, 16)])
+def test_the_kernels_split_of_the_shared_word_is_the_references(device, master, bits):
+    """``hashing.shared_word_fields`` against ``rng.UpdateDraws`` beside a whole-word first moment: the moment's
+    word and the bf16 parameter's field (the int8 correction's 8 bits, or without a correction 16)."""
+    p = torch.zeros(4, 256, dtype=torch.bfloat16)
+    ups = fusedopt.rng.UpdateDraws(5, 2, torch.tensor(3.0), p, master, first_moment_whole=True)
+    words = ups.shared().reshape(-1)
+    moment, param = torch.empty_like(words, device=device), torch.empty_like(words, device=device)
+    _shared_word_fields_kernel[(1,)](words.to(device), moment, param, PARAM_BITS=bits, N=words.numel())
+    assert torch.equal(moment.cpu() & fusedopt.rng.MASK32, ups.moment(0, whole=True)().reshape(-1))
+    assert torch.equal(param.cpu() & fusedopt.rng.MASK32, ups.param()().reshape(-1))
 
 
 @triton.jit

@@ -71,7 +71,8 @@ class MomentCodec:
     # (on encode, the frame as stored after the update); ``decode_moments`` and
     # ``encode_moments`` keep that order.
     frame: bool = False
-    # True: ``bits`` gives whole 32-bit words, of which the codec reads the top 23 (``rng.top_uniform``); False:
+    # True: ``bits`` gives whole 32-bit words (as moment 0, the low 16 bits cleared beside a bf16 parameter without
+    # a correction), of which the codec reads the top 23 (``rng.top_uniform``); False:
     # the moment's 12-bit field of the shared word (``fusedopt.rng``'s docstring)
     whole_word: bool = False
 
@@ -175,6 +176,12 @@ def check_draws(codecs: dict[str, MomentCodec]) -> None:
         )
     if any(whole[2:]):
         raise ValueError(f"moment codecs {list(codecs.values())}: only the first two moments may draw whole words")
+
+
+def first_draws_whole(codecs: dict[str, MomentCodec]) -> bool:
+    """Whether the first moment draws a whole word (``rng.param_draw_bits``: beside it a bf16 parameter without
+    a correction takes the shared word's low 16 bits)."""
+    return bool(codecs) and next(iter(codecs.values())).whole_word
 
 
 def encode_moments(

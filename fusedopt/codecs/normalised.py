@@ -25,16 +25,16 @@ Format of one moment tensor of ``n`` elements, taken flattened in row-major orde
   ``[-scale, scale]`` (2 bits: ``-1, -1/3, 1/3, 1``; no level at 0, which halves the gap of a
   3-level code over the same range). A block of scale 0 is all zeros.
 
-Encode: stochastic rounding to the two levels around ``q * (1 / scale)`` (the reciprocal rounded
-once per block), unbiased, from the top 23 bits of a whole hash word per element (``rng.top_uniform``;
-``whole_word``). The codes are rounded afresh each step: the frame moves every step, so a
-decay cannot be kept exact on a scale. Each step's
-rounding noise stays in ``m`` with weight ``b1**k``, about ``1 / (1 - b1**2)`` steps' worth; with 4
-levels spanning the block's absmax that noise is larger than ``m`` itself, so the half-range is
-capped. The cap biases ``|m|``, and with it every update, towards zero: at 1.2 rms (the cap until
-measured across learning rates) updates drifted at 0.54-0.72 of AdamW's, a smaller effective lr that
-trained 13% worse than the default at lr 2.5e-4; at 2.5 rms the drift is 0.87-1.02 of AdamW's and the
-format is within 0.3% of the default at lrs up to 5e-4 and better above (benchmarks/RESULTS.md,
+Encode: stochastic rounding to the two levels around ``q * (1 / scale)`` (the reciprocal rounded once
+per block), unbiased, from the top 23 bits of a whole hash word per element (``rng.top_uniform``;
+``whole_word``; 16, the rest zero, where a bf16 parameter without a correction takes the word's low 16).
+The codes are rounded afresh each step: the frame moves every step, so a decay cannot be kept exact on a
+scale. Each step's rounding noise stays in ``m`` with weight ``b1**k``, about ``1 / (1 - b1**2)`` steps'
+worth; with 4 levels spanning the block's absmax that noise is larger than ``m`` itself, so the
+half-range is capped. The cap biases ``|m|``, and with it every update, towards zero: at 1.2 rms (the
+cap until measured across learning rates) updates drifted at 0.54-0.72 of AdamW's, a smaller effective
+lr that trained 13% worse than the default at lr 2.5e-4; at 2.5 rms the drift is 0.87-1.02 of AdamW's
+and the format is within 0.3% of the default at lrs up to 5e-4 and better above (benchmarks/RESULTS.md,
 "norm2-root4 across learning rates").
 
 Bytes per element: ``2 / 8 + 2 / 64`` = 0.281 (2.25 bits).
