@@ -96,6 +96,11 @@ def step_with(opt, params, grads, fused: bool) -> None:
     opt.zero_grad()
 
 
+def launch_constexprs(opt) -> list[dict]:
+    """The compile-time switches of every kernel launch ``opt`` has prepared."""
+    return [c.constexprs for p in opt._dispatch._prepared.values() for c in p.launch.configs]
+
+
 def moment_draws(key: int, step: int, shape, field: int = 0, whole: bool = False):
     """A codec's bits callback as the optimizer hands it (``rng.UpdateDraws.moment``), with the
     counter-based hash of ``key`` at ``step`` (a new step, new draws): moment ``field``'s 12 bits of the

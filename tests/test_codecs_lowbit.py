@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers import inputs, make_model, second_moment, train, whole_draws
+from helpers import inputs, launch_constexprs, make_model, second_moment, train, whole_draws
 
 import fusedopt
 from fusedopt.codecs import (
@@ -222,7 +222,7 @@ def test_the_kernel_shares_the_word_where_the_reference_does(monkeypatch):
         opt = fusedopt.AdamW([w], lr=1e-3, min_compress_numel=0, master_weight_bits=None, **kwargs)
         w.grad = torch.randn_like(w)
         opt.step()
-        return {c.constexprs["PARAM_OWN_DRAW"] for p in opt._dispatch._prepared.values() for c in p.launch.configs}
+        return {c["PARAM_OWN_DRAW"] for c in launch_constexprs(opt)}
 
     assert own_draw(state_format="norm2-root4") == {False}
     assert own_draw() == {True}

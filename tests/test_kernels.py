@@ -32,7 +32,7 @@ from cases import (
     format_cases,
     master_cases,
 )
-from helpers import PARITY_ATOL, PARITY_RTOL, code_levels, ulp
+from helpers import PARITY_ATOL, PARITY_RTOL, code_levels, launch_constexprs, ulp
 
 import fusedopt
 
@@ -213,7 +213,7 @@ def test_adamw_approximates_its_denominator_only_where_no_bit_shows_it(monkeypat
         opt = fusedopt.AdamW([w], lr=1e-3, min_compress_numel=0, **kwargs)
         w.grad = torch.randn_like(w)
         opt.step()
-        configs = [c.constexprs for p in opt._dispatch._prepared.values() for c in p.launch.configs]
+        configs = launch_constexprs(opt)
         assert [c["APPROXIMATE_DIV"] for c in configs] == [update.APPROXIMATE_DIVISION and not ieee] * 2
         return [c["IEEE_DENOMINATOR"] for c in configs]
 
@@ -270,7 +270,7 @@ def test_adamw_with_the_approximate_division_matches_the_reference(monkeypatch, 
     grads = [torch.randn(37, 64, generator=gen).to(torch.bfloat16) for _ in range(3)]
     ref_w, ref_state, ref_opt = _run("reference", monkeypatch, device, fusedopt.AdamW, kwargs, w0, grads)
     got_w, got_state, got_opt = _run("triton", monkeypatch, device, fusedopt.AdamW, kwargs, w0, grads)
-    configs = [c.constexprs for p in got_opt._dispatch._prepared.values() for c in p.launch.configs]
+    configs = launch_constexprs(got_opt)
     assert {c["APPROXIMATE_DIV"] for c in configs} == {True}
     assert not torch.equal(ref_w, w0)
     assert_param_parity(ref_w, got_w)

@@ -15,7 +15,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from helpers import step_with
+from helpers import launch_constexprs, step_with
 
 import fusedopt
 from fusedopt.codecs import PAIRED_FORMATS, codec_named
@@ -226,7 +226,7 @@ def test_the_approximate_root_grid_branch_stores_the_references_bits(monkeypatch
     shapes = [(37, 41), (4, 256)]
     ref = _train("reference", device, monkeypatch, PAIRED[0], shapes, dtype=torch.bfloat16, master=24)
     got = _train("triton", device, monkeypatch, PAIRED[0], shapes, dtype=torch.bfloat16, master=24)
-    flags = {c.constexprs["IEEE_DENOMINATOR"] for p in got[2]._dispatch._prepared.values() for c in p.launch.configs}
+    flags = {c["IEEE_DENOMINATOR"] for c in launch_constexprs(got[2])}
     assert flags == {torch.cuda.is_available()}  # a GPU runs this file with IEEE arithmetic
     _assert_identical(ref, got)
 
