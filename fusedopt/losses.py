@@ -23,15 +23,24 @@ from torch.autograd.function import once_differentiable
 
 __all__ = ["chunked_cross_entropy", "default_chunk_size", "DEFAULT_CHUNK_ELEMENTS"]
 
-# The default chunk holds at most this many logits (64 MiB in fp32): 130 tokens of a 128,256-token
-# vocabulary, 524 of a 32,000-token one.
+# The default chunk holds at most this many logits (64 MiB in fp32): 128 tokens of a 128,256-token
+# vocabulary, 520 of a 32,000-token one.
 DEFAULT_CHUNK_ELEMENTS = 1 << 24
 REDUCTIONS = ("mean", "sum")
+# Row counts the loss chooses itself are multiples of this: a slice of the vocabulary is a row length
+# (leading dimension) of a bf16 matmul, and one not a multiple of 16 bytes sends cuBLAS to slow kernels.
+ROW_MULTIPLE = 8
+
+
+def _aligned_rows(rows: int) -> int:
+    """``rows`` down to a multiple of ``ROW_MULTIPLE`` (unchanged below it; at least 1)."""
+    return max(1, rows - rows % ROW_MULTIPLE if rows >= ROW_MULTIPLE else rows)
 
 
 def default_chunk_size(vocab: int) -> int:
-    """Tokens per chunk when ``chunk_size`` is not given: ``DEFAULT_CHUNK_ELEMENTS // vocab`` (at least 1)."""
-    return max(1, DEFAULT_CHUNK_ELEMENTS // vocab)
+    """Tokens per chunk when ``chunk_size`` is not given: ``DEFAULT_CHUNK_ELEMENTS // vocab``, down to a multiple
+    of 8 (at least 1)."""
+    return _aligned_rows(DEFAULT_CHUNK_ELEMENTS // vocab)
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -106,7 +115,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                     del probs
             if need_weight:
                 # vocabulary slices of as many elements as a chunk of tokens holds
-                width = max(1, (chunk_size * vocab) // max(tokens, 1))
+                width = _aligned_rows((chunk_size * vocab) // max(tokens, 1))
                 grad_weight = torch.empty(weight.shape, dtype=compute_dtype, device=weight.device)
                 for start in range(0, vocab, width):
                     end = min(start + width, vocab)
@@ -143,7 +152,7 @@ class _PieceLogSumExp(torch.autograd.Function):
                 target[start:end] = torch.where(here[start:end], picked, target[start:end])
                 del logits
         ctx.save_for_backward(hidden, piece, local, here, lse)
-        ctx.options = (max(1, chunk_elements // max(tokens, 1)), compute_dtype)  # rows per slice in backward
+        ctx.options = (_aligned_rows(chunk_elements // max(tokens, 1)), compute_dtype)  # rows per slice in backward
         return lse, target
 
     @staticmethod

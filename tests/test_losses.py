@@ -158,8 +158,36 @@ def test_bad_arguments_are_refused(kwargs, message):
         fusedopt.chunked_cross_entropy(args["hidden"], args["weight"], args["labels"], **kwargs)
 
 
-def test_default_chunk_holds_about_2_to_the_24_logits():
-    assert default_chunk_size(32000) == 524 and default_chunk_size(128256) == 130 and default_chunk_size(1 << 30) == 1
+def test_default_chunk_holds_about_2_to_the_24_logits_a_multiple_of_8_tokens():
+    assert default_chunk_size(32000) == 520 and default_chunk_size(128256) == 128
+    assert default_chunk_size((1 << 24) // 12) == 8 and default_chunk_size((1 << 24) // 7) == 7
+    assert default_chunk_size(1 << 30) == 1
+
+
+@pytest.mark.parametrize("pieces", [None, [500, 500]])
+def test_the_vocabulary_slices_of_backward_are_multiples_of_8_rows(monkeypatch, pieces):
+    """The slices' widths are the row lengths of the backward matmuls (an odd one sends cuBLAS to slow kernels):
+    chunk x vocab / tokens = 13 x 1000 / 70 = 185 rows per slice would be one; 184 are taken, and the
+    gradients stay the unchunked loss's."""
+    hidden, weight, labels = _inputs(70, 1000, 16, torch.float32, seed=3)
+    widths = []
+    mm = torch.mm
+
+    def recording_mm(a, b, **kwargs):
+        widths.append(a.shape[0])  # probs.T @ hidden: the slice's rows
+        return mm(a, b, **kwargs)
+
+    monkeypatch.setattr(torch, "mm", recording_mm)
+    head = weight if pieces is None else list(torch.split(weight, pieces))
+    got = _loss_and_grads(lambda: fusedopt.chunked_cross_entropy(hidden, head, labels, chunk_size=13), hidden, weight)
+    monkeypatch.setattr(torch, "mm", mm)
+    expected = _reference(hidden, weight, labels)
+    per_head = [1000] if pieces is None else pieces
+    slices = [[184] * (n // 184) + [n % 184] for n in per_head]
+    assert widths == [w for s in slices for w in s if w]
+    torch.testing.assert_close(got[0], expected[0], rtol=LOSS_RTOL, atol=0)
+    for actual, reference in zip(got[1:], expected[1:]):
+        _assert_grad_close(actual, reference, torch.float32)
 
 
 # --- memory: vocabulary 32000, 4096 tokens ---------------------------------------------------------
