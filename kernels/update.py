@@ -82,9 +82,9 @@ APPROXIMATE_DENOMINATOR = True
 # moments.approximate_div); the A/B: SWITCH=APPROXIMATE_ROOT_GRID bash benchmarks/denominator_ab.sh.
 APPROXIMATE_ROOT_GRID = True
 # AdamW's division by div.approx.ftz (moments.approximate_div, 2 instructions where div.full takes about 8) where
-# the approximate denominator is on and v is not a root grid's: its GPU tests pass, off until its paired quality has
-# run (SWITCH=APPROXIMATE_DIVISION bash benchmarks/denominator_ab.sh).
-APPROXIMATE_DIVISION = False
+# the approximate denominator is on and v is not a root grid's; the A/B: SWITCH=APPROXIMATE_DIVISION bash
+# benchmarks/denominator_ab.sh (benchmarks/RESULTS.md, "How we chose").
+APPROXIMATE_DIVISION = True
 MAX_REGISTERS = None  # per thread (Triton's maxnreg); None: the compiler's choice
 CHECK_TILE = 2048  # elements per iteration of the finite check
 CHECK_TILES = 8  # iterations per check program (fewer programs: fewer ticket atomics)
