@@ -29,7 +29,8 @@ fused AdamW), whatever the eager model leaves idle between launches:
 
 ``--config`` names one of ``CONFIGS`` (fusedopt.AdamW or fusedopt.Adafactor, its keyword arguments
 and peak lr); ``--opt k=v,...`` adds or overrides keyword arguments (``master_weight_bits=None``,
-``state_format=norm2-root4``...).
+``state_format=norm2-root4``...); for ``torch-bf16``, ``max_grad_norm=X`` clips with ``clip_grad_norm_``
+before its step.
 """
 
 from __future__ import annotations
@@ -149,7 +150,10 @@ def main(argv=None) -> int:
     shape = PRESETS[args.shape] if args.shape in PRESETS else parse_shape(args.shape, PRESETS["7b"])
     opt_class, kwargs, lr = CONFIGS[args.config]
     kwargs = {**kwargs, **parse_opt(args.opt)}
-    if opt_class is not torch.optim.AdamW:
+    torch_clip = None  # torch's AdamW clips by clip_grad_norm_ before its step (--opt max_grad_norm=X)
+    if opt_class is torch.optim.AdamW:
+        torch_clip = kwargs.pop("max_grad_norm", None)
+    else:
         kwargs = {"max_grad_norm": None, **kwargs}  # no clipping unless --opt asks
     lr = args.lr if args.lr is not None else lr
     device = torch.device(args.device)
@@ -181,6 +185,8 @@ def main(argv=None) -> int:
         else:
             loss = fusedopt.chunked_cross_entropy(model.hidden_states(x), head_weight(model.lm_head), y, chunk)
         loss.backward()  # fusedopt's fused=True: every parameter is updated inside backward
+        if torch_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), torch_clip, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
@@ -209,6 +215,7 @@ def main(argv=None) -> int:
         "optimizer": opt_class.__name__,
         "lr": lr,
         "optimizer_kwargs": {k: (list(v) if isinstance(v, tuple) else v) for k, v in kwargs.items()},
+        "clip_grad_norm": torch_clip,
         "budget_gib": args.budget_gib if cuda else None,
         "vocab_pieces": args.vocab_pieces,
         "chunked_loss": chunk,
