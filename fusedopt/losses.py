@@ -222,7 +222,8 @@ def chunked_cross_entropy(
     the caller shifts them for next-token prediction (``hidden[:, :-1]``, ``labels[:, 1:]``).
     ``lm_head_weight`` is ``[vocab, hidden_size]`` (``model.lm_head.weight``; a head with a bias is not
     supported). ``chunk_size`` is the tokens per chunk (default :func:`default_chunk_size`: about
-    ``2**24`` logits per chunk). ``reduction`` is ``"mean"`` over the labels that are not
+    ``2**24`` logits per chunk, a multiple of 8 tokens; a vocabulary of a multiple of 8 keeps every matmul's rows
+    16-byte aligned). ``reduction`` is ``"mean"`` over the labels that are not
     ``ignore_index`` (a batch where every label is ignored gives ``nan``, as torch does, and zero
     gradients) or ``"sum"`` (``0`` then). Returns an fp32 scalar. Gradients flow to ``hidden`` and to
     the weight, whose gradient is produced once per backward, so gradient release
