@@ -27,6 +27,10 @@ fused AdamW), whatever the eager model leaves idle between launches:
     python benchmarks/fit_7b.py --shape llama3-8b --config norm2-root4-nomaster --opt max_grad_norm=1.0 \
         --budget-gib 22.35 --vocab-pieces 8 --chunked-loss 0 --steps 12 --profile-steps 3
 
+With ``--idle`` the profile also records the host and reports the GPU's idle time per step, each gap
+charged to the code that launched the kernel after it (where a step waits on Python, not on the GPU).
+``benchmarks/llama3_2048.sh`` runs the recipe against torch at 2048 tokens.
+
 ``--config`` names one of ``CONFIGS`` (fusedopt.AdamW or fusedopt.Adafactor, its keyword arguments
 and peak lr); ``--opt k=v,...`` adds or overrides keyword arguments (``master_weight_bits=None``,
 ``state_format=norm2-root4``...); for ``torch-bf16``, ``max_grad_norm=X`` clips with ``clip_grad_norm_``
@@ -79,17 +83,21 @@ OPTIMIZER_KERNELS = {"_update_kernel", "_check_kernel", "_release_clip_kernel", 
 TORCH_OPTIMIZER_KERNELS = ("FusedOptimizer", "multi_tensor_apply")
 
 
-def profile_steps(step, steps: int) -> dict:
+def profile_steps(step, steps: int, idle: bool = False) -> dict:
     """GPU time per step (ms) of each kernel over ``steps`` calls of ``step`` under torch.profiler, the
-    optimizer's kernels (OPTIMIZER_KERNELS, TORCH_OPTIMIZER_KERNELS) and all of them summed."""
+    optimizer's kernels (OPTIMIZER_KERNELS, TORCH_OPTIMIZER_KERNELS) and all of them summed; with ``idle``,
+    also the GPU's idle time per step by the code that launched the kernel ending each gap (``idle_by_launcher``)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if idle else [])
+    with profile(activities=activities, with_stack=idle) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
     per_kernel: dict[str, float] = {}
     for event in prof.key_averages():
+        if event.device_type != torch.autograd.DeviceType.CUDA and idle:
+            continue
         us = getattr(event, "self_device_time_total", None)
         us = event.self_cuda_time_total if us is None else us
         if us > 0:
@@ -98,12 +106,73 @@ def profile_steps(step, steps: int) -> dict:
         k: v for k, v in per_kernel.items() if k in OPTIMIZER_KERNELS or any(n in k for n in TORCH_OPTIMIZER_KERNELS)
     }
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
-    return {
+    result = {
         "gpu_ms_per_step": sum(per_kernel.values()),
         "optimizer_ms_per_step": sum(optimizer.values()),
         "optimizer_kernels_ms": {k[:120]: round(v, 3) for k, v in sorted(optimizer.items(), key=lambda kv: -kv[1])},
         "top_kernels_ms": {k[:120]: round(v, 3) for k, v in top},
     }
+    if idle:
+        result["idle_by_launcher"] = idle_by_launcher(prof, steps)
+    return result
+
+
+def idle_by_launcher(prof, steps: int, min_gap_us: float = 5.0) -> dict:
+    """GPU idle time per step (ms) between kernels, each gap charged to the innermost frame of this project's
+    code (else torch's) that launched the kernel after it, with the operator that launched it."""
+    import bisect
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    launches = {
+        e["args"].get("correlation"): e
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "args" in e
+    }
+    frames: dict = {}  # thread -> python frames and operators sorted by start
+    for e in events:
+        if e.get("cat") in ("python_function", "cpu_op") and e.get("ph") == "X":
+            frames.setdefault(e["tid"], []).append(e)
+    starts = {}
+    for tid, fs in frames.items():
+        fs.sort(key=lambda e: e["ts"])
+        starts[tid] = [e["ts"] for e in fs]
+
+    def launcher(kernel) -> str:
+        runtime = launches.get(kernel.get("args", {}).get("correlation"))
+        if runtime is None:
+            return "(launch not found)"
+        t, fs = runtime["ts"], frames.get(runtime["tid"], [])
+        enclosing = []
+        for e in reversed(fs[max(0, bisect.bisect_right(starts.get(runtime["tid"], []), t) - 4000) :
+                             bisect.bisect_right(starts.get(runtime["tid"], []), t)]):  # fmt: skip
+            if e["ts"] + e.get("dur", 0) >= t:
+                enclosing.append(e)
+        enclosing.sort(key=lambda e: e.get("dur", 0))  # innermost first
+        ours = [e["name"] for e in enclosing if e["cat"] == "python_function" and ("fusedopt" in e["name"] or
+                "benchmarks" in e["name"])]  # fmt: skip
+        torchs = [e["name"] for e in enclosing if e["cat"] == "python_function"]
+        op = next((e["name"] for e in enclosing if e["cat"] == "cpu_op"), "?")
+        where = (
+            " < ".join(n.rsplit("/", 1)[-1] for n in ours[:3])
+            if ours
+            else (torchs[0] if torchs else "(no python frame)")
+        )
+        return f"{where} | {op}"
+
+    gaps: dict[str, list] = {}
+    end = None
+    for kernel in gpu:
+        if end is not None and kernel["ts"] - end > min_gap_us:
+            entry = gaps.setdefault(launcher(kernel), [0.0, 0])
+            entry[0] += (kernel["ts"] - end) / 1000 / steps
+            entry[1] += 1
+        end = max(end or 0, kernel["ts"] + kernel.get("dur", 0))
+    top = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:25]
+    return {"total_ms": sum(v[0] for v in gaps.values()), "gaps": {k[:200]: [round(v[0], 3), v[1]] for k, v in top}}
 
 
 def _value(text: str):
@@ -143,6 +212,7 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab-pieces", type=int, default=None, help="split the embedding and head (split_rows)")
     parser.add_argument("--chunked-loss", type=int, default=None, help="tokens per chunked-loss chunk (0: default)")
     parser.add_argument("--profile-steps", type=int, default=0, help="then N steps under torch.profiler (CUDA)")
+    parser.add_argument("--idle", action="store_true", help="with --profile-steps: the GPU's idle time by launcher")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -202,7 +272,7 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         if args.profile_steps and cuda:
-            profiled = profile_steps(step, args.profile_steps)
+            profiled = profile_steps(step, args.profile_steps, args.idle)
     except torch.OutOfMemoryError as exc:
         error = f"out of memory at step {len(times)}: {str(exc).splitlines()[0]}"
     losses = [float(v) for v in torch.stack(losses).cpu()] if losses else []
