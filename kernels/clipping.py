@@ -181,12 +181,15 @@ _LAUNCH_GRADIENTS = DirectLauncher(_release_clip_gradients_kernel, tensors=8, in
 _CONFIGS: dict = {}
 _TABLE_CACHE = 64  # batches whose gradient tables stay on the device
 CHUNK = TILE * TILES  # elements per program
+GRADIENT_WARPS = 4  # the gradients' read: one warp a program read a large gradient slower (release_clip_read.py)
 
 
-def _config(key: tuple, **constexprs) -> LaunchConfig:
+def _config(key: tuple, num_warps: int | None = None, **constexprs) -> LaunchConfig:
+    """``num_warps``: by default 1 (a batch's bookkeeping), 4 from 512 members; the gradients' read takes 4."""
     config = _CONFIGS.get(key)
     if config is None:
-        config = _CONFIGS[key] = LaunchConfig(constexprs, dict(num_warps=4 if constexprs["BLOCK"] >= 512 else 1))
+        warps = num_warps or (4 if constexprs["BLOCK"] >= 512 else 1)
+        config = _CONFIGS[key] = LaunchConfig(constexprs, dict(num_warps=warps))
     return config
 
 
@@ -242,8 +245,8 @@ class ReleaseClipKernel:
         members = len(grads)
         block = max(16, triton.next_power_of_2(members))
         config = _config(
-            ("gradients", warmup, adagc, block, aligned), ADAGC_WARMUP=warmup, ADAGC=adagc, BLOCK=block,
-            ALIGNED=aligned,
+            ("gradients", warmup, adagc, block, aligned), GRADIENT_WARPS, ADAGC_WARMUP=warmup, ADAGC=adagc,
+            BLOCK=block, ALIGNED=aligned,
         )  # fmt: skip
         args = (grads[0], table, partials, *history, coefficients, members, programs, int(first))
         _LAUNCH_GRADIENTS(programs, args, config)
