@@ -67,8 +67,9 @@ _ADAMW, _SGD, _LION = tl.constexpr(ADAMW), tl.constexpr(SGD), tl.constexpr(LION)
 BLOCK = 1024
 NUM_WARPS = 2
 # (elements, warps) of a program whose moments use the root-grid / normalised codes (norm2-root4): their
-# decode and encode hold more values per element, and 16 elements a thread took 209 registers (A/B of
-# step_speed.py --root-grid-tiles, benchmarks/RESULTS.md); any multiple of their blocks gives the same bits
+# decode and encode hold more values per element; 8 elements a thread, as 16 took as long with fewer programs
+# resident and 32 longer (A/B of step_speed.py --root-grid-tiles, benchmarks/RESULTS.md); any multiple of their
+# blocks gives the same bits
 ROOT_GRID_TILE = (1024, 4)
 # (elements, warps) of a program of 4-bit block codes with a master correction (state_bits=4's default):
 # the correction's split and join on 16 elements a thread took 130 registers; at 8 the step is shorter (A/B

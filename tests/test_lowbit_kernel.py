@@ -110,10 +110,10 @@ def test_the_kernel_stores_the_references_bits(monkeypatch, device, fmt, shape):
     _assert_identical(ref, got)
 
 
-@pytest.mark.parametrize("tile", [(256, 2), (512, 2), (2048, 8)], ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("tile", [(256, 2), (512, 2), (2048, 4), (2048, 8), (4096, 8)], ids=lambda t: f"{t[0]}x{t[1]}")
 def test_any_tile_of_whole_blocks_stores_the_references_bits(monkeypatch, device, tile):
     """The update's tile for these formats (``update.ROOT_GRID_TILE``) is a speed choice: programs of
-    two to sixteen root-grid blocks, the last one partial, store the reference's bits (bf16 weights, a
+    two to thirty-two root-grid blocks, the last one partial, store the reference's bits (bf16 weights, a
     24-bit master, so the parameter's own draws are tiled too)."""
     monkeypatch.setattr(update, "ROOT_GRID_TILE", tile)
     shape = (37, 41)
