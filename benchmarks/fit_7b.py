@@ -117,50 +117,51 @@ def profile_steps(step, steps: int, idle: bool = False) -> dict:
     return result
 
 
-def idle_by_launcher(prof, steps: int, min_gap_us: float = 5.0) -> dict:
-    """GPU idle time per step (ms) between kernels, each gap charged to the innermost frame of this project's
-    code (else torch's) that launched the kernel after it, with the operator that launched it."""
-    import bisect
+def idle_by_launcher(prof, steps: int) -> dict:
+    """``idle_gaps`` of a finished ``torch.profiler`` run (CPU and CUDA activities, ``with_stack=True``)."""
     import tempfile
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        with open(f.name) as trace:
+            return idle_gaps(json.load(trace)["traceEvents"], steps)
+
+
+LOOKBACK = 4000  # events of a thread searched back from a launch for the frames around it
+
+
+def idle_gaps(events: list[dict], steps: int, min_gap_us: float = 5.0) -> dict:
+    """The GPU's idle time per step (ms) in a Chrome trace's ``events``: each gap of more than ``min_gap_us``
+    between the end of the kernels so far and the next kernel's start is charged to the code that launched
+    that kernel: the innermost frames of this project's Python code (else torch's), and the operator."""
+    import bisect
+
     gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
     launches = {
         e["args"].get("correlation"): e
         for e in events
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "args" in e
     }
-    frames: dict = {}  # thread -> python frames and operators sorted by start
+    frames: dict = {}  # thread -> its Python frames and operators, by start
     for e in events:
         if e.get("cat") in ("python_function", "cpu_op") and e.get("ph") == "X":
             frames.setdefault(e["tid"], []).append(e)
-    starts = {}
-    for tid, fs in frames.items():
+    for fs in frames.values():
         fs.sort(key=lambda e: e["ts"])
-        starts[tid] = [e["ts"] for e in fs]
+    starts = {tid: [e["ts"] for e in fs] for tid, fs in frames.items()}
 
     def launcher(kernel) -> str:
         runtime = launches.get(kernel.get("args", {}).get("correlation"))
         if runtime is None:
             return "(launch not found)"
-        t, fs = runtime["ts"], frames.get(runtime["tid"], [])
-        enclosing = []
-        for e in reversed(fs[max(0, bisect.bisect_right(starts.get(runtime["tid"], []), t) - 4000) :
-                             bisect.bisect_right(starts.get(runtime["tid"], []), t)]):  # fmt: skip
-            if e["ts"] + e.get("dur", 0) >= t:
-                enclosing.append(e)
-        enclosing.sort(key=lambda e: e.get("dur", 0))  # innermost first
-        ours = [e["name"] for e in enclosing if e["cat"] == "python_function" and ("fusedopt" in e["name"] or
-                "benchmarks" in e["name"])]  # fmt: skip
-        torchs = [e["name"] for e in enclosing if e["cat"] == "python_function"]
+        t, tid = runtime["ts"], runtime["tid"]
+        last = bisect.bisect_right(starts.get(tid, []), t)
+        before = frames.get(tid, [])[max(0, last - LOOKBACK) : last]  # the innermost frames started shortly before
+        enclosing = sorted((e for e in before if e["ts"] + e.get("dur", 0) >= t), key=lambda e: e.get("dur", 0))
+        python = [e["name"] for e in enclosing if e["cat"] == "python_function"]  # innermost first
+        ours = [n.rsplit("/", 1)[-1] for n in python if "fusedopt" in n or "benchmarks" in n]
         op = next((e["name"] for e in enclosing if e["cat"] == "cpu_op"), "?")
-        where = (
-            " < ".join(n.rsplit("/", 1)[-1] for n in ours[:3])
-            if ours
-            else (torchs[0] if torchs else "(no python frame)")
-        )
+        where = " < ".join(ours[:3]) if ours else (python[0] if python else "(no python frame)")
         return f"{where} | {op}"
 
     gaps: dict[str, list] = {}

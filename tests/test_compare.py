@@ -23,6 +23,7 @@ from fusedopt.profile.models import UserError
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 import compare_fit  # noqa: E402
+import fit_7b  # noqa: E402
 import harness  # noqa: E402
 import kernel_instructions  # noqa: E402
 import quality  # noqa: E402
@@ -524,6 +525,60 @@ def test_kernel_instructions_counts_the_fast_path_by_statement():
     # a line marked as a rare branch: its code (up to the next line information) is not on the fast path
     assert kernel_instructions.statements(body, range(30, 60), rare={("kernels/update.py", 41)}) == {40: 3, None: 2}
     assert kernel_instructions.statements(body, range(30, 60), rare={("kernels/moments.py", 41)}) == counts
+
+
+def test_idle_gaps_charge_each_gap_to_the_code_that_launched_the_next_kernel():
+    """fit_7b.py --idle: a gap between the end of the kernels so far and the next kernel's start goes to that
+    kernel's launch (by correlation id): the innermost frames of the project's code around the launch and its
+    operator; overlapping kernels and gaps at the threshold or below count nothing; per step."""
+
+    def frame(name, ts, dur, cat="python_function", tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    def kernel(ts, dur, correlation=None):
+        return {"ph": "X", "cat": "kernel", "name": "k", "ts": ts, "dur": dur, "args": {"correlation": correlation}}
+
+    def launch(ts, correlation, cat="cuda_runtime", tid=1):
+        return {
+            "ph": "X",
+            "cat": cat,
+            "name": "launch",
+            "ts": ts,
+            "dur": 1,
+            "tid": tid,
+            "args": {"correlation": correlation},
+        }
+
+    events = [
+        frame("benchmarks/fit_7b.py(1): step", 0, 1000),
+        frame("torch/autograd/graph.py(5): backward", 10, 900),
+        frame("/src/fusedopt/release.py(7): hook", 100, 50),
+        frame("/src/fusedopt/kernels/launcher.py(3): launch", 120, 20),
+        frame("aten::add_", 125, 10, cat="cpu_op"),
+        launch(130, 1, cat="cuda_driver"),
+        frame("torch/nn/functional.py(9): linear", 300, 40),
+        frame("aten::mm", 305, 30, cat="cpu_op"),
+        launch(310, 2),
+        frame("torch/optim/adamw.py(2): step", 600, 50, tid=2),  # another thread: torch's frames only
+        launch(610, 3, tid=2),
+        kernel(0, 100),
+        kernel(50, 90),  # overlaps: no gap
+        kernel(60, 10),  # inside the one before: the next gap runs from 140, not from its end
+        kernel(160, 20, correlation=1),  # 20 us after the end (140): the release hook
+        kernel(185, 10),  # 5 us: at the threshold, not a gap
+        kernel(400, 10, correlation=2),  # 205 us: launched in torch's linear, inside the benchmark's step
+        kernel(500, 10, correlation=99),  # 90 us: its launch is not in the trace
+        kernel(700, 10, correlation=3),  # 190 us
+    ]
+    result = fit_7b.idle_gaps(events, steps=2)
+    gaps = result["gaps"]
+    assert gaps == {
+        "fit_7b.py(1): step | aten::mm": [0.102, 1],  # the project's frames, however far out, before torch's
+        "(launch not found)": [0.045, 1],
+        "torch/optim/adamw.py(2): step | ?": [0.095, 1],
+        "launcher.py(3): launch < release.py(7): hook < fit_7b.py(1): step | aten::add_": [0.01, 1],
+    }
+    assert result["total_ms"] == pytest.approx((20 + 205 + 90 + 190) / 1000 / 2)
 
 
 def test_kernel_instructions_finds_the_rare_branch_of_adams_denominator():
