@@ -19,6 +19,10 @@ out-of-line slow paths of IEEE division and square root and the calls to them, w
 normal input takes (the full count above includes them); a branch's two sides both count, but for the code
 of a kernel line marked ``# rare branch`` (AdamW's IEEE fallback for an eps below the flush-safe bound).
 
+``--layouts`` lists each kernel's layout conversions (``ttg.convert_layout`` in its TTGIR, by the
+source lines they come from, innermost first) and counts its barriers (``BAR.SYNC``): a conversion
+between register layouts goes through shared memory and waits for every warp of the program.
+
 The local Triton may differ from the GPU machine's: compare counts made with one Triton only.
 """
 
@@ -138,6 +142,35 @@ def _sass(kernel_fn, record, lines: bool = False) -> tuple[str, int]:
     return sass, int(found.group(1)) if found else -1
 
 
+def _ttgir(kernel_fn, record) -> str:
+    """The TTGIR of the recorded launch compiled for sm_90 (Triton's cache makes a second compile cheap)."""
+    args = [_fake_argument(*a) for a in record["args"]]
+    return kernel_fn.warmup(*args, grid=(1,), **record["constexprs"], **record["options"]).asm["ttgir"]
+
+
+_LOC = re.compile(r"^(#loc\d*) = loc\((.*)\)$", re.M)
+
+
+def layout_conversions(ttgir: str) -> list[str]:
+    """Each ``ttg.convert_layout`` of a TTGIR module, as the source lines it comes from ("file.py:line",
+    innermost first, joined by " < "), in the order of the module."""
+    definitions = dict(_LOC.findall(ttgir))
+
+    def frames(name: str, depth: int = 0) -> list[str]:
+        text = definitions.get(name, "")
+        if depth > 64 or not text:
+            return []
+        if found := re.fullmatch(r'"([^"]*)":(\d+):\d+', text):
+            return [f"{os.path.basename(found.group(1))}:{found.group(2)}"]
+        if found := re.fullmatch(r"callsite\((#loc\d*) at (#loc\d*)\)", text):
+            return frames(found.group(1), depth + 1) + frames(found.group(2), depth + 1)
+        if found := re.fullmatch(r'"[^"]*"\((#loc\d*)\)', text):
+            return frames(found.group(1), depth + 1)
+        return []
+
+    return [" < ".join(frames(loc)) or loc for loc in re.findall(r"ttg\.convert_layout .*loc\((#loc\d*)\)", ttgir)]
+
+
 _INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
@@ -254,6 +287,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--statements", action="store_true", help="also each kernel's fast path; the update kernel's by statement"
     )
+    parser.add_argument(
+        "--layouts", action="store_true", help="also each kernel's layout conversions and barriers (BAR.SYNC)"
+    )
     parser.add_argument("--out", help="results JSON")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -281,6 +317,7 @@ def main(argv=None) -> int:
         by_statement = None
         if args.statements:
             by_statement = _by_statement(fn, record)
+        conversions = layout_conversions(_ttgir(fn, record)) if args.layouts else None
         per = ELEMENTS.get(record["kernel"])
         warps = record["options"].get("num_warps", 4)
         elements = captured["sizes"][per] if per else None
@@ -293,7 +330,7 @@ def main(argv=None) -> int:
         results.append(
             dict(config=record["config"], kernel=record["kernel"], instructions=total, warps=warps, registers=registers)
             | dict(elements_per_program=elements, per_element=per_element, opcodes=dict(ops.most_common()))
-            | dict(statements=by_statement)
+            | dict(statements=by_statement, layout_conversions=conversions)
         )
     fast = "| fast path per element " if args.statements else ""
     print(f"| configuration | kernel | SASS instructions per program | warps | registers | per element {fast}|")
@@ -317,6 +354,12 @@ def main(argv=None) -> int:
             print(f"| per element | statement of {body} |\n|---|---|")
             for statement, n in r["statements"]:
                 print(f"| {n * scale:.1f} | `{statement}` |")
+    for r in results:
+        if r["layout_conversions"] is not None:
+            barriers = sum(n for op, n in r["opcodes"].items() if op.startswith("BAR.SYNC"))
+            print(f"\n{r['config']}: {r['kernel']}, {barriers} barriers, layout conversions from:")
+            for where in r["layout_conversions"] or ["(none)"]:
+                print(f"- {where}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

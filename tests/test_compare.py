@@ -581,6 +581,35 @@ def test_idle_gaps_charge_each_gap_to_the_code_that_launched_the_next_kernel():
     assert result["total_ms"] == pytest.approx((20 + 205 + 90 + 190) / 1000 / 2)
 
 
+def test_kernel_instructions_names_the_source_lines_of_each_layout_conversion():
+    """--layouts: a TTGIR's convert_layout ops by the locations they carry (a file location, a named one, call
+    sites nested in call sites), innermost first, in the module's order; a location it cannot read is named."""
+    ttgir = "\n".join(
+        [
+            "module {",
+            "  %1 = ttg.convert_layout %0 : tensor<8xf32, #a> -> tensor<8xf32, #b> loc(#loc5)",
+            "  %2 = arith.addf %1, %1 : tensor<8xf32, #b> loc(#loc1)",
+            "  %3 = ttg.convert_layout %2 : tensor<8xf32, #b> -> tensor<8xf32, #a> loc(#loc6)",
+            "  %4 = ttg.convert_layout %3 : tensor<8xf32, #a> -> tensor<8xf32, #b> loc(#loc9)",
+            "}",
+            '#loc = loc("/r/kernels/update.py":1:0)',
+            '#loc1 = loc("/r/kernels/update.py":716:4)',
+            '#loc2 = loc("/r/kernels/normalised.py":134:8)',
+            '#loc3 = loc("/r/kernels/update.py":526:12)',
+            '#loc4 = loc("x"(#loc2))',
+            "#loc5 = loc(callsite(#loc4 at #loc7))",
+            '#loc6 = loc("/r/kernels/rootgrid.py":107:4)',
+            "#loc7 = loc(callsite(#loc3 at #loc1))",
+        ]
+    )
+    assert kernel_instructions.layout_conversions(ttgir) == [
+        "normalised.py:134 < update.py:526 < update.py:716",
+        "rootgrid.py:107",
+        "#loc9",
+    ]
+    assert kernel_instructions.layout_conversions("module {\n}") == []
+
+
 def test_kernel_instructions_finds_the_rare_branch_of_adams_denominator():
     """The approximate denominator's IEEE fallbacks (eps below the flush-safe bound; one per direction helper)
     are marked rare in the kernel source, so the static fast path counts the branch a normal eps takes."""
