@@ -9,7 +9,10 @@ this script steps each configuration (``fusedopt-profile --config`` strings; one
 ncu profiles exactly that step's launches; it prints the order. ``--summarize`` reads ncu's CSV and
 prints per configuration and kernel: launches, GPU time, executed thread instructions per element
 and DRAM bytes per element (the dynamic counts that ``kernel_instructions.py``'s static ones
-approximate).
+approximate). With ``STALLS=1`` the shell script also collects ``STALL_METRICS`` and the summary adds
+per kernel (averaged over its launches by their time) how busy the issue slots were, the warps
+active and eligible per scheduler and cycle, and why active warps did not issue (each reason as a
+share of the warp-active cycles, largest first): what limits a kernel that is not memory-bound.
 """
 
 from __future__ import annotations
@@ -31,6 +34,17 @@ CONFIGS = (
 )
 SHAPE = (8192, 16384)
 MARK = "profiled configuration:"
+STALL_REASONS = (
+    "barrier", "branch_resolving", "dispatch_stall", "drain", "imc_miss", "lg_throttle", "long_scoreboard",
+    "math_pipe_throttle", "membar", "mio_throttle", "misc", "no_instruction", "not_selected", "selected",
+    "short_scoreboard", "sleeping", "tex_throttle", "wait",
+)  # fmt: skip
+ISSUE_METRICS = (
+    "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    "smsp__warps_active.avg.per_cycle_active",
+    "smsp__warps_eligible.avg.per_cycle_active",
+)
+STALL_METRICS = ISSUE_METRICS + tuple(f"smsp__warp_issue_stalled_{r}_per_warp_active.pct" for r in STALL_REASONS)
 
 
 def run(configs) -> None:
@@ -62,6 +76,7 @@ def summarize(paths: list[str]) -> None:
     elements = SHAPE[0] * SHAPE[1]
     print("| configuration | kernel | launches | us | instructions per element | DRAM B per element |")
     print("|---|---|---|---|---|---|")
+    stalls = []
     for path in paths:
         with open(path) as f:
             lines = f.read().splitlines()
@@ -74,13 +89,30 @@ def summarize(paths: list[str]) -> None:
         for entry in launches.values():
             g = grouped.setdefault(entry["name"], collections.Counter())
             g["launches"] += 1
-            g.update({k: v for k, v in entry.items() if k != "name"})
+            time = entry.get("gpu__time_duration.sum", 0.0)
+            for k, v in entry.items():
+                if k != "name":  # sums add up; a rate is weighted by the launch's time
+                    g[k] += v * time if k in STALL_METRICS else v
         for name, g in grouped.items():
             dram = g["dram__bytes_read.sum"] + g["dram__bytes_write.sum"]
             print(
                 f"| {config} | {name[:48]} | {g['launches']} | {g['gpu__time_duration.sum'] / 1e3:.1f} | "
                 f"{g['smsp__thread_inst_executed.sum'] / elements:.1f} | {dram / elements:.2f} |"
             )
+            if any(m in g for m in STALL_METRICS) and g["gpu__time_duration.sum"] > 0:
+                stalls.append((config, name, {m: g[m] / g["gpu__time_duration.sum"] for m in STALL_METRICS if m in g}))
+    if stalls:
+        print("\n| configuration | kernel | issue active % | warps active / eligible per cycle | stalls, % |")
+        print("|---|---|---|---|---|")
+        for config, name, rates in stalls:
+            issue, active, eligible = (rates.get(m, float("nan")) for m in ISSUE_METRICS)
+            reasons = sorted(
+                ((r, rates[f"smsp__warp_issue_stalled_{r}_per_warp_active.pct"]) for r in STALL_REASONS
+                 if f"smsp__warp_issue_stalled_{r}_per_warp_active.pct" in rates),
+                key=lambda kv: -kv[1],
+            )  # fmt: skip
+            top = ", ".join(f"{r} {v:.0f}" for r, v in reasons if v >= 1)
+            print(f"| {config} | {name[:48]} | {issue:.0f} | {active:.2f} / {eligible:.2f} | {top} |")
 
 
 def main(argv=None) -> int:

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import compare_fit  # noqa: E402
 import fit_7b  # noqa: E402
 import harness  # noqa: E402
+import kernel_counters  # noqa: E402
 import kernel_instructions  # noqa: E402
 import quality  # noqa: E402
 import step_speed  # noqa: E402
@@ -608,6 +609,31 @@ def test_kernel_instructions_names_the_source_lines_of_each_layout_conversion():
         "#loc9",
     ]
     assert kernel_instructions.layout_conversions("module {\n}") == []
+
+
+def test_kernel_counters_weight_each_launchs_stall_rates_by_its_time(tmp_path, capsys):
+    """STALLS=1: ncu's per-launch rates (issue slots, warps per cycle, stall reasons) averaged over a kernel's
+    launches by their time, the reasons largest first (below 1% left out); sums (time, instructions) add up."""
+    header = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
+    rows = []
+    for launch, time, issue, barrier, wait in (("0", 1000, 50, 10, 30), ("1", 3000, 90, 2, 6)):
+        metrics = {
+            "gpu__time_duration.sum": time, "smsp__thread_inst_executed.sum": 1e9, "dram__bytes_read.sum": 2e8,
+            "dram__bytes_write.sum": 1e8, "smsp__issue_active.avg.pct_of_peak_sustained_active": issue,
+            "smsp__warps_active.avg.per_cycle_active": 4, "smsp__warps_eligible.avg.per_cycle_active": 1,
+            "smsp__warp_issue_stalled_barrier_per_warp_active.pct": barrier,
+            "smsp__warp_issue_stalled_wait_per_warp_active.pct": wait,
+            "smsp__warp_issue_stalled_drain_per_warp_active.pct": 0.5,
+        }  # fmt: skip
+        rows += [f'"{launch}","_update_kernel(int)","{name}","x","{value:,}"' for name, value in metrics.items()]
+    path = tmp_path / "counters_0.csv"
+    path.write_text("\n".join([f"{kernel_counters.MARK} fusedopt.AdamW", header, *rows]))
+    kernel_counters.summarize([str(path)])
+    out = capsys.readouterr().out
+    elements = kernel_counters.SHAPE[0] * kernel_counters.SHAPE[1]
+    assert f"| fusedopt.AdamW | _update_kernel | 2 | 4.0 | {2e9 / elements:.1f} | {6e8 / elements:.2f} |" in out
+    # issue (50 * 1 + 90 * 3) / 4 = 80; wait (30 + 18) / 4 = 12; barrier (10 + 6) / 4 = 4; drain 0.5: left out
+    assert "| fusedopt.AdamW | _update_kernel | 80 | 4.00 / 1.00 | wait 12, barrier 4 |" in out
 
 
 def test_kernel_instructions_finds_the_rare_branch_of_adams_denominator():
