@@ -152,8 +152,12 @@ def make_mlp(dtype=torch.float32, seed=0) -> torch.nn.Module:
 
 
 def shard(model: torch.nn.Module, **kwargs) -> torch.nn.Module:
+    """FSDP2 over the ranks' CPUs (on a machine with a GPU too: fully_shard's default mesh would take CUDA, on
+    which these gloo processes are not set up)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    kwargs.setdefault("mesh", init_device_mesh("cpu", (dist.get_world_size(),)))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, **kwargs)
