@@ -297,6 +297,7 @@ def main(argv=None) -> int:
         "loss_first": statistics.fmean(losses[:window]) if losses else None,
         "loss_last": statistics.fmean(losses[-window:]) if losses else None,
         "loss_every_10": losses[::10],
+        "losses": [round(v, 5) for v in losses] if len(losses) <= 1000 else None,  # two runs compared step by step
         "step_s_median": statistics.median(times[2:]) if len(times) > 2 else None,
         "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB if cuda else None,
