@@ -4,7 +4,7 @@
 # without clip_grad_norm_, in one session; then the recipe through Hugging Face's LlamaForCausalLM
 # (examples/finetune_hf.py, 50 steps under the cap). Prints one summary line per run.
 #
-#   OUT=$OUT bash benchmarks/llama3_2048.sh            # all four runs (about 6 minutes on an H100)
+#   OUT=$OUT bash benchmarks/llama3_2048.sh            # all four runs (about 2 minutes on an H100)
 #   RUNS="recipe torch-clip" OUT=$OUT bash benchmarks/llama3_2048.sh
 #
 # Without transformers installed, the HF run installs it from benchmarks/wheels/ (pip download
