@@ -124,13 +124,18 @@ def _fake_argument(kind, value, aligned):
     return value
 
 
+def _compile(kernel_fn, record):
+    """The recorded launch compiled for sm_90 (Triton's cache makes a second compile of it cheap)."""
+    args = [_fake_argument(*a) for a in record["args"]]
+    return kernel_fn.warmup(*args, grid=(1,), **record["constexprs"], **record["options"])
+
+
 def _sass(kernel_fn, record, lines: bool = False) -> tuple[str, int]:
     """The SASS of the recorded launch compiled for sm_90 (with ``lines``: nvdisasm's, with the line
     information), and its registers per thread."""
     from triton import knobs
 
-    args = [_fake_argument(*a) for a in record["args"]]
-    compiled = kernel_fn.warmup(*args, grid=(1,), **record["constexprs"], **record["options"])
+    compiled = _compile(kernel_fn, record)
     cuobjdump = knobs.nvidia.cuobjdump.path
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -140,12 +145,6 @@ def _sass(kernel_fn, record, lines: bool = False) -> tuple[str, int]:
         usage = subprocess.run([cuobjdump, "-res-usage", f.name], check=True, capture_output=True, text=True).stdout
     found = re.search(r"REG:(\d+)", usage)
     return sass, int(found.group(1)) if found else -1
-
-
-def _ttgir(kernel_fn, record) -> str:
-    """The TTGIR of the recorded launch compiled for sm_90 (Triton's cache makes a second compile cheap)."""
-    args = [_fake_argument(*a) for a in record["args"]]
-    return kernel_fn.warmup(*args, grid=(1,), **record["constexprs"], **record["options"]).asm["ttgir"]
 
 
 _LOC = re.compile(r"^(#loc\d*) = loc\((.*)\)$", re.M)
@@ -317,7 +316,7 @@ def main(argv=None) -> int:
         by_statement = None
         if args.statements:
             by_statement = _by_statement(fn, record)
-        conversions = layout_conversions(_ttgir(fn, record)) if args.layouts else None
+        conversions = layout_conversions(_compile(fn, record).asm["ttgir"]) if args.layouts else None
         per = ELEMENTS.get(record["kernel"])
         warps = record["options"].get("num_warps", 4)
         elements = captured["sizes"][per] if per else None
