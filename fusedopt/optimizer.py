@@ -16,6 +16,7 @@ import sys
 import warnings
 
 import torch
+import torch._dynamo  # noqa: F401  (see below)
 from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint, release_notices
@@ -30,6 +31,10 @@ from .release import GradientRelease
 from .rng import DEFAULT_SEEDS, valid_seed
 from .sharding import check_sharded_param, is_sharded
 from .state_store import StateStore, slot_codecs
+
+# torch.optim's add_param_group imports torch._dynamo at its first call, and that import leaves a reference
+# cycle through the frames that called it: the first optimizer of a process would live until the cycle
+# collector runs, its release hooks still updating the model. Imported above, the cycle holds no optimizer.
 
 # Options that apply to the whole optimizer; a parameter group may not set them.
 OPTIMIZER_WIDE_OPTIONS = ("fused", "accumulation_steps", "seed", "max_grad_norm", "release_clipping", "grad_scaler")

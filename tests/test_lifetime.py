@@ -14,6 +14,8 @@ import copy
 import gc
 import io
 import pickle
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -33,8 +35,6 @@ def _make(name: str, params, fused: bool, **kwargs):
 @contextlib.contextmanager
 def _reference_counting_only():
     """The cycle collector off: what is freed is freed by reference counting alone."""
-    # torch's first optimizer leaves a one-time cycle (a lazy import); let it happen and be collected first
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)])
     gc.collect()
     gc.disable()
     try:
@@ -100,6 +100,25 @@ def test_a_dropped_optimizer_is_freed_at_once_and_takes_its_hooks_with_it(name, 
         assert ref() is None
         _assert_no_optimizer_hooks(model)
         _assert_a_new_releasing_optimizer_trains(model)
+
+
+def test_the_first_optimizer_of_a_process_is_freed_at_once():
+    """torch's first optimizer of a process imports torch._dynamo, which leaves a cycle through its
+    callers' frames: a fresh process, the cycle collector off from the start."""
+    code = """
+import gc, weakref
+gc.disable()
+import torch, fusedopt
+model = torch.nn.Linear(8, 4)
+opt = fusedopt.AdamW(model.parameters(), lr=1e-2, fused=True, max_grad_norm=None)
+ref = weakref.ref(opt)
+del opt
+assert ref() is None, "the first optimizer outlived del"
+model(torch.randn(3, 8)).square().mean().backward()
+assert all(p.grad is not None for p in model.parameters()), "a dropped optimizer's hook released a gradient"
+fusedopt.AdamW(model.parameters(), lr=1e-2, fused=True, max_grad_norm=None)  # takes the parameters over
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 @pytest.mark.parametrize("fused", [False, True])
