@@ -137,15 +137,21 @@ class GradientPipeline:
     # --- the pipeline --------------------------------------------------------------------------
 
     def prepare(
-        self, batch: Batch, *, releasing: bool, in_step: bool = False, grad_scale: torch.Tensor | None = None
+        self,
+        batch: Batch,
+        *,
+        releasing: bool,
+        in_step: bool = False,
+        grad_scale: torch.Tensor | None = None,
+        scaler_stepped: bool = False,
     ) -> list:
         """Unscale and clip ``batch`` (each parameter with its gradient and accumulated buffer, if
         any) in place; returns each one's coefficient for its update (``grad_scale``; None: none).
 
         Gradient release calls it with ``in_step=False`` and local tensors (a sharded parameter's
         shard). ``step()`` calls it with ``in_step=True``, the tensors as the parameters hold them,
-        ``releasing`` (release updated the rest of this window) and ``grad_scale`` (what
-        ``scaler.step(opt)`` handed over, or None)."""
+        ``releasing`` (release updated the rest of this window), ``grad_scale`` (what
+        ``scaler.step(opt)`` handed over, or None) and ``scaler_stepped`` (``scaler.step(opt)`` called it)."""
         owner = self._owner()
         if owner.grad_multiplier is not None:
             _multiply(batch, owner.grad_multiplier)
@@ -172,7 +178,7 @@ class GradientPipeline:
             # step(): the rest of the window, as release treated the rest
             scales = self._clip_estimated(grads_of, note_nonfinite=unscaled, whole=in_step)
         if in_step and releasing and owner.grad_scaler is not None:
-            self._unscaling.report(owner.grad_scaler, owner)  # the optimizer itself: its id keys the record
+            self._unscaling.report(owner.grad_scaler, owner, scaler_stepped)  # the optimizer's id keys the record
         max_norm = owner.max_grad_norm
         if in_step and not releasing and max_norm is not None and batch:
             scales = self._clip_exact(batch, max_norm)

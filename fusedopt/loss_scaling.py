@@ -79,13 +79,21 @@ class ReleasedUnscaling:
             found = self._found_inf[skip.device] = torch.zeros((), dtype=torch.float32, device=skip.device)
         found.masked_fill_(skip, 1.0)
 
-    def report(self, scaler: torch.amp.GradScaler, optimizer) -> None:
+    def report(self, scaler: torch.amp.GradScaler, optimizer, stepped: bool) -> None:
         """Add what the released gradients showed to the scaler's record for ``optimizer``, which
-        ``scaler.update()`` reads (it backs off when anything was not finite)."""
+        ``scaler.update()`` reads (it backs off when anything was not finite). ``stepped``:
+        ``scaler.step(optimizer)`` is the caller; a window that released nothing (a failed backward
+        closed it) then records no overflow, as ``scaler.update()`` needs a record of every optimizer
+        stepped."""
         if self._found_inf:
             recorded = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
             for device, found in self._found_inf.items():
                 recorded[device] = recorded[device] + found if device in recorded else found
+        elif stepped and scaler.is_enabled() and scaler._scale is not None:
+            recorded = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+            if not recorded:
+                device = scaler._scale.device
+                recorded[device] = torch.zeros((), dtype=torch.float32, device=device)
         self.new_window()
 
     def new_window(self) -> None:

@@ -529,7 +529,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                 grad, accum = accum, None
             updates.append((p, grad, accum))
         batch = [(p, [g for g in (grad, accum) if g is not None]) for p, grad, accum in updates]
-        scales = self.gradient_pipeline.prepare(batch, releasing=releasing, in_step=True, grad_scale=grad_scale)
+        scales = self.gradient_pipeline.prepare(
+            batch, releasing=releasing, in_step=True, grad_scale=grad_scale, scaler_stepped=hasattr(self, "grad_scale")
+        )
         for (p, grad, accum), (_, launch), scale in zip(updates, checked, scales):
             self._dispatch.queue(p, grad, accum, launch, scale)
             if releasing:

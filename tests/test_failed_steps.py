@@ -226,11 +226,12 @@ def test_a_failed_backward_is_closed_at_zero_grad_and_the_next_batch_trains(algo
 
 
 @pytest.mark.parametrize("recovery", ["next-backward", "step", "state_dict", "reload"])
-@pytest.mark.parametrize("mode", ["plain", "accumulation-second", "clipping"])
+@pytest.mark.parametrize("mode", ["plain", "accumulation-second", "clipping", "scaler"])
 @pytest.mark.parametrize("dtype", dtype_cases(torch.float32, torch.bfloat16))
 def test_every_entry_point_closes_a_failed_backward(recovery, mode, dtype, monkeypatch):
     """The next backward (no zero_grad: bf16 accumulates in the optimizer's buffers, float32 in p.grad),
-    step() (a loop that steps whatever happened), state_dict() and a reload of the last checkpoint."""
+    step() (a loop that steps whatever happened: with a scaler, scaler.step(opt) and scaler.update()),
+    state_dict() and a reload of the last checkpoint."""
     algorithm = ALGORITHM["adamw"]
     loop = _build(algorithm, dtype, mode)
     loop.train(_batches(2 * loop.k, dtype))
