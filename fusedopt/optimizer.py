@@ -228,7 +228,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         It is checked as the constructor checks a parameter; state moves only to a parameter laid out
         as the old one (same dtype, device, local shard), else the replacement is refused. Any other
         parameter that never went through the constructor or ``add_param_group`` is refused: fusedopt
-        has not validated it and has no index for it. A refusal changes nothing."""
+        has not validated it and has no index for it. A refusal changes nothing. Parameters frozen
+        when they were hooked and trainable now get their release hooks."""
+        if self._release is not None:
+            self._release.attach_unfrozen()
         plan = self._store.plan(self.param_groups)
         if plan is None:
             return

@@ -188,7 +188,8 @@ class GradientRelease:
         self._passes: dict[int, _Pass] = {}  # graph task id -> a pass whose end has not run yet
         self._task = _NO_PASS  # the pass the last hook ran in
         self._updated = 0  # updates release launched since step()
-        self._left: dict[int, weakref.ref] = {}  # id(param) -> its gradient left in p.grad to accumulate
+        self._left: dict[int, tuple[weakref.ref, int]] = {}  # id(param) -> its gradient left in p.grad, its version
+        self._frozen: dict[int, weakref.ref] = {}  # id(param) -> a parameter not hooked: requires_grad was False
         weakref.finalize(optimizer, GradientRelease._remove_handles, self._handles)
 
     def check(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -213,11 +214,32 @@ class GradientRelease:
         return params
 
     def attach(self, params: Iterable[torch.Tensor]) -> None:
-        """Register the release hook on every trainable parameter in ``params`` (checked first: ``check``)."""
+        """Register the release hook on every trainable parameter in ``params`` (checked first: ``check``);
+        the frozen ones are hooked once they require gradients (``attach_unfrozen``)."""
+        params = list(params)
         for p in self.check(params):
             hook = functools.partial(_hook, weakref.ref(self))
             self._handles[id(p)] = (weakref.ref(p), p.register_post_accumulate_grad_hook(hook))
             _OWNERS[p] = weakref.ref(self)
+            self._frozen.pop(id(p), None)
+        for p in params:
+            if not p.requires_grad and id(p) not in self._handles:
+                self._frozen[id(p)] = weakref.ref(p)
+
+    def attach_unfrozen(self) -> None:
+        """Hook the parameters frozen when they were attached that require gradients now (a model
+        unfrozen in stages): their gradients are released as every other one's."""
+        if not self._frozen or not self.attached:
+            return
+        unfrozen = []
+        for key, ref in list(self._frozen.items()):
+            p = ref()
+            if p is None:
+                del self._frozen[key]
+            elif p.requires_grad:
+                unfrozen.append(p)
+        if unfrozen:
+            self.attach(unfrozen)
 
     def remove(self) -> None:
         """Remove every hook; the optimizer then behaves as ``fused=False``."""
@@ -226,6 +248,7 @@ class GradientRelease:
             if p is not None:
                 self._disown(p)
         GradientRelease._remove_handles(self._handles)
+        self._frozen.clear()
         self.attached = False
 
     def detach(self, params: Iterable[torch.Tensor], gone: Iterable[int] = ()) -> None:
@@ -237,6 +260,7 @@ class GradientRelease:
                 entry[1].remove()
                 self._disown(p)
             self._buffers.pop(p, None)
+            self._frozen.pop(id(p), None)
         for key in gone:
             entry = self._handles.get(key)
             if entry is not None and entry[0]() is None:
@@ -244,6 +268,7 @@ class GradientRelease:
                 entry[1].remove()
             self._counts.pop(key, None)
             self._left.pop(key, None)
+            self._frozen.pop(key, None)
 
     def _disown(self, p: torch.Tensor) -> None:
         """Another fused optimizer may hook ``p`` from now on."""
@@ -300,7 +325,7 @@ class GradientRelease:
         self._consume(optimizer, p, local(grad), n, k, checked)
         self._counts[key] = n
         if n < k and p.grad is not None:  # left to accumulate in p.grad (float32)
-            self._left[key] = weakref.ref(p.grad)
+            self._left[key] = weakref.ref(p.grad), p.grad._version
 
     def _second_gradient_error(self, p: torch.Tensor, n: int, k: int) -> str:
         shape = tuple(p.shape)
@@ -460,9 +485,14 @@ class GradientRelease:
         return True
 
     def _left_gradient(self, p: torch.Tensor) -> bool:
-        """Whether ``p.grad`` is still the gradient an earlier window left in it to accumulate."""
-        ref = self._left.get(id(p))
-        return ref is not None and p.grad is not None and ref() is p.grad
+        """Whether ``p.grad`` is the gradient an earlier window left in it to accumulate, with only this
+        backward's gradient added (autograd adds in place: one version more; a zeroing in place,
+        ``model.zero_grad(set_to_none=False)``, counts one more)."""
+        entry = self._left.get(id(p))
+        if entry is None or p.grad is None:
+            return False
+        ref, version = entry
+        return ref() is p.grad and p.grad._version == version + 1
 
     def abandon_window(self, optimizer, keep: torch.Tensor | None = None) -> None:
         """End this window without updating anything more: held updates, queued launches, accumulated
@@ -471,14 +501,16 @@ class GradientRelease:
         self._held, self._held_bytes = [], 0
         optimizer.drop_queued_updates()
         self._buffers.clear()
-        for key in self._counts:
-            entry = self._handles.get(key)
-            p = None if entry is None else entry[0]()
+        outside = torch._C._current_graph_task_id() == _NO_PASS
+        if outside:  # every gradient left is the window's, an unhooked parameter's too: none may reach step()
+            dropped = (p for group in optimizer.param_groups for p in group["params"])
+        else:  # the next pass's gradients may have arrived: only those of parameters this window counted
+            dropped = (entry[0]() for entry in map(self._handles.get, self._counts) if entry is not None)
+        for p in dropped:
             if p is not None and p is not keep:
                 p.grad = None
         self._counts.clear()
         self._left.clear()
-        outside = torch._C._current_graph_task_id() == _NO_PASS
         self._passes = {task: record for task, record in self._passes.items() if not record.interrupted(outside)}
         self._updated = 0
         optimizer.gradient_pipeline.abandon_window()

@@ -286,6 +286,72 @@ def test_a_float32_partial_accumulation_left_in_p_grad_is_refused_not_added_to(m
     assert _steps(loop.opt) == [s + 1 for s in steps]
 
 
+@pytest.mark.parametrize("zeroing", ["optimizer", "model-in-place"])
+def test_a_float32_partial_accumulation_zeroed_before_the_next_pass_trains(zeroing, monkeypatch):
+    """The partial sum cleared before the next pass, by the optimizer's zero_grad() or by the model's
+    zero_grad(set_to_none=False) (zeros in the same tensors): the next window trains from its own
+    gradients only, as a twin that never failed does from the same state."""
+    loop = _build(ALGORITHM["adamw"], torch.float32, "accumulation-first")
+    loop.train(_batches(2, torch.float32))
+    twin = _build(ALGORITHM["adamw"], torch.float32, "accumulation-first", copy.deepcopy(loop.model))
+    twin.opt.load_state_dict(save_load(loop.opt.state_dict()))  # the failed first micro-batch updates nothing
+    _fail_a_step(loop, "middle", "accumulation-first", _batches(1, torch.float32, seed=3)[0], monkeypatch)
+    xs = _batches(2, torch.float32, seed=11)
+    if zeroing == "optimizer":
+        with pytest.warns(UserWarning, match="stopped early"):
+            loop.opt.zero_grad()
+        loop.train(xs)
+    else:
+        loop.model.zero_grad(set_to_none=False)  # the optimizer hears of the failure at the next pass
+        assert all(p.grad is None or not p.grad.any() for p in loop.model.parameters())
+        with pytest.warns(UserWarning, match="stopped early"):
+            loop.train(xs)
+    twin.train(xs)
+    assert loop.opt.num_interrupted_steps == 1
+    _assert_same(loop.opt.state_dict()["state"], twin.opt.state_dict()["state"])
+    assert all(torch.equal(p, q) for p, q in zip(loop.model.parameters(), twin.model.parameters()))
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_parameter_unfrozen_after_construction_is_released_and_skips_a_failed_step(fail):
+    """Staged unfreezing: a parameter frozen when the optimizer was built gets its release hook once it
+    requires gradients (at the first hook of the next backward). The last layer's bias accumulates
+    before any hook of that pass runs: then step() updates it as torch.optim would, from then on it is
+    released like the others; and if that first pass fails, the step() that closes it does not update
+    the bias from the failed pass's gradient."""
+    model = _model(torch.float32)
+    twin = _build(ALGORITHM["adamw"], torch.float32, "plain", copy.deepcopy(model))
+    unfrozen = model[LAYERS - 1].bias
+    unfrozen.requires_grad_(False)
+    loop = Loop(model, ALGORITHM["adamw"].make(model.parameters(), lr=1e-2, min_compress_numel=0, fused=True), 1)
+    unfrozen.requires_grad_(True)
+    if fail:
+        before = [p.detach().clone() for p in model.parameters()]
+        OutOfMemory.armed = True
+        with pytest.raises(torch.OutOfMemoryError):
+            loop.backward(_batches(1, torch.float32, seed=3)[0], FAULTS["middle"])
+        assert unfrozen.grad is not None  # accumulated before its hook existed
+        with pytest.warns(UserWarning, match="stopped early"):
+            loop.step()
+        updated = _updated_by_failure("plain", "middle")
+        assert updated[2 * LAYERS - 1]  # the bias's slot: the others of its layer were released
+        for i, (p, b) in enumerate(zip(model.parameters(), before)):
+            assert torch.equal(p, b) != (updated[i] and p is not unfrozen) and p.grad is None
+        assert unfrozen not in loop.opt.state or int(loop.opt.state[unfrozen]["step"]) == 0
+        twin.opt.load_state_dict(save_load(loop.opt.state_dict()))
+        for p, q in zip(twin.model.parameters(), model.parameters()):
+            p.data.copy_(q)
+    xs = _batches(2, torch.float32, seed=5)
+    loop.backward(xs[0])
+    assert (unfrozen.grad is None) == fail  # hooked at this pass's first hook, or the failed one's
+    loop.step()
+    loop.backward(xs[1])
+    assert all(p.grad is None for p in model.parameters())  # released, the unfrozen bias too
+    loop.step()
+    twin.train(xs)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.model.parameters()))
+
+
 @pytest.mark.parametrize("where", ["middle", "last", "flush"])
 @pytest.mark.parametrize("state", [{}, {"state_format": "norm2-root4"}], ids=["default", "norm2-root4"])
 def test_a_failed_backward_drops_the_updates_held_for_buckets(monkeypatch, device, state, where):
