@@ -130,9 +130,11 @@ def adafactor_math(
     update's norm; ``beta1`` replaces ``u_hat`` by its EMA ``m``; CAME (``beta3``, factored tensors)
     multiplies ``m`` by ``1/sqrt(S)``, S the factored EMA of ``(u_hat - m)**2 + came_eps``.
     """
+    if g.numel() == 0:  # nothing to update; a mean over no rows or columns would make the statistics NaN
+        return p, dict(moments)
     new = {}
     one_minus_beta2, rho = step_scalars(step, lr=lr, beta2_decay=beta2_decay)
-    numel = max(g.numel(), 1)
+    numel = g.numel()
     rms_p = p.norm().double() / _math.sqrt(numel)
     alpha = torch.clamp(rms_p, min=eps2) * rho
     if weight_decay != 0:
@@ -212,6 +214,7 @@ class Adafactor(FusedOptimizer):
     kernel = "factored"  # kernels/factored.py: reductions, then the update
     kernel_id = 0
     torch_group_keys = dict(foreach=None)
+    torch_lacks = ("beta1", "beta3", "growth_limit")  # torch.optim.Adafactor would drop their state
 
     def __init__(
         self,

@@ -61,6 +61,8 @@ _OTHER_ALGORITHMS_KEYS = {"betas", "eps", "momentum", "dampening", "nesterov", "
 def state_dict(optimizer, packed: dict) -> dict:
     """Add fusedopt's optimizer-wide entries to torch's packed state dict."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    # an empty entry (reading opt.state[p] makes one, as in torch) is no state: left out
+    packed["state"] = {i: entry for i, entry in packed["state"].items() if entry}
     sharded = [i for i in packed["state"] if is_sharded(params[i])]
     if sharded:
         _check_same_steps(optimizer, [params[i] for i in sharded])
@@ -76,6 +78,8 @@ def state_dict(optimizer, packed: dict) -> dict:
         "shapes": {i: list(params[i].shape) for i in packed["state"]},
         # the format of each stored moment: two formats may share a layout
         "codecs": {i: _codec_names(optimizer, params[i]) for i in packed["state"]},
+        # a master correction counts in steps of the parameter's dtype: bf16's and fp16's differ
+        "dtypes": {i: _dtype_name(params[i]) for i in packed["state"] if MASTER_CORRECTION in packed["state"][i]},
     }
     clipping = optimizer.gradient_pipeline.clipping
     if clipping is not None:  # the history of clipping under release (clipping.py)
@@ -190,9 +194,10 @@ def _sharded_entries(optimizer, p: torch.Tensor, state: dict) -> dict:
                     f"per element of the local shard {tuple(lp.shape)}: it cannot be saved for a sharded parameter"
                 )
             out[slot + suffix] = as_sharded(p, t)
+    out[STATE_META] = {"codecs": names, "layout": "elementwise"}
     if MASTER_CORRECTION in state:
         out[MASTER_CORRECTION] = as_sharded(p, state[MASTER_CORRECTION])
-    out[STATE_META] = {"codecs": names, "layout": "elementwise"}
+        out[STATE_META]["dtype"] = _dtype_name(p)
     return out
 
 
@@ -271,6 +276,27 @@ def _load_release_clipping(optimizer, meta: dict | None, ids: dict):
     return clipping
 
 
+def _dtype_name(p: torch.Tensor) -> str:
+    return str(p.dtype).removeprefix("torch.")
+
+
+def _check_correction_dtype(p: torch.Tensor, saved_dtype, correction, where: str) -> None:
+    """Refuse a non-zero master correction saved for parameters of another dtype: its steps are that
+    dtype's (bf16 and fp16 heads have different grids), so read as this one's it would be wrong."""
+    if saved_dtype is None or saved_dtype == _dtype_name(p) or not isinstance(correction, torch.Tensor):
+        return
+    if p.dtype not in (torch.bfloat16, torch.float16):
+        return  # fp32 keeps no correction: convert_correction refuses a non-zero one
+    if bool((correction == 0).all()):
+        return
+    raise ValueError(
+        f"the master_correction of {where} was saved for {saved_dtype} parameters; this one is "
+        f"{_dtype_name(p)}, whose master it would misread. Resume in {saved_dtype}; to change the dtype, take "
+        "fusedopt.master_state_dict(model, optimizer) in the saved dtype, delete each state's 'master_correction' "
+        "from the checkpoint, load it, then load those fp32 weights with fusedopt.load_master_state_dict"
+    )
+
+
 def _codec_names(optimizer, p: torch.Tensor) -> dict[str, str]:
     state = optimizer.state.get(p)
     if not state:
@@ -316,6 +342,7 @@ def load_state_dict(optimizer, saved: dict, pre_hooks: dict, post_hooks: dict) -
     interrupted = _load_interrupted(meta) if meta is not None else None
     shapes = meta.get("shapes", {}) if meta is not None else {}
     codec_names = meta.get("codecs", {}) if meta is not None else {}
+    dtypes = meta.get("dtypes", {}) if meta is not None else {}  # (not in checkpoints before it was kept)
     saved_format = meta.get("format", 0) if meta is not None else None  # None: not fusedopt's
     lossy: list[str] = []
     new_state: defaultdict = defaultdict(dict)
@@ -327,11 +354,15 @@ def load_state_dict(optimizer, saved: dict, pre_hooks: dict, post_hooks: dict) -
         _, index = optimizer.position(p)
         where = f"parameter {index} (shape {tuple(p.shape)})"
         names = codec_names.get(pid, {})
+        saved_dtype = dtypes.get(pid)
+        if isinstance(param_state, dict) and not param_state:
+            continue  # an empty entry: no state (torch.optim saves one where opt.state[p] was read)
         if isinstance(param_state, dict) and (STATE_META in param_state or is_sharded(p)):
             param_state = {k: _localise(p, v) for k, v in param_state.items()}
             meta_p = param_state.pop(STATE_META, None)
             if isinstance(meta_p, dict):
                 names = dict(meta_p.get("codecs", {}))
+                saved_dtype = meta_p.get("dtype", saved_dtype)
                 history = meta_p.get("release_clipping")
                 if folded and meta is not None and "release_clipping" in meta and history is not None:
                     meta["release_clipping"]["params"][pid] = _unfold_history(history)
@@ -343,6 +374,8 @@ def load_state_dict(optimizer, saved: dict, pre_hooks: dict, post_hooks: dict) -
                 f"loaded state dict holds the state of a parameter of shape {tuple(shapes[pid])} for {where}: the "
                 "parameters are not the ones it was saved from (another model, or another order)"
             )
+        if isinstance(param_state, dict):
+            _check_correction_dtype(p, saved_dtype, param_state.get(MASTER_CORRECTION), where)
         new_state[p] = _convert_param_state(
             optimizer, p, group, param_state, where, seed, index, lossy, saved_format, names
         )
@@ -617,8 +650,16 @@ def torch_state_dict(optimizer) -> dict:
     Moments are decoded to fp32; fusedopt's own options and the master-weight corrections are
     left out (the master itself lives in the weights: see ``fusedopt.master_state_dict``).
     """
+    name = type(optimizer).__name__
     if optimizer.torch_group_keys is None:
-        raise ValueError(f"torch.optim has no counterpart of fusedopt.{type(optimizer).__name__}")
+        raise ValueError(f"torch.optim has no counterpart of fusedopt.{name}")
+    for i, group in enumerate(optimizer.param_groups):
+        lacked = [key for key in optimizer.torch_lacks if group.get(key) is not None]
+        if lacked:
+            raise ValueError(
+                f"param_groups[{i}] sets {', '.join(f'{k}={group[k]!r}' for k in lacked)}, which torch.optim.{name} "
+                "does not have: it would drop their state and train without them. Keep the fusedopt state_dict()"
+            )
     packed = optimizer.state_dict()
     params = [p for g in optimizer.param_groups for p in g["params"]]
     state = {}

@@ -141,6 +141,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     bias_corrections: bool = False  # the kernel's check pass computes Adam's bias corrections
     torch_group_keys: dict | None = None  # the torch.optim counterpart's extra group keys (None: none)
     torch_saves_step: bool = True  # whether the torch.optim counterpart's state has a step count
+    torch_lacks: tuple[str, ...] = ()  # options the counterpart lacks: no torch_state_dict() while one is set
     shardable: bool = True  # whether it can update a shard of a parameter (FSDP2) on its own
     # torch.amp.GradScaler.step(opt) hands step() its scale as ``opt.grad_scale`` (loss_scaling.py)
     _step_supports_amp_scaling = True
@@ -586,6 +587,12 @@ class FusedOptimizer(torch.optim.Optimizer):
                 "state_dict() during an unfinished gradient accumulation would lose the accumulated "
                 "gradients; call step() first"
             )
+        for group in self.param_groups:  # each state is saved under its group's formats: it must be theirs
+            for p in group["params"]:
+                try:
+                    self._store.check(p, group)
+                except ValueError as e:
+                    raise ValueError(f"state_dict(): {e}. Set the group's option back before saving") from e
         return checkpoint.state_dict(self, super().state_dict())
 
     def torch_state_dict(self) -> dict:
