@@ -108,7 +108,10 @@ def _sharded_later() -> bool:
 # Framework adapters (fusedopt.integrations) with a check for the first hook of each backward pass: a
 # framework's module -> its adapter, loaded by name once the framework is imported (the core imports no
 # adapter; an adapter imports the core).
-FRAMEWORK_CHECKS = {"accelerate.state": "fusedopt.integrations.accelerate"}
+FRAMEWORK_CHECKS = {
+    "accelerate.state": "fusedopt.integrations.accelerate",
+    "lightning.pytorch": "fusedopt.integrations.lightning",
+}
 _loaded_checks: dict[str, object] = {}
 
 

@@ -4,8 +4,8 @@ ends on Lightning's short window of one batch).
 
 * ``fused=True`` with Lightning's accumulation and ``gradient_clip_val``: the Trainer's settings become the
   optimizer's; while nothing clips it equals ``fused=False`` bit for bit, and a small clip value changes the
-  weights; a ``GradientAccumulationScheduler`` is followed. Without the callback the Trainer clips nothing
-  (the issue).
+  weights; a ``GradientAccumulationScheduler`` is followed. Without the callback, what the Trainer would do
+  to released gradients (clip, accumulate, unscale) is refused at the first backward.
 * ``fused=False`` clipping through the callback equals Lightning's own clipping (torch's ``clip_grad_norm_``)
   of an unclipped fusedopt optimizer, bit for bit; clipping by value stays Lightning's.
 * ``bf16-mixed`` and ``16-mixed`` clip through the optimizer without Lightning's error, in both modes; under
@@ -163,16 +163,67 @@ def test_fused_accumulation_and_clipping():
     assert len(clipped.opt._optimizer_step_post_hooks) == 1  # the test's own
 
 
-def test_without_the_callback_nothing_is_clipped():
-    """The issue: Lightning clips after backward, when release has freed every gradient."""
-    silent = Net(fused=True, max_grad_norm=None)
-    fit(silent, callback=False, gradient_clip_val=SMALL)
-    unclipped = Net(fused=True, max_grad_norm=None)
-    fit(unclipped, callback=False)
-    assert_equal(silent, unclipped)
-    clipped = Net(fused=True)
-    fit(clipped, gradient_clip_val=SMALL)
-    assert differs(clipped, unclipped)
+WITHOUT_CALLBACK = {
+    "clipping": (dict(gradient_clip_val=SMALL), r"Trainer\(gradient_clip_val=0.1\) cannot clip a fused=True"),
+    "accumulation": (
+        dict(accumulate_grad_batches=2),
+        r"Trainer\(accumulate_grad_batches=2\) with a fused=True fusedopt.AdamW\(accumulation_steps=1\)",
+    ),
+    "16-mixed": (dict(plugins=[fp16_mixed()]), r"scales the loss with a GradScaler that a fused=True .* was not given"),
+}
+
+
+@pytest.mark.parametrize("case", list(WITHOUT_CALLBACK))
+def test_without_the_callback_what_lightning_does_to_released_gradients_is_refused(case):
+    """Lightning clips after backward, accumulates by scaling the loss and unscales in its step: with
+    release and no callback it would clip nothing, update from part of a window or from scaled
+    gradients. Refused at the first backward, before any parameter changes."""
+    trainer_kwargs, message = WITHOUT_CALLBACK[case]
+    module = Net(fused=True, max_grad_norm=None)
+    before = weights(module)
+    with pytest.raises(ValueError, match=message + r".*FusedOptCallback\(\) to Trainer\(callbacks"):
+        fit(module, callback=False, **trainer_kwargs)
+    assert module.batches == 1
+    assert all(torch.equal(p, q) for p, q in zip(weights(module), before))
+
+
+def test_without_the_callback_matching_settings_train():
+    """The optimizer given Lightning's accumulation itself: trains as fused=False under Lightning, bit for
+    bit; fused=False clips as Lightning does without the callback."""
+    fused = Net(fused=True, max_grad_norm=None, accumulation_steps=2)
+    fit(fused, callback=False, accumulate_grad_batches=2)
+    plain = Net(fused=False, max_grad_norm=None)
+    fit(plain, callback=False, accumulate_grad_batches=2)
+    assert_equal(fused, plain)
+    clipped = Net(fused=False, max_grad_norm=None)
+    fit(clipped, callback=False, gradient_clip_val=SMALL)
+    assert differs(clipped, Net(fused=False, max_grad_norm=None))
+
+
+class ManualAccumulation(Net):
+    """Manual optimization that accumulates two batches per step (the optimizer's accumulation_steps)."""
+
+    def __init__(self, **opt_kwargs):
+        super().__init__(**opt_kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        self.manual_backward(super().training_step(batch, batch_idx) / 2)
+        if batch_idx % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+
+
+def test_manual_optimization_accumulates_as_the_optimizer_is_told():
+    """Lightning forbids accumulate_grad_batches under manual optimization: the callback leaves the
+    optimizer's accumulation_steps alone there."""
+    fused = ManualAccumulation(fused=True, max_grad_norm=None, accumulation_steps=2)
+    fit(fused, max_epochs=1, max_steps=-1, limit_train_batches=4)
+    assert fused.opt.accumulation_steps == 2 and len(fused.norms) == 2
+    plain = ManualAccumulation(fused=False, max_grad_norm=None)
+    fit(plain, max_epochs=1, max_steps=-1, limit_train_batches=4)
+    assert_equal(fused, plain)
 
 
 def test_accumulation_schedule_is_followed():

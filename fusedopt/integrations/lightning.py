@@ -21,24 +21,29 @@ checkpoint's state is loaded into them, it:
   ``trainer.optimizers``). An optimizer that does not clip has no norm, and nothing is logged for it.
 
 What cannot work as asked is refused when fitting starts, before any step, naming the fix: no fusedopt
-optimizer; an optimizer ``max_grad_norm`` other than ``gradient_clip_val``; ``accumulation_steps``
-other than ``accumulate_grad_batches`` (``fused=True``); ``gradient_clip_algorithm="value"`` with
-``fused=True`` or ``16-mixed`` (the gradients are released or still scaled when Lightning would clip;
-with ``fused=False`` otherwise, Lightning clips by value as usual); an overridden
-``configure_gradient_clipping`` with ``fused=True`` (it runs after backward, when the gradients are
-gone); a ``grad_scaler`` that is not the Trainer's. A ``clip_gradients`` call of your own (manual
-optimization) with a norm other than the optimizer's ``max_grad_norm`` raises when it is made.
-Checkpoints are Lightning's own; it loads the optimizer's ``state_dict()`` after these hand-overs, so a
-resumed optimizer keeps its clipping history. A resumed fit marks its restored step as saved for each
-``ModelCheckpoint(every_n_train_steps=...)``: Lightning does not keep the step such a callback saved last,
-so it would save the step it resumed from again at the end of the first batch, inside an accumulation
-window, where a ``fused=True`` optimizer's ``state_dict()`` refuses (the window's gradients would be lost)
-and any other would overwrite that checkpoint with one that loses them.
+optimizer; an optimizer ``max_grad_norm`` other than ``gradient_clip_val``; ``accumulation_steps`` other than
+``accumulate_grad_batches`` (``fused=True``, automatic optimization: under manual optimization the module
+accumulates, and ``accumulation_steps`` is left as it was set); ``gradient_clip_algorithm="value"`` with
+``fused=True`` or ``16-mixed`` (the gradients are released or still scaled when Lightning would clip; with
+``fused=False`` otherwise, Lightning clips by value as usual); an overridden ``configure_gradient_clipping``
+with ``fused=True`` (it runs after backward, when the gradients are gone); a ``grad_scaler`` that is not the
+Trainer's. A ``clip_gradients`` call of your own (manual optimization) with a norm other than the optimizer's
+``max_grad_norm`` raises when it is made. Without the callback, a releasing optimizer refuses at its first
+backward what the Trainer would do to released gradients (``check_release_window``). Checkpoints are
+Lightning's own; it loads the optimizer's ``state_dict()`` after these hand-overs, so a resumed optimizer
+keeps its clipping history. A resumed fit marks its restored step as saved for each
+``ModelCheckpoint(every_n_train_steps=...)``: Lightning does not keep the step such a callback saved last, so
+it would save the step it resumed from again at the end of the first batch, inside an accumulation window,
+where a ``fused=True`` optimizer's ``state_dict()`` refuses (the window's gradients would be lost) and any
+other would overwrite that checkpoint with one that loses them.
 """
 
 from __future__ import annotations
 
-from lightning.pytorch import Callback
+import sys
+import weakref
+
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -118,7 +123,8 @@ class FusedOptCallback(Callback):
                 f"{trainer.gradient_clip_val}): FusedOptCallback clips through the optimizer. Set only one of them "
                 "(leave max_grad_norm unset and the callback hands gradient_clip_val over), or make them equal"
             )
-        if opt.fused and opt.accumulation_steps not in (1, trainer.accumulate_grad_batches):
+        manual = not pl_module.automatic_optimization  # its accumulation is the module's own, with the optimizer's
+        if opt.fused and not manual and opt.accumulation_steps not in (1, trainer.accumulate_grad_batches):
             raise ValueError(
                 f"fusedopt.{name}(fused=True, accumulation_steps={opt.accumulation_steps}) differs from "
                 f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}): gradient release updates on "
@@ -185,6 +191,8 @@ class FusedOptCallback(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         """accumulate_grad_batches becomes the releasing optimizers' accumulation_steps before each batch's
         backward: a GradientAccumulationScheduler changes it when an epoch starts, after a step."""
+        if not pl_module.automatic_optimization:
+            return
         k = trainer.accumulate_grad_batches
         for opt in self._optimizers:
             if opt.fused and opt.accumulation_steps != k:
@@ -206,6 +214,72 @@ class FusedOptCallback(Callback):
             self._plugin.__dict__.pop("clip_gradients", None)
             self._plugin = None
         self._optimizers = []
+
+
+# --- without the callback: what the Trainer would do to released gradients, refused -------------------
+
+_SEEN: weakref.WeakSet = weakref.WeakSet()  # releasing optimizers checked at their first backward
+_TRAINER_FRAMES = ("_run_stage", "_run", "_fit_impl")  # Trainer methods on the stack while it fits
+
+
+def check_release_window(optimizer: FusedOptimizer, p, n: int) -> None:
+    """Called by gradient release at the first hook of each backward pass, before anything of the pass is
+    updated (``fusedopt.release.FRAMEWORK_CHECKS``). At a releasing optimizer's first backward under a
+    Lightning Trainer without ``FusedOptCallback``, refuses what the Trainer would do to gradients
+    release has freed: clip them (``gradient_clip_val``), accumulate a window other than the
+    optimizer's, unscale them with a scaler the optimizer was not given. Then a set lookup per pass."""
+    if optimizer in _SEEN:
+        return
+    trainer = _running_trainer()
+    if trainer is not None and not any(isinstance(c, FusedOptCallback) for c in trainer.callbacks):
+        problem = _problem_without_callback(trainer, optimizer)
+        if problem is not None:
+            raise ValueError(
+                f"{problem}. Add fusedopt.integrations.lightning.FusedOptCallback() to Trainer(callbacks=[...]): "
+                "it hands clipping, accumulation and the loss scaler to the optimizer"
+            )
+    _SEEN.add(optimizer)
+
+
+def _problem_without_callback(trainer, opt: FusedOptimizer) -> str | None:
+    name = f"a fused=True fusedopt.{type(opt).__name__}"
+    clip = trainer.gradient_clip_val
+    if clip is not None and clip > 0:
+        return (
+            f"Trainer(gradient_clip_val={clip}) cannot clip {name} by itself: gradient release updates each "
+            "parameter inside backward and frees its gradient, before Lightning would clip (it would clip nothing)"
+        )
+    module = trainer.lightning_module
+    k = trainer.accumulate_grad_batches
+    if module is not None and module.automatic_optimization and k != opt.accumulation_steps:
+        return (
+            f"Trainer(accumulate_grad_batches={k}) with {name}(accumulation_steps={opt.accumulation_steps}): "
+            "release would update on other backward passes than Lightning's window ends, from part of its gradient"
+        )
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is not None and opt.grad_scaler is not scaler:
+        return (
+            f"Trainer(precision={trainer.precision!r}) scales the loss with a GradScaler that {name} was not "
+            "given: release would update from scaled gradients"
+        )
+    return None
+
+
+def _running_trainer() -> Trainer | None:
+    """The Lightning Trainer fitting now (its frames, in this thread or another: CUDA runs hooks on a
+    device thread), or None."""
+    frames = [sys._getframe(1)] + list(sys._current_frames().values())
+    try:
+        for frame in frames:
+            while frame is not None:
+                if frame.f_code.co_name in _TRAINER_FRAMES:
+                    owner = frame.f_locals.get("self")
+                    if isinstance(owner, Trainer):
+                        return owner
+                frame = frame.f_back
+    finally:
+        del frames, frame  # frames held here would keep every frame's locals (the optimizer) alive: a cycle
+    return None
 
 
 def _grad_norm_logger(trainer, name: str):
