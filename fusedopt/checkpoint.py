@@ -78,6 +78,8 @@ def state_dict(optimizer, packed: dict) -> dict:
         "shapes": {i: list(params[i].shape) for i in packed["state"]},
         # the format of each stored moment: two formats may share a layout
         "codecs": {i: _codec_names(optimizer, params[i]) for i in packed["state"]},
+        # each parameter's index, the stream of its stochastic rounding (a removed group leaves gaps)
+        "indices": {i: optimizer.param_index(p) for i, p in enumerate(params)},
         # a master correction counts in steps of the parameter's dtype: bf16's and fp16's differ
         "dtypes": {i: _dtype_name(params[i]) for i in packed["state"] if MASTER_CORRECTION in packed["state"][i]},
     }
@@ -258,7 +260,23 @@ def _from_elements(p: torch.Tensor, saved: dict, names: dict, signed_of, where: 
         names.pop(slot)  # a plain fp32 value now
 
 
-def _load_release_clipping(optimizer, meta: dict | None, ids: dict):
+def _load_indices(optimizer, meta: dict | None, ids: dict) -> dict:
+    """The parameters' saved indices (saved id -> index), where the checkpoint has one for each parameter
+    of the groups; {} where it has none (older checkpoints, torch.optim's, DCP's): then each keeps its own."""
+    saved = meta.get("indices") if meta is not None else None
+    if saved is None:
+        return {}
+    values = list(saved.values()) if isinstance(saved, dict) else None
+    if (
+        values is None
+        or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**31 for i in values)
+        or len(set(values)) != len(values)
+    ):
+        raise ValueError(f"checkpoint has an invalid indices entry (expected distinct parameter indices): {saved!r}")
+    return dict(saved) if set(saved) == set(ids) else {}
+
+
+def _load_release_clipping(optimizer, meta: dict | None, ids: dict, index_of):
     """The history of clipping under release from a checkpoint, in a new ``ReleaseClipping`` (None:
     this optimizer does not clip). A checkpoint without one gives an empty history: the optimizer's
     own (DCP's template step made one of zeros) would not belong to the loaded state."""
@@ -268,7 +286,7 @@ def _load_release_clipping(optimizer, meta: dict | None, ids: dict):
     saved = meta.get("release_clipping") if meta is not None else None
     if saved is None:
         return clipping
-    indices = {pid: (optimizer.param_index(p), p.device) for pid, (p, _) in ids.items()}
+    indices = {pid: (index_of(pid), p.device) for pid, (p, _) in ids.items()}
     try:
         clipping.load_state_dict(saved, indices)
     except (KeyError, TypeError, AttributeError, ValueError) as e:
@@ -347,11 +365,16 @@ def load_state_dict(optimizer, saved: dict, pre_hooks: dict, post_hooks: dict) -
     lossy: list[str] = []
     new_state: defaultdict = defaultdict(dict)
     ids = {pid: (p, g) for g, s in zip(new_groups, saved_groups) for pid, p in zip(s["params"], g["params"])}
+    indices = _load_indices(optimizer, meta, ids)
+
+    def index_of(pid) -> int:
+        return indices[pid] if pid in indices else optimizer.param_index(ids[pid][0])
+
     for pid, param_state in saved["state"].items():
         if pid not in ids:
             raise ValueError(f"loaded state dict has state for parameter id {pid!r}, which no group lists")
         p, group = ids[pid]
-        _, index = optimizer.position(p)
+        index = index_of(pid)
         where = f"parameter {index} (shape {tuple(p.shape)})"
         names = codec_names.get(pid, {})
         saved_dtype = dtypes.get(pid)
@@ -380,7 +403,7 @@ def load_state_dict(optimizer, saved: dict, pre_hooks: dict, post_hooks: dict) -
             optimizer, p, group, param_state, where, seed, index, lossy, saved_format, names
         )
 
-    clipping = _load_release_clipping(optimizer, meta, ids)
+    clipping = _load_release_clipping(optimizer, meta, ids, index_of)
 
     # Everything validated and converted: commit (the shared corrections are built, if they were
     # not, before the first one is overwritten).
@@ -388,6 +411,8 @@ def load_state_dict(optimizer, saved: dict, pre_hooks: dict, post_hooks: dict) -
         optimizer.share_correction(p, state, new_groups)
     for i, group in enumerate(new_groups):
         groups[i] = group
+    if indices:
+        optimizer.restore_indices({id(ids[pid][0]): index for pid, index in indices.items()})
     optimizer.state = new_state
     optimizer.seed = seed
     if skipped is not None:

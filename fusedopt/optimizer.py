@@ -324,6 +324,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Move a loaded state's correction into ``p``'s shared view (checkpoint loading, at commit)."""
         self._store.share_correction(p, state, groups)
 
+    def restore_indices(self, indices: dict[int, int]) -> None:
+        """Give parameters (by id) the indices a checkpoint saved (checkpoint loading, at commit)."""
+        self._store.restore_indices(indices)
+
     def master_weight(self, p: torch.Tensor) -> torch.Tensor:
         """The full-precision master of parameter ``p`` as a new fp32 tensor.
 

@@ -89,6 +89,16 @@ class StateStore:
         group = self._opt().param_groups[group_index]
         self._layout[id(group)] = group, group["params"], tuple(entries)
 
+    def restore_indices(self, indices: dict[int, int]) -> None:
+        """Give parameters (by id) the indices a checkpoint saved for them; new parameters count on above
+        every index in use."""
+        self._position = {key: (e[0], indices.get(key, e[1]), e[2], e[3]) for key, e in self._position.items()}
+        self._layout = {
+            gid: (group, params, tuple(self._position.get(id(e[2]()), e) for e in entries))
+            for gid, (group, params, entries) in self._layout.items()
+        }
+        self._next_index = max([self._next_index, *(e[1] + 1 for e in self._position.values())])
+
     def _before(self, group_index: int, group: dict, groups: set[int]) -> tuple[Entry, ...]:
         """The entries of ``group``'s parameters, by position, at the last sync: those of the same group
         dict, or, where the dict is a new one, those of the dict that stood at its index then and is in
@@ -255,7 +265,8 @@ class StateStore:
         return entry[0]
 
     def param_index(self, p: torch.Tensor) -> int:
-        """``p``'s index in the optimizer: a hash input, it never changes or repeats."""
+        """``p``'s index in the optimizer: a hash input, it never repeats (a checkpoint's load restores the
+        saved ones)."""
         entry = self._position.get(id(p))
         if entry is None or self._gone:
             entry = self._find(p)

@@ -166,3 +166,59 @@ def test_adafactor_with_an_empty_parameter_keeps_finite_state_and_saves(options)
             assert torch.isfinite(value).all(), key
     other = fusedopt.Adafactor([p.detach().clone().requires_grad_() for p in params], state_bits=32, **options)
     other.load_state_dict(save_load(opt.state_dict()))
+
+
+def _group_removed_run(params, steps, seed_from, opt=None, fused=False):
+    if opt is None:
+        opt = fusedopt.AdamW(
+            [{"params": [p]} for p in params], lr=1e-3, master_weight_bits=24, fused=fused, max_grad_norm=0.5
+        )
+        del opt.param_groups[0]  # the remaining parameters keep their indices: 1 and 2
+    for s in range(seed_from, seed_from + steps):
+        g = torch.Generator().manual_seed(s)
+        sum(
+            (p.float() * torch.randn(p.shape, generator=g)).sin().sum()
+            for p in opt.param_groups[0]["params"] + opt.param_groups[1]["params"]
+        ).backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def _bf16_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(64, 64, generator=g).bfloat16()) for _ in range(3)]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_resume_after_a_group_was_removed_is_exact(fused):
+    """Each parameter's index seeds its stochastic rounding; a removed group leaves the others theirs, and
+    the checkpoint keeps them, so an optimizer built on the remaining groups resumes exactly."""
+    whole = _bf16_params()
+    _group_removed_run(whole, 6, 0, fused=fused)
+    first = _bf16_params()
+    opt = _group_removed_run(first, 3, 0, fused=fused)
+    saved = save_load({"w": [p.detach() for p in first], "opt": opt.state_dict()})
+    assert saved["opt"]["fusedopt"]["indices"] == {0: 1, 1: 2}
+    resumed = [torch.nn.Parameter(t.clone()) for t in saved["w"]]
+    new = fusedopt.AdamW(
+        [{"params": [p]} for p in resumed[1:]], lr=1e-3, master_weight_bits=24, fused=fused, max_grad_norm=0.5
+    )
+    new.load_state_dict(saved["opt"])
+    assert [new.param_index(p) for p in resumed[1:]] == [1, 2]
+    _group_removed_run(resumed, 3, 3, opt=new)
+    for p, q in zip(whole[1:], resumed[1:]):
+        assert torch.equal(p, q)
+    extra = torch.nn.Parameter(torch.zeros(4))
+    new.add_param_group({"params": [extra]})
+    assert new.param_index(extra) == 3  # above every index in use: no stream is shared
+
+
+def test_an_invalid_indices_entry_is_refused():
+    params = [torch.nn.Parameter(torch.randn(8)) for _ in range(2)]
+    opt = fusedopt.AdamW(params, lr=1e-3)
+    _train(opt, params, 1)
+    saved = save_load(opt.state_dict())
+    saved["fusedopt"]["indices"] = {0: 5, 1: 5}
+    with pytest.raises(ValueError, match="invalid indices entry"):
+        fusedopt.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params]).load_state_dict(saved)
