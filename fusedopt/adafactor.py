@@ -92,6 +92,11 @@ def factored(shape) -> bool:
 # --- the math -----------------------------------------------------------------------------------
 
 
+def _at_least(x: torch.Tensor, low: float) -> torch.Tensor:
+    """``max(low, x)`` as torch's Python ``max`` takes it: NaN gives ``low`` (eps1=0 can make a NaN RMS)."""
+    return torch.where(x > low, x, low)
+
+
 def _approx_var(row: torch.Tensor, col: torch.Tensor, eps1: float) -> torch.Tensor:
     """row @ col / max(mean of row over the rows, eps1): the rank-1 estimate of a factored moment."""
     return (row @ col) / row.mean(dim=-2, keepdim=True).clamp(min=eps1)
@@ -136,7 +141,7 @@ def adafactor_math(
     one_minus_beta2, rho = step_scalars(step, lr=lr, beta2_decay=beta2_decay)
     numel = g.numel()
     rms_p = p.norm().double() / _math.sqrt(numel)
-    alpha = torch.clamp(rms_p, min=eps2) * rho
+    alpha = _at_least(rms_p, eps2) * rho
     if weight_decay != 0:
         p = p * (1 - lr * weight_decay)
     w = one_minus_beta2.float()
@@ -149,7 +154,7 @@ def adafactor_math(
         var = new["variance"] = moments["variance"].lerp(g * g, w)
     u = var.clamp(min=eps1 * eps1).rsqrt() * g
     rms_u = u.norm().double() / _math.sqrt(numel)
-    denom = torch.clamp(rms_u / d, min=1.0)  # RMS clipping: u_hat = u / denom
+    denom = _at_least(rms_u / d, 1.0)  # RMS clipping: u_hat = u / denom
     if growth_limit is not None:  # Fira: ||u_hat|| at most growth_limit * the previous one
         norm = u.norm().double() / denom
         prev = moments["update_norm"].double()

@@ -18,7 +18,9 @@ def _fp32(x: float) -> float:
 
 
 def adamw_math(p, g, moments, step, *, lr, beta1, beta2, eps, weight_decay):
-    """AdamW exactly as ``torch.optim.AdamW`` orders its operations (decoupled decay, eps outside sqrt)."""
+    """AdamW as ``torch.optim.AdamW`` orders its operations (decoupled decay, eps outside sqrt), but for one
+    rounding: ``sqrt(v)`` is multiplied by ``1/sqrt(bias correction)`` where torch divides by its root (the
+    kernel's multiply), so the two agree to fp32 round-off, not bit for bit."""
     # Bias corrections in fp64 (torch computes them from a Python step); the step size from lr
     # rounded to fp32, as the Triton kernel receives it.
     step = step.double()
@@ -36,7 +38,7 @@ def adamw_math(p, g, moments, step, *, lr, beta1, beta2, eps, weight_decay):
 class AdamW(FusedOptimizer):
     """Drop-in ``torch.optim.AdamW`` (decoupled weight decay, bias correction, eps outside the sqrt).
 
-    ``state_bits=32`` on fp32 parameters is exactly ``torch.optim.AdamW``. Memory per parameter
+    ``state_bits=32`` on fp32 parameters is ``torch.optim.AdamW`` to fp32 round-off. Memory per parameter
     for the state: 8 bytes at ``state_bits=32`` (two fp32 moments), 4 at ``16`` (two bf16 moments).
     See ``fusedopt.FusedOptimizer`` and the README for ``state_bits``, ``state_format``,
     ``master_weight_bits``, ``min_compress_numel``, ``seed``, ``fused`` and ``accumulation_steps``.

@@ -147,6 +147,8 @@ def check_gradient(p: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | No
     for name, g in (("gradient", grad), ("accumulated gradient", accum)):
         if g is not None and g.shape != p.shape:
             raise ValueError(f"a {name} of shape {tuple(g.shape)} for a parameter of shape {tuple(p.shape)}")
+        if g is not None and not g.is_floating_point():  # a complex one would lose its imaginary part
+            raise ValueError(f"a {name} of dtype {g.dtype} for a {p.dtype} parameter of shape {tuple(p.shape)}")
 
 
 def _gradient_problem(param: torch.Tensor, grad: torch.Tensor, accum: torch.Tensor | None) -> str | None:
@@ -272,7 +274,7 @@ class UpdateDispatcher:
         if settings is None:
             opt, algorithm = self._opt(), self._algorithm
             group = opt.param_groups[group_index]
-            opt.check_hyperparameters(group)
+            opt.check_step_group(group)
             hyper = opt.hyper(group)
             allowed = backend_choice() != "reference"
             scalars = None

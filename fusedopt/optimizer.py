@@ -49,6 +49,19 @@ def check_refused_options(**options) -> None:
             raise ValueError(f"{name}={value!r} is not supported by fusedopt (leave it at its default)")
 
 
+def check_refused_group_keys(group: dict) -> None:
+    """A group's copy of an option ``check_refused_options`` refuses (a group may set any key), and torch.optim.Adam's
+    coupled L2 decay (``decoupled_weight_decay=False``): refused, where they would silently be ignored."""
+    for key in ("amsgrad", "foreach", "capturable", "differentiable"):
+        if group.get(key) not in (None, False):
+            raise ValueError(f"a parameter group sets {key}={group[key]!r}, which fusedopt does not support")
+    if group.get("decoupled_weight_decay") is False and group.get("weight_decay", 0) != 0:
+        raise ValueError(
+            "a parameter group sets decoupled_weight_decay=False (torch.optim.Adam's L2 added to the gradient); "
+            "fusedopt decays the weights directly"
+        )
+
+
 def check_number(name: str, value, *, low: float = 0.0, high: float | None = None, message: str | None = None):
     """Raise torch's style of ValueError unless ``value`` is finite, ``low <= value`` (and ``value < high``
     when given). torch takes an infinite learning rate or weight decay; here it is refused."""
@@ -88,6 +101,7 @@ def check_optimizer_options(fused, accumulation_steps, seed, max_grad_norm, rele
 
 def check_group_options(optimizer, group: dict) -> None:
     """Validate the options every fusedopt group has (``FusedOptimizer.check_group``)."""
+    check_refused_group_keys(group)
     bits = group["state_bits"]
     if bits not in SUPPORTED_STATE_BITS or isinstance(bits, bool):
         raise ValueError(f"Invalid state_bits: {bits!r} (expected 32, 16, 8 or 4)")
@@ -268,6 +282,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         check_shardable(self, params)
         if self._release is not None and self._release.attached:
             self._release.check(params)
+
+    def check_step_group(self, group: dict) -> None:
+        """What a step checks of a group before its first update: the user or a scheduler may have edited it."""
+        check_refused_group_keys(group)
+        self.check_hyperparameters(group)
 
     def check_group(self, group: dict) -> None:
         """Validate every option of a (complete) group: the shared fusedopt ones, then the algorithm's."""

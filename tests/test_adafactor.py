@@ -399,6 +399,20 @@ def test_loads_torch_state_dict_and_back():
         torch.testing.assert_close(p, p_ref, rtol=1e-5, atol=1e-7)
 
 
+def test_a_nan_rms_is_taken_as_torch_takes_it():
+    """eps1=0 and a zero gradient element: its update is 0/0. torch's Python max(1, nan) is 1, so only that
+    element turns NaN; a clamp would spread the NaN over the tensor."""
+    p0, g = torch.tensor([0.5, -1.0, 2.0, 0.25]), torch.tensor([0.1, 0.0, -0.3, 0.2])
+    ref, ours = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.clone())
+    ref_opt = torch.optim.Adafactor([ref], lr=0.01, eps=(0.0, 1e-3))
+    opt = fusedopt.Adafactor([ours], lr=0.01, eps=(0.0, 1e-3), state_bits=32)
+    ref.grad, ours.grad = g.clone(), g.clone()
+    ref_opt.step()
+    opt.step()
+    assert torch.isnan(ours).tolist() == torch.isnan(ref).tolist() == [False, True, False, False]
+    torch.testing.assert_close(ours[~torch.isnan(ours)], ref[~torch.isnan(ref)], rtol=PARITY_RTOL, atol=PARITY_ATOL)
+
+
 def test_torch_state_dict_needs_a_first_moment_it_lacks():
     ref = _params([(6, 7)])
     ref_opt = torch.optim.Adafactor(ref)

@@ -109,6 +109,43 @@ def test_hyperparameters_changed_between_steps_are_validated(fused, key, value, 
     assert [int(opt.state[p]["step"]) for p in model.parameters()] == [2, 2]
 
 
+@pytest.mark.parametrize(
+    "key,value",
+    [("amsgrad", True), ("foreach", True), ("capturable", True), ("differentiable", True),
+     ("decoupled_weight_decay", False)],
+)  # fmt: skip
+def test_a_refused_option_set_in_a_group_is_refused_not_ignored(key, value):
+    """The constructor refuses these options; a group may carry any key: given in a group, added with one, or
+    set in one between steps, refused the same way (the step before it updates anything)."""
+    with pytest.raises(ValueError, match=f"sets {key}={value}"):
+        fusedopt.AdamW([{"params": [_w(3, 3)], key: value}], state_bits=32)
+    opt = fusedopt.AdamW([_w(3, 3)], state_bits=32)
+    with pytest.raises(ValueError, match=f"sets {key}={value}"):
+        opt.add_param_group({"params": [_w(2, 2)], key: value})
+    assert len(opt.param_groups) == 1
+    w = opt.param_groups[0]["params"][0]
+    w.grad = torch.ones_like(w)
+    before = w.detach().clone()
+    opt.param_groups[0][key] = value
+    with pytest.raises(ValueError, match=f"sets {key}={value}"):
+        opt.step()
+    assert torch.equal(w, before) and w not in opt.state
+    del opt.param_groups[0][key]
+    opt.step()
+    assert not torch.equal(w, before)
+
+
+def test_a_complex_gradient_of_a_real_parameter_is_refused():
+    w = _w(3)
+    opt = fusedopt.AdamW([w], state_bits=32)
+    w.grad = torch.zeros(3)
+    w.grad.data = torch.tensor([1 + 5j, 2j, -1])  # as torch.optim, which raises on it; the real part alone is no update
+    before = w.detach().clone()
+    with pytest.raises(ValueError, match="a gradient of dtype torch.complex64 for a torch.float32 parameter"):
+        opt.step()
+    assert torch.equal(w, before)
+
+
 def test_same_parameter_twice_is_refused():
     w = _w(3, 3)
     with pytest.raises(ValueError, match="same parameter more than once"):
