@@ -2,7 +2,8 @@
 
 The model is ``AutoModelForCausalLM.from_config(...)``: a Llama config written here (tiny on
 CPU, the TinyLlama 1.1B shape on a GPU), or any ``config.json`` given with ``--config``; pass
-``--init`` with a directory saved by ``save_pretrained`` to start from real weights. It is
+``--init`` with a directory saved by ``save_pretrained`` to start from real weights (with that
+directory's config unless ``--config`` is given). It is
 trained in bf16 with gradient checkpointing and ``fusedopt.AdamW(fused=True)`` (the update runs
 inside backward and frees each gradient), gradient accumulation through
 ``accumulation_steps``, a warm-up + cosine schedule, on byte-level text from the Python
@@ -183,14 +184,19 @@ def main(argv=None) -> int:
     if error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if args.resume:
-        config = transformers.AutoConfig.from_pretrained(args.resume, local_files_only=True)
-    elif args.config:
-        config = transformers.AutoConfig.from_pretrained(args.config, local_files_only=True)
+    # The config of the model this run trains: every check and message below reads it, and the
+    # model is built (or loaded, with it) from it: a resumed run's own, else --config, else --init's.
+    pretrained = args.init or args.resume  # a directory whose weights are loaded
+    source = args.resume or args.config or args.init
+    if source:
+        config = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
     else:
         config = llama_config(tiny=device.type == "cpu")
     if config.vocab_size < 256:
         print("error: byte-level data needs a vocabulary of at least 256", file=sys.stderr)
+        return 2
+    if args.vocab_pieces and config.tie_word_embeddings:
+        print("error: --vocab-pieces needs an untied LM head (tie_word_embeddings is true)", file=sys.stderr)
         return 2
     config.use_cache = False
     if args.memory_cap_gib is not None:
@@ -201,8 +207,8 @@ def main(argv=None) -> int:
         total = torch.cuda.get_device_properties(index).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total), index)
     torch.manual_seed(args.seed)
-    if args.init or args.resume:
-        model = transformers.AutoModelForCausalLM.from_pretrained(args.init or args.resume, local_files_only=True)
+    if pretrained:
+        model = transformers.AutoModelForCausalLM.from_pretrained(pretrained, config=config, local_files_only=True)
     elif device.type == "cuda":  # built on the GPU in its dtype: an fp32 copy of a large model on the CPU is slow
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
@@ -215,8 +221,8 @@ def main(argv=None) -> int:
         model = transformers.AutoModelForCausalLM.from_config(config)
     model.to(device=device, dtype=dtype)
     if args.vocab_pieces:  # before the optimizer: each piece is a parameter of its own
-        if config.tie_word_embeddings:
-            print("error: --vocab-pieces needs an untied LM head (tie_word_embeddings is true)", file=sys.stderr)
+        if model.get_output_embeddings().weight is model.get_input_embeddings().weight:  # tied another way
+            print("error: --vocab-pieces needs an untied LM head (the model ties it)", file=sys.stderr)
             return 2
         model.set_input_embeddings(fusedopt.split_rows(model.get_input_embeddings(), args.vocab_pieces))
         model.set_output_embeddings(fusedopt.split_rows(model.get_output_embeddings(), args.vocab_pieces))

@@ -241,6 +241,43 @@ def test_finetune_hf_resume_follows_the_saved_schedule(tmp_path, monkeypatch, ca
     assert "--total-steps 4 (the checkpoint's schedule has 3)" in err, err
 
 
+def test_finetune_hf_init_checks_the_config_of_the_directory_it_loads(tmp_path, monkeypatch, capsys):
+    """``--init DIR`` checks DIR's config, not the built-in Llama one: a tied model with ``--vocab-pieces``
+    and a vocabulary under 256 are refused before any training (they trained: the tied embedding was
+    silently untied); an untied model trains in pieces and reports its own size and type."""
+    transformers = pytest.importorskip("transformers")
+    example = _load_example("finetune_hf", monkeypatch)
+    monkeypatch.chdir(tmp_path)
+
+    def save(name, vocab_size=259, tied=False):
+        shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+        config = transformers.LlamaConfig(vocab_size=vocab_size, tie_word_embeddings=tied, **shape)
+        model = transformers.LlamaForCausalLM(config)
+        model.save_pretrained(tmp_path / name)
+        return sum(p.numel() for p in model.parameters())
+
+    save("tied", tied=True)
+    save("small", vocab_size=100)
+    untied_params = save("untied")
+    base = ["--device", "cpu", *_standin_args(), "--seq-len", "16", "--micro-batch", "1", "--accum", "1"]
+    base += ["--steps", "2", "--no-save"]
+
+    capsys.readouterr()
+    assert example.main([*base, "--init", "tied", "--vocab-pieces", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip() == "error: --vocab-pieces needs an untied LM head (tie_word_embeddings is true)", err
+    assert "step 1/" not in out and "parameters," not in out, out
+    assert example.main([*base, "--init", "small"]) == 2
+    out, err = capsys.readouterr()
+    assert "error: byte-level data needs a vocabulary of at least 256" in err, err
+    assert "step 1/" not in out, out
+
+    assert example.main([*base, "--init", "untied", "--vocab-pieces", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"llama: {untied_params:,} parameters," in out, out  # the directory's model, split but not grown
+    assert re.search(r"step 2/2  loss \d+\.\d+  grad norm \d+\.\d+", out), out
+
+
 def test_finetune_fsdp_trains_saves_and_resumes_on_two_cpu_ranks(tmp_path):
     """torchrun with 2 processes on CPU (gloo): trains, saves a DCP checkpoint, resumes from it."""
     import socket

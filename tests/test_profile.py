@@ -337,6 +337,8 @@ def test_command_runs_and_prints_table(embedded_run):
         assert label in text
     assert "Breakdown of each peak" in text and "How each figure was measured" in text
     assert "fusedopt-profile plan" in text  # the run ends with a pointer to the recommendation
+    # --steps 3 on CPU: warm-up, tracked and allocator steps, none left to time; the table says why
+    assert "step ms '-': --steps 3 left no step for it" in text
     results = embedded_run["data"]["results"]
     assert embedded_run["data"]["settings"]["dtype"] == "bf16"  # the default, on CPU too
     # master-weight splitting shows: fusedopt's default keeps a correction per bf16 parameter
@@ -530,6 +532,15 @@ def test_malformed_shapes_are_refused(text):
         (["--model", "tiny", "--dtype", "int8"], "unknown dtype"),
         (["--shape", "layers=1000,d_model=65536,heads=64", "--device", "cpu"], "does not fit"),
         (["plan", "--gpu-memory", "24"], "give --params"),
+        (["plan", "--params", "7e9", "--model", "1b", "--gpu-memory", "24"], "not both"),
+        (["plan", "--params", "7e9", "--gpu-memory", "24", "--no-checkpointing"], "--no-checkpointing needs a model"),
+        (["plan", "--model", "1b", "--gpu-memory", "24", "--vocab-pieces", "40000"], "more pieces than the vocabulary"),
+        (["--model", "tiny", "--vocab-pieces", "300"], "more pieces than the vocabulary has rows (256)"),
+        (["--model", "tiny", "--config", "fusedopt:fused=True,accumulation_steps=4"], "give --grad-accum instead"),
+        (
+            ["--model", "tiny", "--grad-accum", "4", "--config", "fusedopt:fused=True,accumulation_steps=2"],
+            "sets accumulation_steps=2, but the run accumulates --grad-accum 4",
+        ),
         (["--hf-config", "/nonexistent/config.json"], "config"),
     ],
 )
@@ -555,6 +566,7 @@ def _write(path, text):
         (lambda d: ["--model", "tiny", "--json", str(d)], "it is a directory"),
         (lambda d: ["--model", "tiny", "--json", str(d / _write(d / "f", "") / "x.json")], "cannot write the results"),
         (lambda d: ["--model", "tiny", "--plot", _write(d / "f", "") + "/m.png"], "cannot write the plot"),
+        (lambda d: ["--model", "tiny", "--plot", str(d / "m.xyz")], "its extension names no image format"),
         # planner: configurations the profiler refuses, results files it cannot read
         (lambda d: [*PLAN_TINY, "--config", "fusedopt:state_bits=7"], "state_bits"),
         (
@@ -717,6 +729,33 @@ def test_unimplemented_configuration_is_reported_not_fatal(monkeypatch):
 
 
 # --- Hugging Face configs (optional) -----------------------------------------------------------------
+
+
+def test_the_closing_pointer_runs_as_printed_for_the_default_model(tmp_path, capsys):
+    """A run without a model flag profiled the default model: the planner command names its size."""
+    from fusedopt.profile.cli import _run_parser, plan_hint
+
+    args = _run_parser().parse_args([])
+    hint = plan_hint(args, 1771648, str(tmp_path / "results.json"))
+    assert "(or plan --params 1771648 --gpu-memory GIB" in hint
+    command = hint.split("(or ")[1].rstrip(")").replace("GIB", "24").split()
+    with open(tmp_path / "results.json", "w") as f:
+        json.dump({"results": []}, f)
+    assert main(command) == 0
+    assert "Use:" in capsys.readouterr().out
+
+
+def test_a_worker_process_gets_the_checkout_on_its_path_only_where_this_one_does(monkeypatch):
+    """The checkout's kernels/ on a worker's path would hide the `kernels` package transformers imports
+    (profiling an --hf-config model failed in every worker); an installed fusedopt needs no path."""
+    from fusedopt.profile.run import worker_env
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fusedopt.__file__)))
+    monkeypatch.setenv("PYTHONPATH", "elsewhere")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if os.path.abspath(p or os.curdir) != root])
+    assert worker_env()["PYTHONPATH"] == "elsewhere"
+    monkeypatch.setattr(sys, "path", [root, *sys.path])
+    assert worker_env()["PYTHONPATH"].split(os.pathsep) == [root, "elsewhere"]
 
 
 def test_hf_config_model(tmp_path):

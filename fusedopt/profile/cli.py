@@ -169,9 +169,17 @@ def _main_plan(argv) -> int:
     args = _plan_parser().parse_args(argv)
     spec = None
     if args.model or args.shape or args.hf_config:
+        if args.params is not None:
+            raise UserError("give --params N or a model (--model, --shape, --hf-config), not both")
         spec = ModelSpec.from_args(args.model, args.shape, args.hf_config, not args.no_checkpointing, args.chunked_loss)
+        spec.with_vocab_pieces(args.vocab_pieces)  # checked against the model's vocabulary
     if spec is None and args.params is None:
         raise UserError("give --params N or a model (--model, --shape, --hf-config)")
+    if spec is None and args.no_checkpointing:
+        raise UserError(
+            "--no-checkpointing needs a model (--model, --shape, --hf-config): with --params alone the activations "
+            "are estimated for activation checkpointing"
+        )
     measurements = None
     if args.results:
         try:
@@ -229,6 +237,43 @@ def _is_result(result) -> bool:
         return False
 
 
+def plan_hint(args, num_params: int, json_path: str) -> str:
+    """The run's closing pointer to the planner: two commands that run as printed (but for GIB)."""
+    flags = (("model", args.model), ("shape", args.shape), ("hf-config", args.hf_config))
+    model_args = "".join(f"--{flag} {value} " for flag, value in flags if value)
+    model_args = model_args or f"--params {num_params} "  # the default model: no flag names it
+    return (
+        "which configuration fits your GPU, and which to use: "
+        f"fusedopt-profile plan --params {num_params} --gpu-memory GIB"
+        f" (or plan {model_args}--gpu-memory GIB --results {json_path})"
+    )
+
+
+def _check_accumulation(text: str, grad_accum: int) -> None:
+    """A configuration's own accumulation_steps must be the run's --grad-accum: release updates on the
+    accumulation_steps-th backward, the run steps after --grad-accum of them."""
+    steps = parse_config(text).constructor_kwargs.get("accumulation_steps")
+    if steps is not None and steps != grad_accum:
+        raise UserError(
+            f"--config {text!r} sets accumulation_steps={steps}, but the run accumulates --grad-accum {grad_accum} "
+            "micro-batches per step: give --grad-accum instead (it sets accumulation_steps)"
+        )
+
+
+def _check_plot_format(path: str) -> None:
+    """A plot path whose extension matplotlib writes (checked before anything is measured)."""
+    ext = os.path.splitext(path)[1].lower().lstrip(".")
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = set(FigureCanvasBase.get_supported_filetypes())
+    except ImportError:  # no plot will be drawn (report.plot says why)
+        return
+    if ext not in formats:
+        known = ", ".join(sorted(formats))
+        raise UserError(f"cannot write the plot {path!r}: its extension names no image format ({known})")
+
+
 def _writable_file(path: str, what: str) -> str:
     """``path``'s folder created; a UserError now, not after the measurement, if it cannot be written."""
     try:
@@ -259,10 +304,14 @@ def _main_run(argv) -> int:
         if args.chunked_loss is not None:
             spec = spec.with_chunked_loss(args.chunked_loss)
     spec = spec.with_vocab_pieces(args.vocab_pieces)
+    for text in args.config or ():
+        _check_accumulation(text, args.grad_accum)
     configs = [parse_config(c) for c in (args.config or DEFAULT_CONFIGS)]
     json_path = _writable_file(args.json or os.path.join(args.output_dir, "results.json"), "results")
     plot_path = args.plot or os.path.join(args.output_dir, "memory.png")
     plot_path = None if args.no_plot else _writable_file(plot_path, "plot")
+    if plot_path is not None:
+        _check_plot_format(plot_path)
     report = run_profile(
         spec,
         configs,
@@ -287,16 +336,7 @@ def _main_run(argv) -> int:
     if plot_path is not None:
         why_not = report.plot(plot_path)
         print(f"plot: {plot_path}" if why_not is None else f"plot: not written ({why_not})")
-    model_args = "".join(
-        f"--{flag} {value} "
-        for flag, value in (("model", args.model), ("shape", args.shape), ("hf-config", args.hf_config))
-        if value
-    )
-    print(
-        "which configuration fits your GPU, and which to use: "
-        f"fusedopt-profile plan --params {report.settings['num_params']} --gpu-memory GIB"
-        f" (or plan {model_args}--gpu-memory GIB --results {json_path})"
-    )
+    print(plan_hint(args, report.settings["num_params"], json_path))
     ok = [r for r in report.results if r.get("ok")]
     if not ok and report.results and all(r.get("error_kind") == "does_not_fit" for r in report.results):
         print("error: the model does not fit this device with any configuration", file=sys.stderr)

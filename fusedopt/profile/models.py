@@ -510,6 +510,9 @@ class ModelSpec:
                 raise UserError(f"--vocab-pieces with a Hugging Face config needs one of these model types: {types}")
             if self.kind != "hf" and self.model_shape().tie_embeddings:
                 raise UserError("--vocab-pieces needs an untied head: split_rows would untie the tied embeddings")
+            vocab = self.vocab_size()
+            if vocab is not None and pieces > vocab:
+                raise UserError(f"--vocab-pieces {pieces} is more pieces than the vocabulary has rows ({vocab})")
         return dataclasses.replace(self, vocab_pieces=pieces)
 
     def with_chunked_loss(self, chunk_size: int | None) -> ModelSpec:

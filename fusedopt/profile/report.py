@@ -134,6 +134,15 @@ def format_table(report) -> str:
             )
         if cpu:
             notes.append("CPU figures are for comparison between configurations; a GPU run gives the real budget")
+        untimed = any(r.get("median_step_ms") is None for r in ok)
+        replay = cpu and report.settings.get("allocator_pass", True)
+        unreplayed = replay and any(not r.get("allocator_pass") for r in ok)
+        if untimed or unreplayed:
+            missing = " and ".join(name for name, gone in (("step ms", untimed), ("alloc peak", unreplayed)) if gone)
+            notes.append(
+                f"{missing} '-': --steps {s['steps']} left no step for it after the warm-up and tracked steps "
+                "(the first warm up, then one is tracked, on CPU one replayed for the allocator); give more --steps"
+            )
         if notes:
             lines += ["", "Notes:"] + [f"  {n}" for n in notes]
     return "\n".join(lines)

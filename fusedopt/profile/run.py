@@ -251,16 +251,24 @@ def worker_main(job_path: str, result_path: str) -> int:
     return 0
 
 
+def worker_env() -> dict:
+    """The environment of a worker process: this one's, with the checkout's root first on PYTHONPATH only
+    where this process finds fusedopt through it (not installed). Elsewhere the root on the path would let
+    the checkout's kernels/ hide the `kernels` package transformers imports."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if any(os.path.abspath(entry or os.curdir) == root for entry in sys.path):
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
 def _run_in_subprocess(job: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="fusedopt-profile-") as tmp:
         job_path, result_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "result.json")
         with open(job_path, "w") as f:
             json.dump(job, f)
-        env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         cmd = [sys.executable, "-m", "fusedopt.profile", "--worker", job_path, result_path]
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL)
+        proc = subprocess.run(cmd, env=worker_env(), stdout=subprocess.DEVNULL)
         if os.path.exists(result_path):
             with open(result_path) as f:
                 return json.load(f)
@@ -361,6 +369,7 @@ def run_profile(
         "seq_len": seq_len,
         "grad_accum": grad_accum,
         "steps": steps,
+        "allocator_pass": allocator_pass,
         "isolation": "fresh process per configuration" if isolate else "in-process, one after another",
         "torch": torch.__version__,
     }
@@ -428,7 +437,7 @@ def run_profile(
             if torch_device.type == "cuda":
                 torch.cuda.empty_cache()
             result = measure_config(job)
-        result.setdefault("label", config.label)
+        result["label"] = config.label  # (a worker's failure is labelled with its progress tag)
         state = "done" if result.get("ok") else f"failed: {result.get('error')}"
         _progress(progress, f"[{tag}] {state} ({time.perf_counter() - t0:.1f}s)")
         results.append(result)
