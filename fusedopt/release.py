@@ -133,6 +133,10 @@ def _hook(release_ref: weakref.ref, p: torch.Tensor) -> None:
 _NO_PASS = -1  # torch._C._current_graph_task_id() outside a backward pass
 
 
+class _Refused(RuntimeError):
+    """A gradient release refuses before it changes anything (a second gradient in one window)."""
+
+
 class _Pass:
     """A backward pass that ran release hooks; ``finished`` once the engine ran its end-of-pass marker."""
 
@@ -296,12 +300,19 @@ class GradientRelease:
         if optimizer is None or grad is None:
             return
         task = torch._C._current_graph_task_id()
-        if task != self._task:
+        first = task != self._task
+        if first:
             for check in _framework_checks():  # before any update: the framework's accumulation agrees
                 check(optimizer, p, self._counts.get(id(p), 0) + 1)
             self._enter_pass(optimizer, task, p)
         try:
             self._take(optimizer, p, grad)
+        except _Refused:
+            if task != _NO_PASS:
+                p.grad = None  # this pass fails: its gradient must not reach a later step()
+                if first:  # refused at its first hook, the pass changed nothing: it leaves no window to close
+                    self._passes.pop(task, None)
+            raise
         except BaseException:
             if task != _NO_PASS:
                 p.grad = None  # this pass fails: its gradient must not reach a later step()
@@ -318,7 +329,7 @@ class GradientRelease:
         if n > k:
             # p was updated in this window already: this gradient must not reach step() either
             p.grad = None
-            raise RuntimeError(self._second_gradient_error(p, n, k))
+            raise _Refused(self._second_gradient_error(p, n, k))
         if n == k:  # this backward updates p: everything that could refuse the update is checked first
             checked = optimizer.check_update(p, grad, self.buffer(p))
         else:

@@ -447,3 +447,36 @@ def test_a_second_backward_without_accumulation_steps_names_the_setting():
     _loss(model, x).backward()
     with pytest.raises(RuntimeError, match=r"accumulation_steps=1.*pass the same number as accumulation_steps"):
         _loss(model, x).backward()
+
+
+@pytest.mark.parametrize("retained", [False, True], ids=["new-graph", "retained-graph"])
+def test_a_second_backward_refused_at_its_first_hook_leaves_the_finished_step_alone(retained):
+    """The first pass updated everything; the second is refused at its first hook, before it changes
+    anything. So step() finds a finished window, not a failed one: no closing warning, the first pass's
+    grad_norm, and the next step trains as a twin's that never saw the second backward."""
+    model = _model(torch.float32)
+    model.shift = torch.nn.Parameter(torch.zeros(()))  # added last, not saved: its hook runs first in backward
+    twin = copy.deepcopy(model)
+    opts = [fusedopt.AdamW(m.parameters(), lr=1e-2, fused=True, max_grad_norm=1.0) for m in (model, twin)]
+    xs = _batches(2, torch.float32)
+
+    def loss_of(m, x):
+        return _loss(m, x) + m.shift
+
+    for m, opt in zip((model, twin), opts):
+        loss = loss_of(m, xs[0])
+        loss.backward(retain_graph=retained)
+        if m is model:
+            norm = opt.grad_norm.clone()
+            with pytest.raises(RuntimeError, match="received a gradient after its update was already applied"):
+                (loss if retained else loss_of(m, xs[0])).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            opt.step()
+        opt.zero_grad()
+    assert opts[0].num_interrupted_steps == 0 and torch.equal(opts[0].grad_norm, norm)
+    for m, opt in zip((model, twin), opts):
+        loss_of(m, xs[1]).backward()
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+    _assert_same(opts[0].state_dict()["state"], opts[1].state_dict()["state"])
