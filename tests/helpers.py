@@ -84,6 +84,16 @@ def train(model, opt, xs, *, micro_batches: int = 1, closure: bool = False) -> N
         opt.zero_grad()
 
 
+def random_steps(opt, params, n: int, seed: int = 1) -> None:
+    """``n`` optimizer steps, each on seeded random gradients set as ``.grad`` (cleared after each)."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        opt.step()
+        opt.zero_grad()
+
+
 def step_with(opt, params, grads, fused: bool) -> None:
     """One optimizer step on these gradients: through backward under ``fused=True`` (the update runs in
     each parameter's hook), else set as ``.grad`` then ``opt.step()``; the gradients are cleared after."""

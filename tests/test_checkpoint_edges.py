@@ -6,18 +6,9 @@ import warnings
 import pytest
 import torch
 from cases import ALGORITHM
-from helpers import save_load
+from helpers import random_steps, save_load
 
 import fusedopt
-
-
-def _train(opt, params, steps, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
-        opt.step()
-        opt.zero_grad()
 
 
 def _same_state(a, b):
@@ -31,15 +22,15 @@ def test_state_read_before_a_first_update_saves_and_loads(algo):
     """opt.state[p] makes an empty entry (a defaultdict, as in torch): it is no state, in the checkpoint too."""
     params = [torch.randn(64, 96, requires_grad=True), torch.randn(96, requires_grad=True)]
     opt = ALGORITHM[algo].make(params, lr=1e-2)
-    _train(opt, params[:1], 2)
+    random_steps(opt, params[:1], 2)
     assert opt.state[params[1]].get("step") is None  # the user's look leaves {} behind
     saved = save_load(opt.state_dict())
     assert list(saved["state"]) == [0]
     twin_params = [p.detach().clone().requires_grad_() for p in params]
     twin = ALGORITHM[algo].make(twin_params, lr=1e-2)
     twin.load_state_dict(saved)
-    _train(opt, params, 2, seed=2)
-    _train(twin, twin_params, 2, seed=2)
+    random_steps(opt, params, 2, seed=2)
+    random_steps(twin, twin_params, 2, seed=2)
     for p, q in zip(params, twin_params):
         assert torch.equal(p, q)
         _same_state(opt.state[p], twin.state[q])
@@ -67,7 +58,7 @@ def test_state_dict_after_a_live_group_change_is_refused_until_it_is_undone(chan
     params = [torch.randn(64, 96, requires_grad=True)]
     # 6144 elements: compressed, but for the change of min_compress_numel (from uncompressed)
     opt = fusedopt.AdamW(params, lr=1e-2, min_compress_numel=8192 if "min_compress_numel" in change else 4096)
-    _train(opt, params, 2)
+    random_steps(opt, params, 2)
     group = opt.param_groups[0]
     before = {key: group[key] for key in change}
     group.update(change)
@@ -81,7 +72,7 @@ def test_state_dict_after_a_live_group_change_is_refused_until_it_is_undone(chan
         warnings.simplefilter("ignore", UserWarning)  # a lossy conversion says so
         other.load_state_dict(saved)
     assert all(other.param_groups[0][key] == value for key, value in change.items())
-    _train(other, other.param_groups[0]["params"], 1)
+    random_steps(other, other.param_groups[0]["params"], 1)
 
 
 def _bf16_fp16_run(dtype, master_weight_bits=24):
@@ -90,7 +81,7 @@ def _bf16_fp16_run(dtype, master_weight_bits=24):
     model = torch.nn.Module()
     model.w = w
     opt = fusedopt.AdamW([w], lr=1e-3, master_weight_bits=master_weight_bits, state_bits=32)
-    _train(opt, [w], 3)
+    random_steps(opt, [w], 3)
     return model, opt
 
 
@@ -137,7 +128,7 @@ def test_a_master_correction_of_the_same_dtype_loads():
 def test_torch_export_of_adafactor_options_torch_lacks_is_refused(option):
     params = [torch.randn(6, 7, requires_grad=True)]
     opt = fusedopt.Adafactor(params, **option)
-    _train(opt, params, 1)
+    random_steps(opt, params, 1)
     with pytest.raises(ValueError, match=rf"sets {next(iter(option))}=.*torch.optim.Adafactor does not have"):
         opt.torch_state_dict()
     fusedopt.Adafactor([torch.randn(6, 7, requires_grad=True)]).torch_state_dict()  # without them: exported
@@ -217,7 +208,7 @@ def test_a_resume_after_a_group_was_removed_is_exact(fused):
 def test_an_invalid_indices_entry_is_refused():
     params = [torch.nn.Parameter(torch.randn(8)) for _ in range(2)]
     opt = fusedopt.AdamW(params, lr=1e-3)
-    _train(opt, params, 1)
+    random_steps(opt, params, 1)
     saved = save_load(opt.state_dict())
     saved["fusedopt"]["indices"] = {0: 5, 1: 5}
     with pytest.raises(ValueError, match="invalid indices entry"):

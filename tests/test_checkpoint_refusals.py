@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 from cases import ALGORITHM, DTYPE_IDS
-from helpers import moment_draws, second_moment
+from helpers import moment_draws, random_steps, second_moment
 
 import fusedopt
 from fusedopt.codecs import codec_named
@@ -91,15 +91,6 @@ def _params(dtype: torch.dtype, seed: int = 0) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.randn(shape, generator=gen).to(dtype)) for shape in SHAPES]
 
 
-def _steps(opt, params, n: int, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(n):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
-        opt.step()
-    opt.zero_grad()
-
-
 TORCH_OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd-momentum": functools.partial(torch.optim.SGD, momentum=0.9)}
 
 
@@ -110,7 +101,7 @@ def _trained(algo: str, options: tuple, dtype: torch.dtype, torch_optim: bool) -
         opt = TORCH_OPTIMIZERS[algo](params, lr=1e-3)
     else:
         opt = ALGORITHM[algo].make(params, lr=1e-3, **dict(options))
-    _steps(opt, params, 2, seed=1)
+    random_steps(opt, params, 2, seed=1)
     return copy.deepcopy(opt.state_dict())
 
 
@@ -125,7 +116,7 @@ def _stepped_target(algo: str, dtype: torch.dtype, **options):
     load must leave as it is."""
     params = _params(dtype)
     opt = ALGORITHM[algo].make(params, lr=2e-3, seed=3, **options)
-    _steps(opt, params, 1, seed=2)
+    random_steps(opt, params, 1, seed=2)
     return opt, params
 
 
@@ -156,8 +147,8 @@ def _assert_refused_and_intact(target, saved: dict, match: str):
     assert not _differences(opt.state_dict(), before)
     for p, value in zip(params, values):
         assert torch.equal(p.detach(), value)
-    _steps(opt, params, 1, seed=4)
-    _steps(twin, twin_params, 1, seed=4)
+    random_steps(opt, params, 1, seed=4)
+    random_steps(twin, twin_params, 1, seed=4)
     assert not _differences(opt.state_dict(), twin.state_dict())
     for p, q in zip(params, twin_params):
         assert torch.equal(p.detach(), q.detach()) and torch.isfinite(p).all()
@@ -221,7 +212,7 @@ def test_an_overflowed_second_moment_is_not_corrupt(source, state_bits):
     params = _params(torch.float32)
     make = torch.optim.AdamW if source == "torch" else functools.partial(fusedopt.AdamW, state_bits=state_bits)
     opt = make(params, lr=1e-3)
-    _steps(opt, params, 1, seed=1)
+    random_steps(opt, params, 1, seed=1)
     params[CORRUPT].grad = torch.full(SHAPES[CORRUPT], 1e22)
     opt.step()
     saved = copy.deepcopy(opt.state_dict())
@@ -231,7 +222,7 @@ def test_an_overflowed_second_moment_is_not_corrupt(source, state_bits):
     loaded = other.state_dict()["state"][CORRUPT]["exp_avg_sq"]
     assert torch.isinf(loaded).all() and torch.isfinite(other.state_dict()["state"][CORRUPT]["exp_avg"]).all()
     other_params = [p for g in other.param_groups for p in g["params"]]
-    _steps(other, other_params, 1, seed=2)
+    random_steps(other, other_params, 1, seed=2)
     assert all(torch.isfinite(p).all() for p in other_params)
 
 
