@@ -514,7 +514,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         return self._release is not None and self._release.close_interrupted(self)
 
     def can_hold_update(self, p: torch.Tensor) -> bool:
-        """Whether gradient release should hold ``p``'s update for a bucket (``dispatch.py``)."""
+        """Whether gradient release should hold ``p``'s update for a bucket (``dispatch.py``). Not a sharded
+        parameter's where clipping or unscaling sums over the ranks: buckets fill by the local shard's
+        size, so the ranks would reach those all-reduces at different points of FSDP2's collectives."""
+        if (self.max_grad_norm is not None or self.grad_scaler is not None) and is_sharded(p):
+            return False
         return self._dispatch.can_hold(p)
 
     @torch.no_grad()

@@ -590,6 +590,39 @@ def _replicate(rank, world_size, out):
 test_replicate_with_fsdp_supports_release = scenario((TWO, _replicate))
 
 
+def _held_updates_of_uneven_shards(rank, world_size, out):
+    """Release holds kernel updates for buckets, by the local shard's size; clipping's all-reduce runs when
+    they launch. Shards of unequal sizes (a head of 35 rows: 18 and 17) would fill buckets at different
+    points on the two ranks, and their all-reduces would meet FSDP2's collectives out of order (a
+    deadlock): a sharded parameter's update is not held where clipping or unscaling sums over the ranks."""
+    saved = {k: os.environ.get(k) for k in ("FUSEDOPT_BACKEND", "FUSEDOPT_BUCKET_MB")}
+    os.environ.update(
+        FUSEDOPT_BACKEND="triton", FUSEDOPT_BUCKET_MB="0.001049"
+    )  # kernels (interpreted), 1100-byte buckets
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16), torch.nn.Tanh(), torch.nn.Linear(16, 35)
+        )
+        model = shard(model)
+        assert model[4].weight.to_local().shape[0] == (18, 17)[rank]
+        opt = fusedopt.AdamW(model.parameters(), lr=1e-2, fused=True, max_grad_norm=1.0)
+        norms = []
+        for step in range(3):  # the first step prepares the launches: holding starts at the second
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            norms.append(opt.grad_norm.clone())
+        assert same_on_every_rank(torch.stack(norms))
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+
+
+test_held_updates_of_uneven_shards_keep_the_ranks_in_step = scenario((TWO, _held_updates_of_uneven_shards))
+
+
 def _hsdp(rank, world_size, out):
     """HSDP: a (replicate 2, shard 1) mesh; placements (Replicate(), Shard(0))."""
     from torch.distributed.device_mesh import init_device_mesh
