@@ -39,7 +39,6 @@ import torch
 from . import rng
 from .codecs import MomentCodec, codec_named, decode_moments, known_formats, removed_format_error
 from .codecs.base import check_draws, first_draws_whole, value_problems
-from .codecs.blockwise import BlockCodec
 from .master import MASTER_CORRECTION, convert_correction
 from .sharding import as_sharded, element_offset, is_sharded, local
 from .state_memory import pack_tensors
@@ -179,12 +178,10 @@ def _sharded_entries(optimizer, p: torch.Tensor, state: dict) -> dict:
     names = {}
     for slot, codec in optimizer.codecs(p, group).items():
         names[slot] = codec.name
-        if isinstance(codec, BlockCodec):
+        if _blocked(codec):
             codes, scales = state[slot + ".codes"], state[slot + ".scales"]
-            if codec.state_bits == 4:
-                codes = torch.stack((codes & 0xF, codes >> 4), -1).reshape(-1)[:n]
             entries = {
-                _ELEMENT_CODES: codes.reshape(lp.shape),
+                _ELEMENT_CODES: _unpack(codes, codec.state_bits)[:n].reshape(lp.shape),
                 _ELEMENT_SCALES: scales.repeat_interleave(codec.block)[:n].reshape(lp.shape),
             }
         else:
@@ -214,11 +211,40 @@ def _localise(p: torch.Tensor, t):
     return t
 
 
-def _from_elements(p: torch.Tensor, saved: dict, names: dict, signed_of, where: str) -> None:
+def _blocked(codec: MomentCodec) -> bool:
+    """Whether ``codec`` stores packed codes and one scale per block of ``codec.block`` elements: saved for
+    a sharded parameter as a code and a scale per element (``_ELEMENT_CODES``, ``_ELEMENT_SCALES``)."""
+    return tuple(codec.suffixes) == (".codes", ".scales") and hasattr(codec, "block")
+
+
+def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes of ``bits`` bits, ``8 // bits`` a byte (element ``i`` at bits ``bits * i``), one a byte."""
+    if bits == 8:
+        return packed.reshape(-1)
+    c = packed.reshape(-1)
+    return torch.stack([(c >> (bits * j)) & ((1 << bits) - 1) for j in range(8 // bits)], dim=1).reshape(-1)
+
+
+def _pack(codes: torch.Tensor, bits: int, size: int) -> torch.Tensor:
+    """``_unpack``'s inverse, zero-padded to ``size`` bytes."""
+    per = 8 // bits
+    codes = torch.nn.functional.pad(codes.reshape(-1), (0, size * per - codes.numel()))
+    if bits == 8:
+        return codes
+    c = codes.view(-1, per)
+    out = c[:, 0].clone()
+    for j in range(1, per):
+        out |= c[:, j] << (bits * j)
+    return out
+
+
+def _from_elements(p: torch.Tensor, saved: dict, names: dict, signed_of, frames: dict, where: str) -> None:
     """Rebuild the blocks of ``p``'s local shard from element-wise saved moments, in place in ``saved``:
-    exactly where each block's elements share one scale, else as fp32 values (re-encoded by the caller)."""
+    exactly where every block's elements share one scale, else every moment as fp32 values (each element
+    decoded with its own scale, a framed one with its frame's value; re-encoded by the caller)."""
     lp = local(p)
     n = lp.numel()
+    elements = {}
     for slot, name in list(names.items()):
         codes, scales = saved.pop(slot + _ELEMENT_CODES, None), saved.pop(slot + _ELEMENT_SCALES, None)
         if codes is None and scales is None:
@@ -227,37 +253,51 @@ def _from_elements(p: torch.Tensor, saved: dict, names: dict, signed_of, where: 
             _refuse_removed(name, slot, where)
             raise ValueError(f"state {slot!r} of {where} was saved in the state format {name!r}, unknown here")
         codec = codec_named(name, signed_of(slot), lp.shape)
-        for what, t in (("codes", codes), ("scales", scales)):
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.shape != lp.shape:
+        if not _blocked(codec):
+            raise ValueError(f"state {slot!r} of {where} is saved element-wise but {name!r} is not a block format")
+        scale_dtype = codec.layout(lp.shape)[".scales"][0]
+        for what, t, dtype in (("codes", codes, torch.uint8), ("scales", scales, scale_dtype)):
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.shape != lp.shape:
                 got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(
-                    f"state {slot!r} of {where}: element-wise {what} must be uint8 of the shard's shape "
+                    f"state {slot!r} of {where}: element-wise {what} must be {dtype} of the shard's shape "
                     f"{tuple(lp.shape)}, got {got}"
                 )
-        if not isinstance(codec, BlockCodec):
-            raise ValueError(f"state {slot!r} of {where} is saved element-wise but {name!r} is not a block format")
-        codes, scales = codes.reshape(-1), scales.reshape(-1)
-        block = codec.block
-        block_scales = scales[::block]
-        if torch.equal(block_scales.repeat_interleave(block)[:n], scales):  # the blocks as they were
-            if codec.state_bits == 4:
-                pairs = torch.nn.functional.pad(codes, (0, n % 2)).view(-1, 2)
-                codes = pairs[:, 0] | (pairs[:, 1] << 4)
-            saved[slot + ".codes"] = codes.reshape(codec.layout(lp.shape)[".codes"][1])
-            saved[slot + ".scales"] = block_scales
-            continue
-        # another sharding split the saved blocks: each element decoded with its own scale (exact)
-        alone = codec_named(name, signed_of(slot), torch.Size([n * block]))
-        spread = torch.zeros(n, block, dtype=torch.uint8, device=codes.device)
-        spread[:, 0] = codes
-        spread = spread.reshape(-1)
-        if codec.state_bits == 4:
-            spread = spread[0::2] | (spread[1::2] << 4)
-        stored = {".codes": spread, ".scales": scales}
-        _refuse_invalid(alone, stored, slot, where, signed_of(slot))  # decoded, such scales would pass as values
-        values = alone.decode(stored).float().reshape(n, block)[:, 0]
-        saved[slot] = values.reshape(lp.shape)
+        elements[slot] = codec, codes.reshape(-1), scales.reshape(-1)
+    intact = all(
+        torch.equal(scales[:: codec.block].repeat_interleave(codec.block)[:n], scales)
+        for codec, _, scales in elements.values()
+    )
+    if intact:  # the blocks as they were
+        for slot, (codec, codes, scales) in elements.items():
+            shape = codec.layout(lp.shape)[".codes"][1]
+            saved[slot + ".codes"] = _pack(codes, codec.state_bits, shape.numel()).reshape(shape)
+            saved[slot + ".scales"] = scales[:: codec.block]
+        return
+    # another sharding split the saved blocks: each element decoded alone, frames first (exact)
+    values = {}
+    for slot, (codec, codes, scales) in sorted(elements.items(), key=lambda item: item[1][0].frame):
+        frame = values.get(frames.get(slot)) if codec.frame else None
+        if codec.frame and frame is None:
+            raise ValueError(f"state {slot!r} of {where}: its frame {frames.get(slot)!r} was not saved with it")
+        values[slot] = _decode_elements(codec, codes, scales, frame, slot, where, signed_of(slot))
+        saved[slot] = values[slot].reshape(lp.shape)
         names.pop(slot)  # a plain fp32 value now
+
+
+def _decode_elements(codec, codes: torch.Tensor, scales: torch.Tensor, frame, slot, where, signed) -> torch.Tensor:
+    """Each element decoded with its own scale (and its frame's value), as its block decodes it. A block
+    format's are checked first as the codec checks blocks (the values of the others are checked as
+    loaded values by the caller)."""
+    if hasattr(codec, "decode_elements"):
+        return codec.decode_elements(codes, scales, frame)
+    alone = codec_named(codec.name, signed, torch.Size([codes.numel() * codec.block]))
+    spread = torch.zeros(codes.numel(), codec.block, dtype=torch.uint8, device=codes.device)
+    spread[:, 0] = codes
+    shape = alone.layout(alone.shape)[".codes"][1]
+    stored = {".codes": _pack(spread, codec.state_bits, shape.numel()).reshape(shape), ".scales": scales}
+    _refuse_invalid(alone, stored, slot, where, signed)  # decoded, such scales would pass as values
+    return alone.decode(stored).float().reshape(-1, codec.block)[:, 0]
 
 
 def _load_indices(optimizer, meta: dict | None, ids: dict) -> dict:
@@ -391,7 +431,7 @@ def load_state_dict(optimizer, saved: dict, pre_hooks: dict, post_hooks: dict) -
                     meta["release_clipping"]["params"][pid] = _unfold_history(history)
                 if meta_p.get("layout") == "elementwise":
                     signed_of = lambda slot: slot not in optimizer.nonnegative_slots  # noqa: E731
-                    _from_elements(p, param_state, names, signed_of, where)
+                    _from_elements(p, param_state, names, signed_of, optimizer.frames, where)
         if pid in shapes and list(shapes[pid]) != list(p.shape):
             raise ValueError(
                 f"loaded state dict holds the state of a parameter of shape {tuple(shapes[pid])} for {where}: the "

@@ -352,3 +352,22 @@ def test_adam_second_moment_is_tracked_and_decays_when_the_gradient_stops():
     for rows in (slice(0, 4), slice(4, 16)):  # stopped, running
         ratio = (q[rows].sqrt() / v[rows].sqrt()).mean().item()
         assert 1 <= ratio < 1.05, (rows, ratio)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 127), (1, 129), (5, 32), (3, 300)])
+def test_each_element_decodes_alone_as_in_its_block(shape):
+    """A sharded checkpoint keeps a code and a scale per element; where another sharding split the blocks
+    (checkpoint._from_elements) each element is decoded alone: as its block decodes it, bit for bit, for the
+    second moment and for the first in its units."""
+    torch.manual_seed(sum(shape))
+    v_codec, m_codec = codec_named("root4", False, torch.Size(shape)), codec_named("norm2", True, torch.Size(shape))
+    v = v_codec.encode(second_moment(shape, seed=1), draw(1, 1, shape))
+    v_values = v_codec.decode(v)
+    m = m_codec.encode(torch.randn(shape) * v_values.sqrt(), draw(2, 1, shape), frame=v_values)
+    n = math.prod(shape)
+    for codec, stored, frame in ((v_codec, v, None), (m_codec, m, v_values)):
+        codes = codec.unpack(stored[".codes"]).reshape(-1)[:n]
+        scales = stored[".scales"].repeat_interleave(codec.block)[:n]
+        alone = codec.decode_elements(codes.to(torch.uint8), scales, frame)
+        whole = codec.decode(stored, frame=frame) if codec.frame else codec.decode(stored)
+        assert torch.equal(alone, whole.reshape(-1))

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from helpers import OutOfMemory, spawned_rank, tiny_llama
 
 import fusedopt
+from fusedopt.codecs import decode_moments
 from fusedopt.sharding import as_sharded, is_sharded, local
 
 # Loss normalisation: each rank takes the mean over its part of the global batch; FSDP2 and DDP
@@ -208,8 +209,10 @@ def state_of(opt) -> list[torch.Tensor]:
             state = opt.state.get(p, {})
             out.append(full(opt.master_weight(p)))
             group_codecs = opt.codecs(p, group) if state else {}
-            for slot, codec in group_codecs.items():
-                value = codec.decode({s: state[slot + s] for s in codec.suffixes}).float()
+            stored = {slot: {s: state[slot + s] for s in codec.suffixes} for slot, codec in group_codecs.items()}
+            values = decode_moments(group_codecs, stored, opt.frames)  # a framed one by its frame
+            for slot in group_codecs:
+                value = values[slot].float()
                 out.append(full(as_sharded(p, value.reshape(local(p).shape)) if is_sharded(p) else value))
     return out
 
@@ -782,6 +785,63 @@ def _load_two_on_one(rank, world_size, out):
 test_checkpoints_through_dcp_between_one_and_two_ranks = scenario(
     (ONE_BEFORE, _save_on_one), (TWO, _checkpoints_on_two), (ONE_AFTER, _load_two_on_one)
 )
+
+
+def _new_norm2(fused=True):
+    model = shard(make_mlp(torch.bfloat16, seed=1))
+    opt = fusedopt.AdamW(model.parameters(), lr=1e-2, state_format="norm2-root4", min_compress_numel=0, fused=fused)
+    return model, opt
+
+
+def _norm2_root4_on_two(rank, world_size, out):
+    """norm2-root4 keeps packed 2- and 4-bit codes and a scale per 64 and 128 elements: saved as a code
+    and a scale per element, as the block formats, and resumed on two ranks bit for bit."""
+    model, opt = _new_norm2()
+    train(model, opt, rank, world_size, steps=2, dtype=torch.bfloat16)
+    save(model, opt, out / "two-norm2")
+    torch.save((params_of(model), state_of(opt)), out / "two-norm2.pt")
+    train(model, opt, rank, world_size, steps=2, first_step=2, dtype=torch.bfloat16)
+    expected = params_of(model), state_of(opt)
+    model, opt = _new_norm2(fused=False)
+    load(model, opt, out / "two-norm2")
+    train(model, opt, rank, world_size, steps=2, first_step=2, dtype=torch.bfloat16)
+    assert_equal(params_of(model), expected[0], "norm2-root4 resumed on 2 ranks, parameters")
+    assert_equal(state_of(opt), expected[1], "norm2-root4 resumed on 2 ranks, state")
+
+
+def _norm2_root4_on_one(rank, world_size, out):
+    """On one rank the biases' and the head's blocks were split by the shards: those moments are decoded
+    element by element (the second moment first, the first in its units) and encoded afresh."""
+    import warnings
+
+    model, opt = _new_norm2()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load(model, opt, out / "two-norm2")
+    assert any("converted" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    params, state = torch.load(out / "two-norm2.pt")
+    assert_equal(params_of(model), params, "norm2-root4 2 -> 1 rank, parameters")
+    ours = state_of(opt)
+    # the weights of (64, 16) and (32, 64) were split on block bounds: their m and v as saved, bit for bit
+    assert_equal([ours[i] for i in (1, 2, 7, 8)], [state[i] for i in (1, 2, 7, 8)], "unsplit blocks")
+    # the others: as the saved values (exactly decoded) load into an optimizer of one process, bit for bit
+    ref = fusedopt.AdamW(
+        [torch.nn.Parameter(t.clone()) for t in params], lr=1e-2, state_format="norm2-root4", min_compress_numel=0
+    )
+    plain = ref.state_dict()
+    plain["state"] = {
+        i: {"step": torch.tensor(2.0), "exp_avg": state[3 * i + 1], "exp_avg_sq": state[3 * i + 2]}
+        for i in range(len(params))
+    }
+    plain["fusedopt"]["codecs"] = {}
+    ref.load_state_dict(plain)
+    expected = state_of(ref)
+    split = [i for i in range(len(ours)) if i % 3 and i not in (1, 2, 7, 8)]
+    assert_equal([ours[i] for i in split], [expected[i] for i in split], "split blocks, re-encoded")
+    train(model, opt, 0, 1, steps=1, first_step=2, dtype=torch.bfloat16)
+
+
+test_norm2_root4_checkpoints_through_dcp = scenario((TWO, _norm2_root4_on_two), (ONE_AFTER, _norm2_root4_on_one))
 
 
 # --- DCP keeps fusedopt's optimizer-wide entry (seed, skipped updates, clipping history) ----

@@ -29,6 +29,7 @@ class NibbleBlockCodec(MomentCodec):
     (``block_tensors``) and implements the levels and the rounding."""
 
     state_bits = 4
+    block = BLOCK
     block_tensors: dict[str, torch.dtype] = {}  # suffix -> dtype of one value per block
     whole_word = True
 

@@ -81,6 +81,7 @@ class NormalisedCodec(MomentCodec):
     suffixes = (".codes", ".scales")
     frame = True
     whole_word = True
+    block = BLOCK
 
     def __init__(self, bits: int, clip: float, shape: torch.Size, name: str):
         if bits != 2 or not clip > 0:
@@ -151,6 +152,12 @@ class NormalisedCodec(MomentCodec):
         q = (2 * codes - self.top) * (stored[".scales"].float() / self.top).unsqueeze(1)
         m = q * self._root(frame)
         return m.reshape(-1)[: self.numel].reshape(self.shape)
+
+    def decode_elements(self, codes: torch.Tensor, scales: torch.Tensor, frame: torch.Tensor) -> torch.Tensor:
+        """``decode``'s value of each element from its own code, its block's scale and its frame's value
+        (flat; a sharded checkpoint's element-wise layout)."""
+        q = (2 * codes.float() - self.top) * (scales.float() / self.top)
+        return q * frame.reshape(-1).double().clamp_min(0.0).sqrt().float()
 
     # --- encode ------------------------------------------------------------------------------
 

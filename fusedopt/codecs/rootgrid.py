@@ -81,6 +81,12 @@ class RootGridCodec(NibbleBlockCodec):
         r = self.roots(codes, stored[".scales"])
         return codes, r * r
 
+    def decode_elements(self, codes: torch.Tensor, units: torch.Tensor, frame=None) -> torch.Tensor:
+        """``decode``'s value of each element from its own code and its block's unit (flat; a sharded
+        checkpoint's element-wise layout)."""
+        r = self.roots(codes.to(torch.int32).reshape(-1, 1), units.reshape(-1))
+        return (r * r).reshape(-1)
+
     # --- encode ------------------------------------------------------------------------------
 
     @staticmethod
