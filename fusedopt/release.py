@@ -300,8 +300,8 @@ class GradientRelease:
         if optimizer is None or grad is None:
             return
         task = torch._C._current_graph_task_id()
-        first = task != self._task
-        if first:
+        first = task != _NO_PASS and task not in self._passes  # this pass's first hook (not a return to it)
+        if task != self._task:
             for check in _framework_checks():  # before any update: the framework's accumulation agrees
                 check(optimizer, p, self._counts.get(id(p), 0) + 1)
             self._enter_pass(optimizer, task, p)
