@@ -1072,22 +1072,14 @@ def _swapped_for_shards(rank, world_size, out):
 test_parameters_swapped_for_their_shards_after_construction_are_taken_over = scenario((TWO, _swapped_for_shards))
 
 
-def _trainer_with_fsdp2(rank, world_size, out):
-    """The real flow: ``FusedOptTrainer`` builds the optimizer on the unsharded model, accelerate's
-    ``Accelerator.prepare()`` shards it with FSDP2 and swaps the optimizer's parameters. accelerate
-    enables FSDP only on accelerators (on CPU its state stays ``DistributedType.MULTI_CPU`` and drops the
-    plugin), so the state is set to FSDP2 by hand once the Trainer made its Accelerator, as
-    ``AcceleratorState`` sets it on GPUs; the rest is transformers' and accelerate's own code. Both
-    modes train bit for bit alike and as torch.optim.AdamW (to round-off) under the same Trainer."""
-    try:
-        import transformers
-        from accelerate.state import AcceleratorState, PartialState
-        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-        from fusedopt.integrations.huggingface import FusedOptTrainer
-    except ImportError:
-        return  # the test skips
-    from torch.distributed.tensor import DTensor
+def _fsdp2_trainer(trainer_cls, opt, out: Path, callbacks=(), **arguments):
+    """A Hugging Face Trainer on a tiny Llama, its Accelerator's state set to FSDP2 by hand: accelerate enables
+    FSDP only on accelerators (on CPU its state stays ``DistributedType.MULTI_CPU`` and drops the plugin), so
+    the state is set as ``AcceleratorState`` sets it on GPUs; the rest is transformers' and accelerate's own
+    code. Call within ``_trainer_environment``."""
+    import transformers
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     class Tokens(torch.utils.data.Dataset):
         def __init__(self):
@@ -1099,55 +1091,84 @@ def _trainer_with_fsdp2(rank, world_size, out):
         def __getitem__(self, i):
             return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
-    class Released(transformers.TrainerCallback):  # before each optimizer step: were the gradients released?
-        def __init__(self, model):
-            self.model, self.seen = model, []
-
-        def on_pre_optimizer_step(self, args, state, control, **kwargs):
-            self.seen.append(all(p.grad is None for p in self.model.parameters()))
-
-    environ = dict(os.environ)
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        OMP_NUM_THREADS="1",
+    model = tiny_llama()
+    settings = dict(
+        output_dir=str(out / "trainer"), per_device_train_batch_size=2, max_steps=4, learning_rate=1e-2,
+        weight_decay=0.1, max_grad_norm=1e4, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+        disable_tqdm=True, seed=0, fsdp="full_shard",
+        fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+    )  # fmt: skip
+    args = transformers.TrainingArguments(**{**settings, **arguments})
+    callbacks = [callback(model) for callback in callbacks]
+    trainer = trainer_cls(
+        model=model, args=args, train_dataset=Tokens(), optimizer_cls_and_kwargs=opt, callbacks=callbacks
     )
-    runs = {}
+    state = trainer.accelerator.state
+    if not trainer.is_fsdp_enabled:
+        state.fsdp_plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
+        state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        trainer.is_fsdp_enabled = True
+    assert trainer.accelerator.is_fsdp2
+    return model, trainer, callbacks
+
+
+class _trainer_environment:  # noqa: N801
+    """The environment variables a Trainer reads in a spawned rank; accelerate's state reset after."""
+
+    def __init__(self, rank, world_size):
+        self.rank, self.world_size = rank, world_size
+
+    def __enter__(self):
+        self.environ = dict(os.environ)
+        os.environ.update(
+            RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.rank),
+            LOCAL_WORLD_SIZE=str(self.world_size), OMP_NUM_THREADS="1",
+        )  # fmt: skip
+
+    def __exit__(self, *exc):
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        os.environ.clear()
+        os.environ.update(self.environ)
+
+
+class _Released:
+    """A Trainer callback: before each optimizer step, were the gradients released?"""
+
+    def __new__(cls, model):
+        import transformers
+
+        class Released(transformers.TrainerCallback):
+            def __init__(self):
+                self.model, self.seen = model, []
+
+            def on_pre_optimizer_step(self, args, state, control, **kwargs):
+                self.seen.append(all(p.grad is None for p in self.model.parameters()))
+
+        return Released()
+
+
+def _trainer_with_fsdp2(rank, world_size, out):
+    """The real flow: ``FusedOptTrainer`` builds the optimizer on the unsharded model, accelerate's
+    ``Accelerator.prepare()`` shards it with FSDP2 and swaps the optimizer's parameters (``_fsdp2_trainer``).
+    Both modes train bit for bit alike and as torch.optim.AdamW (to round-off) under the same Trainer."""
     try:
+        import transformers
+
+        from fusedopt.integrations.huggingface import FusedOptTrainer
+    except ImportError:
+        return  # the test skips
+    from torch.distributed.tensor import DTensor
+
+    runs = {}
+    with _trainer_environment(rank, world_size):
         for name, trainer_cls, opt in (
             ("torch", transformers.Trainer, (torch.optim.AdamW, dict(lr=1e-2))),  # (the Trainer passes no lr)
             ("fused=False", FusedOptTrainer, (fusedopt.AdamW, dict(state_bits=32, fused=False))),
             ("fused=True", FusedOptTrainer, (fusedopt.AdamW, dict(state_bits=32, fused=True))),
         ):
-            model = tiny_llama()
-            args = transformers.TrainingArguments(
-                output_dir=str(out / "trainer"),
-                per_device_train_batch_size=2,
-                max_steps=4,
-                learning_rate=1e-2,
-                weight_decay=0.1,
-                max_grad_norm=1e4,
-                logging_steps=1,
-                save_strategy="no",
-                report_to="none",
-                use_cpu=True,
-                disable_tqdm=True,
-                seed=0,
-                fsdp="full_shard",
-                fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
-            )
-            released = Released(model)
-            trainer = trainer_cls(
-                model=model, args=args, train_dataset=Tokens(), optimizer_cls_and_kwargs=opt, callbacks=[released]
-            )
-            state = trainer.accelerator.state
-            if not trainer.is_fsdp_enabled:  # on CPU: what AcceleratorState does on GPUs
-                state.fsdp_plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
-                state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-                trainer.is_fsdp_enabled = True
-            assert trainer.accelerator.is_fsdp2
+            model, trainer, (released,) = _fsdp2_trainer(trainer_cls, opt, out, callbacks=[_Released])
             trainer.train()
             held = [p for g in trainer.optimizer.optimizer.param_groups for p in g["params"]]
             assert {id(p) for p in held} == {id(p) for p in model.parameters()}, name
@@ -1156,10 +1177,6 @@ def _trainer_with_fsdp2(rank, world_size, out):
                 assert all(int(trainer.optimizer.optimizer.state[p]["step"]) == 4 for p in held), name
             losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
             runs[name] = params_of(model), losses, released.seen
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        os.environ.clear()
-        os.environ.update(environ)
     (ours, losses, unreleased), (fused, fused_losses, seen) = runs["fused=False"], runs["fused=True"]
     assert not any(unreleased) and seen == [True] * 4, (unreleased, seen)  # taken over before the first backward
     assert_equal(fused, ours, "Trainer + FSDP2, fused=True against fused=False, parameters")
@@ -1168,6 +1185,39 @@ def _trainer_with_fsdp2(rank, world_size, out):
     assert not any(torch.equal(a, b) for a, b in zip(ours, before)), "nothing was trained"
     for got, want in zip(ours, runs["torch"][0]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _trainer_with_fsdp2_accumulates(rank, world_size, out):
+    """gradient_accumulation_steps=2 under FSDP2: accelerate skips all but the last micro-batch's
+    reduce-scatter, where release would hold every gradient until step(): refused before any step, naming
+    sync_each_batch; with it, every gradient is released and training equals fused=False."""
+    try:
+        from fusedopt.integrations.huggingface import FusedOptTrainer
+    except ImportError:
+        return  # the test skips
+    runs = {}
+    with _trainer_environment(rank, world_size):
+        model, trainer, _ = _fsdp2_trainer(
+            FusedOptTrainer, (fusedopt.AdamW, dict(state_bits=32, fused=True)), out, gradient_accumulation_steps=2
+        )
+        before = params_of(model)
+        with pytest.raises(ValueError, match=r"under FSDP2.*'sync_each_batch': True"):
+            trainer.train()
+        assert_equal(params_of(model), before, "refused before any step")
+    for fused in (False, True):
+        with _trainer_environment(rank, world_size):
+            sync = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}  # (the Trainer adds to it)
+            opt = (fusedopt.AdamW, dict(state_bits=32, fused=fused))
+            model, trainer, (released,) = _fsdp2_trainer(
+                FusedOptTrainer, opt, out, [_Released], gradient_accumulation_steps=2, accelerator_config=sync
+            )
+            trainer.train()
+            runs[fused] = params_of(model), released.seen
+    assert runs[True][1] == [True] * 4 and not any(runs[False][1]), (runs[True][1], runs[False][1])
+    assert_equal(runs[True][0], runs[False][0], "Trainer + FSDP2 accumulating, fused=True against fused=False")
+
+
+test_trainer_with_fsdp2_accumulation_releases_or_is_refused = scenario((TWO, _trainer_with_fsdp2_accumulates))
 
 
 test_trainer_with_fsdp2_takes_over_the_sharded_parameters = scenario((TWO, _trainer_with_fsdp2))

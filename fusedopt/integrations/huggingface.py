@@ -97,6 +97,24 @@ def check_optimizer(optimizer, args) -> FusedOptimizer:
     return opt
 
 
+def check_fsdp2_accumulation(opt: FusedOptimizer, accelerator, args) -> None:
+    """Refuse gradient accumulation under FSDP2 that would release nothing: accelerate skips the
+    reduce-scatter of the micro-batches before the last (``set_requires_gradient_sync(False)``), so no
+    update hook runs in them, the last one's runs once short of ``accumulation_steps``, and every update
+    waits for ``step()`` with the whole unsharded gradients kept meanwhile."""
+    k = args.gradient_accumulation_steps
+    if not opt.fused or k <= 1 or accelerator is None or not getattr(accelerator, "is_fsdp2", False):
+        return
+    if accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
+        return  # every micro-batch is reduce-scattered: release accumulates the shards
+    raise ValueError(
+        f"fused=True with gradient_accumulation_steps={k} under FSDP2: accelerate skips the reduce-scatter of all "
+        "but the last micro-batch, so gradient release would hold every gradient until step() and save nothing. "
+        "Reduce-scatter each micro-batch: TrainingArguments(accelerator_config={'gradient_accumulation_kwargs': "
+        "{'sync_each_batch': True}}), or use fused=False"
+    )
+
+
 def hand_over_scaler(opt: FusedOptimizer, scaler) -> None:
     """fp16: a releasing optimizer unscales each gradient inside backward, so it needs the scaler
     accelerate scales the loss with (``grad_scaler``)."""
@@ -157,6 +175,7 @@ class FusedOptTrainerMixin:
                 self.optimizer_cls_and_kwargs = cls, optimizer_kwargs(cls, kwargs, self.args)
         optimizer = super().create_optimizer(model)
         opt = check_optimizer(optimizer, self.args)
+        check_fsdp2_accumulation(opt, self.accelerator, self.args)
         hand_over_scaler(opt, getattr(self.accelerator, "scaler", None))
         return optimizer
 
