@@ -300,7 +300,7 @@ def _decode_elements(codec, codes: torch.Tensor, scales: torch.Tensor, frame, sl
     return alone.decode(stored).float().reshape(-1, codec.block)[:, 0]
 
 
-def _load_indices(optimizer, meta: dict | None, ids: dict) -> dict:
+def _load_indices(meta: dict | None, ids: dict) -> dict:
     """The parameters' saved indices (saved id -> index), where the checkpoint has one for each parameter
     of the groups; {} where it has none (older checkpoints, torch.optim's, DCP's): then each keeps its own."""
     saved = meta.get("indices") if meta is not None else None
@@ -405,7 +405,7 @@ def load_state_dict(optimizer, saved: dict, pre_hooks: dict, post_hooks: dict) -
     lossy: list[str] = []
     new_state: defaultdict = defaultdict(dict)
     ids = {pid: (p, g) for g, s in zip(new_groups, saved_groups) for pid, p in zip(s["params"], g["params"])}
-    indices = _load_indices(optimizer, meta, ids)
+    indices = _load_indices(meta, ids)
 
     def index_of(pid) -> int:
         return indices[pid] if pid in indices else optimizer.param_index(ids[pid][0])

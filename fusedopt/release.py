@@ -307,15 +307,11 @@ class GradientRelease:
             self._enter_pass(optimizer, task, p)
         try:
             self._take(optimizer, p, grad)
-        except _Refused:
+        except BaseException as error:
             if task != _NO_PASS:
                 p.grad = None  # this pass fails: its gradient must not reach a later step()
-                if first:  # refused at its first hook, the pass changed nothing: it leaves no window to close
-                    self._passes.pop(task, None)
-            raise
-        except BaseException:
-            if task != _NO_PASS:
-                p.grad = None  # this pass fails: its gradient must not reach a later step()
+                if first and isinstance(error, _Refused):  # refused at its first hook, the pass changed nothing:
+                    self._passes.pop(task, None)  # it leaves no window to close
             raise
 
     def _take(self, optimizer, p: torch.Tensor, grad: torch.Tensor) -> None:

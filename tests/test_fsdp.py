@@ -11,6 +11,7 @@ so a shard's quantisation blocks are the whole parameter's blocks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -620,7 +621,10 @@ def _held_updates_of_uneven_shards(rank, world_size, out):
         assert same_on_every_rank(torch.stack(norms))
     finally:
         for key, value in saved.items():
-            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 test_held_updates_of_uneven_shards_keep_the_ranks_in_step = scenario((TWO, _held_updates_of_uneven_shards))
@@ -1112,41 +1116,36 @@ def _fsdp2_trainer(trainer_cls, opt, out: Path, callbacks=(), **arguments):
     return model, trainer, callbacks
 
 
-class _trainer_environment:  # noqa: N801
+@contextlib.contextmanager
+def _trainer_environment(rank, world_size):
     """The environment variables a Trainer reads in a spawned rank; accelerate's state reset after."""
+    from accelerate.state import AcceleratorState
 
-    def __init__(self, rank, world_size):
-        self.rank, self.world_size = rank, world_size
-
-    def __enter__(self):
-        self.environ = dict(os.environ)
-        os.environ.update(
-            RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.rank),
-            LOCAL_WORLD_SIZE=str(self.world_size), OMP_NUM_THREADS="1",
-        )  # fmt: skip
-
-    def __exit__(self, *exc):
-        from accelerate.state import AcceleratorState
-
+    environ = dict(os.environ)
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    try:
+        yield
+    finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         os.environ.clear()
-        os.environ.update(self.environ)
+        os.environ.update(environ)
 
 
-class _Released:
-    """A Trainer callback: before each optimizer step, were the gradients released?"""
+def _released(model):
+    """A Trainer callback recording, before each optimizer step, whether every gradient was released."""
+    import transformers
 
-    def __new__(cls, model):
-        import transformers
+    class Released(transformers.TrainerCallback):
+        def __init__(self):
+            self.seen = []
 
-        class Released(transformers.TrainerCallback):
-            def __init__(self):
-                self.model, self.seen = model, []
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            self.seen.append(all(p.grad is None for p in model.parameters()))
 
-            def on_pre_optimizer_step(self, args, state, control, **kwargs):
-                self.seen.append(all(p.grad is None for p in self.model.parameters()))
-
-        return Released()
+    return Released()
 
 
 def _trainer_with_fsdp2(rank, world_size, out):
@@ -1168,7 +1167,7 @@ def _trainer_with_fsdp2(rank, world_size, out):
             ("fused=False", FusedOptTrainer, (fusedopt.AdamW, dict(state_bits=32, fused=False))),
             ("fused=True", FusedOptTrainer, (fusedopt.AdamW, dict(state_bits=32, fused=True))),
         ):
-            model, trainer, (released,) = _fsdp2_trainer(trainer_cls, opt, out, callbacks=[_Released])
+            model, trainer, (released,) = _fsdp2_trainer(trainer_cls, opt, out, callbacks=[_released])
             trainer.train()
             held = [p for g in trainer.optimizer.optimizer.param_groups for p in g["params"]]
             assert {id(p) for p in held} == {id(p) for p in model.parameters()}, name
@@ -1209,7 +1208,7 @@ def _trainer_with_fsdp2_accumulates(rank, world_size, out):
             sync = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}  # (the Trainer adds to it)
             opt = (fusedopt.AdamW, dict(state_bits=32, fused=fused))
             model, trainer, (released,) = _fsdp2_trainer(
-                FusedOptTrainer, opt, out, [_Released], gradient_accumulation_steps=2, accelerator_config=sync
+                FusedOptTrainer, opt, out, [_released], gradient_accumulation_steps=2, accelerator_config=sync
             )
             trainer.train()
             runs[fused] = params_of(model), released.seen

@@ -40,6 +40,7 @@ from accelerate import Accelerator
 from accelerate.state import GradientState
 
 from fusedopt.dispatch import total_norm
+from fusedopt.integrations.frames import running_owners
 from fusedopt.loss_scaling import inverse
 from fusedopt.optimizer import FusedOptimizer
 from fusedopt.sharding import as_sharded, is_sharded
@@ -231,23 +232,10 @@ def check_release_window(optimizer: FusedOptimizer, p: torch.Tensor, n: int) -> 
 def _drivers() -> tuple[object | None, Accelerator | None]:
     """The Hugging Face Trainer and the Accelerator running a backward pass now (their training step and
     ``Accelerator.backward`` frames, in this thread or another: CUDA runs hooks on a device thread)."""
-    module = sys.modules.get("transformers.trainer")
-    trainer_cls = getattr(module, "Trainer", None)
-    trainer = accelerator = None
-    frames = [sys._getframe(1)] + list(sys._current_frames().values())
-    try:
-        for frame in frames:
-            while frame is not None:
-                name = frame.f_code.co_name
-                if name in ("training_step", "_inner_training_loop", "backward"):
-                    owner = frame.f_locals.get("self")
-                    if trainer is None and trainer_cls is not None and isinstance(owner, trainer_cls):
-                        trainer = owner
-                    elif accelerator is None and isinstance(owner, Accelerator):
-                        accelerator = owner
-                frame = frame.f_back
-    finally:
-        del frames, frame  # frames held here would keep every frame's locals (the optimizer) alive: a cycle
+    trainer_cls = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)
+    owners = running_owners(("training_step", "_inner_training_loop", "backward"))
+    trainer = next((o for o in owners if trainer_cls is not None and isinstance(o, trainer_cls)), None)
+    accelerator = next((o for o in owners if isinstance(o, Accelerator)), None)
     return trainer, accelerator
 
 

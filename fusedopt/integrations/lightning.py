@@ -40,7 +40,6 @@ other would overwrite that checkpoint with one that loses them.
 
 from __future__ import annotations
 
-import sys
 import weakref
 
 from lightning.pytorch import Callback, Trainer
@@ -48,6 +47,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from fusedopt.integrations.frames import running_owners
 from fusedopt.optimizer import FusedOptimizer, check_number
 
 
@@ -266,20 +266,8 @@ def _problem_without_callback(trainer, opt: FusedOptimizer) -> str | None:
 
 
 def _running_trainer() -> Trainer | None:
-    """The Lightning Trainer fitting now (its frames, in this thread or another: CUDA runs hooks on a
-    device thread), or None."""
-    frames = [sys._getframe(1)] + list(sys._current_frames().values())
-    try:
-        for frame in frames:
-            while frame is not None:
-                if frame.f_code.co_name in _TRAINER_FRAMES:
-                    owner = frame.f_locals.get("self")
-                    if isinstance(owner, Trainer):
-                        return owner
-                frame = frame.f_back
-    finally:
-        del frames, frame  # frames held here would keep every frame's locals (the optimizer) alive: a cycle
-    return None
+    """The Lightning Trainer fitting now (``frames.running_owners``), or None."""
+    return next((owner for owner in running_owners(_TRAINER_FRAMES) if isinstance(owner, Trainer)), None)
 
 
 def _grad_norm_logger(trainer, name: str):
