@@ -91,6 +91,21 @@ def floor_small(y):
 
 
 @triton.jit
+def floor_truncating(y):
+    """``floor(y)`` as int32 for fp32 ``y`` in [0, 2**22) (or inf: a large positive int), exactly, in two
+    instructions: ``y + 2**23`` rounded toward zero holds ``floor(y)`` in its low mantissa bits. The
+    interpreter takes ``floor_small``, the same exact floor."""
+    if INTERPRETED:
+        f = floor_small(y)
+    else:
+        truncated = tl.inline_asm_elementwise(
+            "add.rz.f32 $0, $1, 0f4B000000;", "=r,r", [y], dtype=tl.float32, is_pure=True, pack=1
+        )
+        f = truncated.to(tl.int32, bitcast=True) - 0x4B000000
+    return f
+
+
+@triton.jit
 def top_uniform(rbits):
     """The top 23 bits of a uint32 draw as fp32 in [0, 1): (rbits >> 9) * 2**-23, exactly."""
     return ((rbits >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0

@@ -17,9 +17,8 @@ from fusedopt.kernels.moments import (
     approximate_div,
     block_rows,
     commit_mask,
-    floor_small,
+    floor_truncating,
     reciprocal_rn,
-    small_int_to_f32,
 )
 
 BLOCK = tl.constexpr(64)  # elements per block (fusedopt.codecs.normalised.BLOCK)
@@ -36,22 +35,18 @@ def _byte_offsets(start, BITS: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
-def _pair_sums(x, R: tl.constexpr, WIDTH: tl.constexpr):
-    """``x[:, 0::2] + x[:, 1::2]`` of a ``[R, WIDTH]`` tile (one stage of ``neighbour_sums``)."""
-    even, odd = tl.split(tl.reshape(x, [R, WIDTH // 2, 2]))
-    return even + odd
-
-
-@triton.jit
 def block_rms(q, R: tl.constexpr):
-    """``fusedopt.codecs.normalised.block_rms`` of the rows of ``q``."""
-    s = _pair_sums(q * q, R, 64)
-    s = _pair_sums(s, R, 32)
-    s = _pair_sums(s, R, 16)
-    s = _pair_sums(s, R, 8)
-    s = _pair_sums(s, R, 4)
-    s = _pair_sums(s, R, 2)
-    return tl.sqrt_rn(tl.reshape(s, [R]) * (1.0 / 64))
+    """``fusedopt.codecs.normalised.block_rms`` of the rows of ``q``: a row as six axes of 2, summed from the
+    last, adds neighbours first as ``neighbour_sums`` does, each sum in registers or across two lanes, so
+    the tile never goes through shared memory."""
+    s = tl.reshape(q * q, [R, 2, 2, 2, 2, 2, 2])
+    s = tl.sum(s, axis=6)
+    s = tl.sum(s, axis=5)
+    s = tl.sum(s, axis=4)
+    s = tl.sum(s, axis=3)
+    s = tl.sum(s, axis=2)
+    s = tl.sum(s, axis=1)
+    return tl.sqrt_rn(s * (1.0 / 64))
 
 
 @triton.jit
@@ -86,14 +81,17 @@ def decode_normalised(packed, scales, r, BITS: tl.constexpr, R: tl.constexpr):
     packed = packed.to(tl.int32)
     scales = scales.to(tl.float32)
     # element 4i + j at bits 2j
-    f0 = packed & 3
-    f1 = (packed >> 2) & 3
-    f2 = (packed >> 4) & 3
-    f3 = packed >> 6
-    codes = tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), [R, BLOCK])
+    # twice each code, so that its bits or-ed into 2**22's (where a unit is two ulps) are 2**22 + code: no int ->
+    # float conversion (a quarter of the fp32 rate); (code - TOP / 2) * (2 third) is the reference's product
+    # (2 code - TOP) * third, and 2**22 + TOP / 2 is exact
+    f0 = (packed << 1) & 6
+    f1 = (packed >> 1) & 6
+    f2 = (packed >> 3) & 6
+    f3 = (packed >> 5) & 6
+    twice = tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), [R, BLOCK])
     TOP: tl.constexpr = 3  # 2**BITS - 1
-    # the code as fp32 by a bit trick: an int -> float conversion issues at a quarter of the fp32 rate
-    q = (2.0 * small_int_to_f32(codes) - TOP) * third(scales)[:, None]
+    biased = (twice | 0x4A800000).to(tl.float32, bitcast=True)
+    q = (biased - (4194304.0 + TOP / 2)) * (2.0 * third(scales))[:, None]
     return q * r
 
 
@@ -111,6 +109,7 @@ def store_normalised(
     CLIP: tl.constexpr,  # the half-range's cap in block rms (an fp32 value)
     IEEE: tl.constexpr,  # m / r by the IEEE division (else the approximate one: kernels/update.py's denominator)
     R: tl.constexpr,
+    FINITE: tl.constexpr = False,  # x is finite wherever anything is stored (the update's: its gradient is finite)
 ):
     """``NormalisedCodec.encode``: q = m / r, the block's half-range rounded up to bf16, the codes
     rounded stochastically between the two levels around q."""
@@ -121,13 +120,16 @@ def store_normalised(
         q = tl.where(r > 0, tl.div_rn(x, r), 0.0)
     else:
         q = tl.where(r > 0, approximate_div(x, r), 0.0)  # r is 0 or in [2**-63, 2**50]: in its range
-    q = tl.where(q != q, 0.0, tl.minimum(tl.maximum(q, -_BIG), _BIG))  # nan_to_num, saturated
+    if FINITE:  # a finite x over r > 0: no NaN
+        q = tl.minimum(tl.maximum(q, -_BIG), _BIG)  # saturated
+    else:
+        q = tl.where(q != q, 0.0, tl.minimum(tl.maximum(q, -_BIG), _BIG))  # nan_to_num, saturated
     half = tl.minimum(tl.max(tl.abs(q), axis=1), block_rms(q, R) * CLIP)
     # rounded up to bf16: the smallest bf16 pattern not below half's (half >= 0, finite)
     unit = ((half.to(tl.int32, bitcast=True) + 0xFFFF) & -65536).to(tl.float32, bitcast=True)
     t = (q * reciprocal_rn(tl.maximum(unit, _TINY))[:, None] + 1.0) * (TOP / 2)
-    t = tl.minimum(tl.maximum(t, 0.0), TOP * 1.0)
-    codes = tl.minimum(floor_small(t + u), TOP)
+    t = tl.maximum(t, 0.0)  # (the reference's cap at TOP: above it, t + u floors to TOP or more, taken to TOP here)
+    codes = tl.minimum(floor_truncating(t + u), TOP)
     codes = tl.where(unit[:, None] > 0, codes, 0)  # a zero block: the zero encoding
     blocks, has_block = block_rows(start, n_elements, BLOCK, R)
     block_commit = (tl.zeros([R], tl.int32) + status) == 0

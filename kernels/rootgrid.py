@@ -29,8 +29,9 @@ _BIG_ROOT = tl.constexpr(2.0**50)  # the root of the reference's saturation of v
 def roots(codes, units):
     """``L(c) * w`` of int32 ``codes`` ``[R, 128]`` under the rows' ``units``, roots too small to square
     in fp32's normal range as 0 (``RootGridCodec.roots``)."""
-    level = ((codes << _SHIFT) + _BASE).to(tl.float32, bitcast=True) - 4.0  # exact
-    r = level * units[:, None]
+    biased = ((codes << _SHIFT) + _BASE).to(tl.float32, bitcast=True)  # 4 + L(c), exactly
+    # (4 + L) w - 4 w in one fma (4 w is exact): L w rounded once, as the reference's product
+    r = tl.fma(biased, units[:, None], -4.0 * units[:, None])
     return tl.where(r >= _SMALLEST, r, 0.0)
 
 
@@ -66,7 +67,7 @@ def store_root_grid(
     values,
     decay,  # the EMA's decay (fp32) and its square root (the unit's decay)
     decay_root,
-    draws,  # int32 [R, 128]: the top 24 bits of the moment's whole hash words (fusedopt.rng)
+    draws,  # int32 [R, 128]: the top 21 bits of the moment's whole hash words (fusedopt.rng), floor(u * 2**21)
     local,  # element offsets [R, 128]
     codes_ptr,
     units_ptr,
@@ -75,6 +76,7 @@ def store_root_grid(
     status,  # the check kernel's status: non-zero stores nothing
     EXACT_ROOT: tl.constexpr,  # root is tl.sqrt_rn(x)
     R: tl.constexpr,
+    FINITE: tl.constexpr = False,  # x is never NaN wherever anything is stored (the update's: its gradient is finite)
 ):
     """``RootGridCodec.encode_decayed``: the unit decays by ``sqrt(d)``, elements without an increment
     keep their codes, the others are rounded on the decayed grid, a block above its top level afresh.
@@ -82,11 +84,14 @@ def store_root_grid(
     reference's bits whichever ``root`` is: sqrt is monotonic), the largest ``root`` where that is exact;
     an approximate ``root`` moves only codes."""
     # sqrt of the saturated moment (NaN: 0), as the reference
-    r = tl.where(root != root, 0.0, tl.minimum(tl.maximum(root, 0.0), _BIG_ROOT))
+    if FINITE:  # x in [0, inf]: so is its root
+        r = tl.minimum(root, _BIG_ROOT)
+    else:
+        r = tl.where(root != root, 0.0, tl.minimum(tl.maximum(root, 0.0), _BIG_ROOT))
     r = tl.where(local < n_elements, r, 0.0)  # the reference's zero padding
     kept_units = units * decay_root
     same = x == values * decay  # no increment: the code stays
-    fits = tl.min((same | (r <= (kept_units * _TOP_SLACK)[:, None])).to(tl.int32), axis=1) > 0
+    fits = tl.max(tl.where(same, 0.0, r), axis=1) <= kept_units * _TOP_SLACK  # r >= 0: the largest fits
     fits = fits & (kept_units > 0)
     if EXACT_ROOT:
         largest_root = tl.max(r, axis=1)
@@ -99,7 +104,7 @@ def store_root_grid(
     t = r * inverse[:, None]
     t = tl.where(t < _TOP, t, _TOP)  # saturate (inf, NaN too)
     level_bits = (t + 4.0).to(tl.int32, bitcast=True)  # the one rounding, as the reference's
-    rounded = tl.minimum((level_bits - _BASE + (draws >> 3)) >> _SHIFT, _QMAX)  # floor(u * 2**21): draw >> 3
+    rounded = tl.minimum((level_bits - _BASE + draws) >> _SHIFT, _QMAX)
     rounded = tl.where(r > 0, tl.maximum(rounded, 1), 0)
     new_codes = tl.where(fits[:, None] & same, codes, rounded)
     blocks, has_block = block_rows(start, n_elements, BLOCK, R)

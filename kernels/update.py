@@ -513,12 +513,12 @@ def _update_tile(
     if V_FAMILY == _ROOT_GRID:  # first: a normalised first moment is stored in units of v as stored
         # a whole word of its own (fusedopt.rng: the root grid reads its top bits)
         second = tile_bits(second_step_hash(shared_hash), hash_start, NB, QBLOCK)
-        v_draws = tl.where(mask, (second >> 8).to(tl.int32), 0)
+        v_draws = (second >> 11).to(tl.int32)  # (past the tensor's end r is 0: no draw rounds it up)
         stored_roots = store_root_grid(
             tl.reshape(v, [ROOT_ROWS, _ROOT_BLOCK]), tl.reshape(v_root, [ROOT_ROWS, _ROOT_BLOCK]), v_codes, v_units,
             v_values, _as_f32(v_decay), _as_f32(v_decay_root), tl.reshape(v_draws, [ROOT_ROWS, _ROOT_BLOCK]),
             tl.reshape(offs, [ROOT_ROWS, _ROOT_BLOCK]), v_ptr, v_scale_ptr, start, n_elements, status,
-            IEEE_DENOMINATOR, ROOT_ROWS,
+            IEEE_DENOMINATOR, ROOT_ROWS, True,
         )  # fmt: skip
     if M_FAMILY == _NORMALISED:
         root = tl.where(mask, tl.reshape(stored_roots, [NB, QBLOCK]), 0.0)  # sqrt(v) as just stored
@@ -526,7 +526,7 @@ def _update_tile(
         store_normalised(
             tl.reshape(m, [NORM_ROWS, _NORM_BLOCK]), tl.reshape(root, [NORM_ROWS, _NORM_BLOCK]),
             tl.reshape(m_u, [NORM_ROWS, _NORM_BLOCK]), m_ptr, m_scale_ptr, start, n_elements, status,
-            M_BITS, M_CLIP, IEEE_DENOMINATOR, NORM_ROWS,
+            M_BITS, M_CLIP, IEEE_DENOMINATOR, NORM_ROWS, True,
         )  # fmt: skip
     else:
         store_moment(

@@ -332,7 +332,7 @@ def _root_grid_case(huge: bool):
     if huge:
         x[2:4, 32:] = values[2:4, 32:] * decay  # no increment, v above 2**100
     words = torch.randint(0, 2**32, (rows * 128,), generator=gen, dtype=torch.int64)
-    draws = (words >> 8).to(torch.int32).view(rows, 128)  # the top 24 bits of the whole words
+    draws = (words >> 11).to(torch.int32).view(rows, 128)  # the top 21 bits of the whole words
     expected = codec.encode_decayed(x.reshape(-1), lambda: words, previous, decay)
     return codec, previous, x, draws, decay, expected
 
