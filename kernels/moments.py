@@ -261,7 +261,12 @@ def decode_block(
         codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [NB, QBLOCK])
     e = tl.minimum(tl.maximum(scales.to(tl.int32) - 127, MIN_E), 127)
     if POWER > 0:
-        x = _level(small_int_to_f32(codes & QMAX), POWER) * _pow2(e - K)[:, None]
+        if POWER == 2:  # the square in an integer multiply-add that also makes it a float: 2**23 + c**2's bits
+            magnitude = codes & QMAX
+            level = (magnitude * magnitude + 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        else:
+            level = _level(small_int_to_f32(codes & QMAX), POWER)
+        x = level * _pow2(e - K)[:, None]
     else:  # minifloat levels: 2**M + L(c) is the float with c in its top mantissa/exponent bits
         M: tl.constexpr = -POWER
         unit = _pow2(e - K)[:, None]
@@ -387,7 +392,7 @@ def store_block(
 @triton.jit
 def _quantize_power(t, rbits, POWER: tl.constexpr, TOP: tl.constexpr):
     """Levels q**POWER: t (in level units) -> q, rounded stochastically, unbiased in the value."""
-    t = tl.where(t < TOP, t, TOP * 1.0)  # saturate (inf and NaN too)
+    t = tl.minimum(t, TOP * 1.0)  # saturate (inf, and NaN: the min of a NaN and a number is the number)
     # The lower level lo: linear levels, floor(t) (round, then one down where it went up);
     # square levels, round(sqrt(t) - 0.5) as the reference, without fix-up (see its quantize).
     if POWER == 1:

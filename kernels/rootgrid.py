@@ -102,7 +102,7 @@ def store_root_grid(
     new_units = tl.where(fits, kept_units, largest_root * _FRESH)
     inverse = tl.where(new_units > 0, reciprocal_rn(new_units), 0.0)
     t = r * inverse[:, None]
-    t = tl.where(t < _TOP, t, _TOP)  # saturate (inf, NaN too)
+    t = tl.minimum(t, _TOP)  # saturate (inf, and NaN: the min of a NaN and a number is the number)
     level_bits = (t + 4.0).to(tl.int32, bitcast=True)  # the one rounding, as the reference's
     rounded = tl.minimum((level_bits - _BASE + draws) >> _SHIFT, _QMAX)
     rounded = tl.where(r > 0, tl.maximum(rounded, 1), 0)
