@@ -329,6 +329,9 @@ def _root_grid_case(huge: bool):
     x[8:12, 101] = (TOP * kept[8:12] * 1.5) ** 2  # above it: refitted
     x[12, 102] = float("inf")
     x[8, 102] = float("nan")  # counts as 0 (its block refitted)
+    edge = kept[13:16] * (TOP * (1 + 2.0**-20))  # the fit's bound itself: those blocks keep their units
+    x[13:16, 103] = edge**2
+    assert torch.equal(x[13:16, 103].sqrt(), edge)
     if huge:
         x[2:4, 32:] = values[2:4, 32:] * decay  # no increment, v above 2**100
     words = torch.randint(0, 2**32, (rows * 128,), generator=gen, dtype=torch.int64)
