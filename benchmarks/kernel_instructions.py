@@ -3,6 +3,7 @@
     python benchmarks/kernel_instructions.py                     # the default, norm2-root4, block4, Adafactor
     python benchmarks/kernel_instructions.py --configs "fusedopt.AdamW:state_bits=32" --opcodes 12
     python benchmarks/kernel_instructions.py --configs "fusedopt.AdamW" --statements   # where they go
+    python benchmarks/kernel_instructions.py --configs "fusedopt.AdamW:state_format='norm2-root4'" --lines rootgrid
 
 No GPU needed: each configuration takes one step on the CPU under Triton's interpreter (a child
 process) while every kernel launch is recorded (argument types, 16-byte alignment, constexprs,
@@ -18,6 +19,9 @@ kernels' by the innermost statement of ``kernels/factored.py``, on their fast pa
 out-of-line slow paths of IEEE division and square root and the calls to them, which no finite,
 normal input takes (the full count above includes them); a branch's two sides both count, but for the code
 of a kernel line marked ``# rare branch`` (AdamW's IEEE fallback for an eps below the flush-safe bound).
+
+``--lines MODULE ...`` also splits the update kernel's fast path by the innermost line of these modules of
+``kernels/`` (e.g. ``rootgrid normalised moments``): where a codec's own instructions go.
 
 ``--layouts`` lists each kernel's layout conversions (``ttg.convert_layout`` in its TTGIR, by the
 source lines they come from, innermost first) and counts its barriers (``BAR.SYNC``): a conversion
@@ -278,6 +282,18 @@ def _by_statement(fn, record) -> list:
     return named.most_common()
 
 
+def _by_line(fn, record, modules) -> dict:
+    """{module: [(line, its text, fast-path instructions per program)]} of the update kernel, by the innermost
+    line of each ``kernels/`` module its instructions were inlined from, largest first."""
+    sass, _ = _sass(fn, record, lines=True)
+    found = {}
+    for name in modules:
+        lines = inspect.getsourcelines(importlib.import_module(f"fusedopt.kernels.{name}"))[0]
+        counts = statements(sass, range(1, len(lines) + 1), f"kernels/{name}.py", rare_lines(("update", name)))
+        found[name] = [(n, lines[n - 1].strip(), k) for n, k in counts.most_common() if n is not None]
+    return found
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="*", default=DEFAULT_CONFIGS, help="fusedopt-profile --config strings")
@@ -285,6 +301,9 @@ def main(argv=None) -> int:
     parser.add_argument("--root-grid-tile", help="ELEMENTSxWARPS of norm2-root4's programs (update.ROOT_GRID_TILE)")
     parser.add_argument(
         "--statements", action="store_true", help="also each kernel's fast path; the update kernel's by statement"
+    )
+    parser.add_argument(
+        "--lines", nargs="+", default=(), metavar="MODULE", help="also the update's fast path by line of these modules"
     )
     parser.add_argument(
         "--layouts", action="store_true", help="also each kernel's layout conversions and barriers (BAR.SYNC)"
@@ -316,6 +335,7 @@ def main(argv=None) -> int:
         by_statement = None
         if args.statements:
             by_statement = _by_statement(fn, record)
+        by_line = _by_line(fn, record, args.lines) if args.lines and record["kernel"] == "_update_kernel" else {}
         conversions = layout_conversions(_compile(fn, record).asm["ttgir"]) if args.layouts else None
         per = ELEMENTS.get(record["kernel"])
         warps = record["options"].get("num_warps", 4)
@@ -329,7 +349,7 @@ def main(argv=None) -> int:
         results.append(
             dict(config=record["config"], kernel=record["kernel"], instructions=total, warps=warps, registers=registers)
             | dict(elements_per_program=elements, per_element=per_element, opcodes=dict(ops.most_common()))
-            | dict(statements=by_statement, layout_conversions=conversions)
+            | dict(statements=by_statement, layout_conversions=conversions, lines=by_line)
         )
     fast = "| fast path per element " if args.statements else ""
     print(f"| configuration | kernel | SASS instructions per program | warps | registers | per element {fast}|")
@@ -353,6 +373,13 @@ def main(argv=None) -> int:
             print(f"| per element | statement of {body} |\n|---|---|")
             for statement, n in r["statements"]:
                 print(f"| {n * scale:.1f} | `{statement}` |")
+    for r in results:
+        for name, rows in r["lines"].items():
+            scale = r["per_element"] / r["instructions"]
+            print(f"\n{r['config']}: {r['kernel']}'s fast path by line of kernels/{name}.py (the rest elsewhere)")
+            print("| per element | line |\n|---|---|")
+            for line, text, n in rows:
+                print(f"| {n * scale:.1f} | {line}: `{text}` |")
     for r in results:
         if r["layout_conversions"] is not None:
             barriers = sum(n for op, n in r["opcodes"].items() if op.startswith("BAR.SYNC"))

@@ -5,6 +5,7 @@ report, fingerprints) and scripts (fit search, quality studies, step speed). Non
 competitor libraries installed."""
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -14,6 +15,7 @@ import torch
 
 import fusedopt
 import fusedopt.profile
+from fusedopt.kernels import moments
 from fusedopt.profile import parse_config
 from fusedopt.profile.competitors import COMPETITORS, Competitor, torch_adamw_in_backward
 from fusedopt.profile.lineup import BY_KEY, HPARAMS, LINEUP, fusedopt_step_bytes
@@ -486,7 +488,7 @@ def test_fingerprints_compare_two_trees_bit_for_bit(tmp_path, capsys):
     assert harness.main(["same", str(old), str(new)]) == 1 and "differ: x" in capsys.readouterr().out
 
 
-def test_kernel_instructions_counts_the_fast_path_by_statement():
+def test_kernel_instructions_counts_the_fast_path_by_statement(monkeypatch):
     """nvdisasm -gi output: each instruction goes to the _update_tile line its innermost caller in that body
     is at (or another file's innermost line); a slow-path call site's block (either shape) and the routines
     after the body are left out."""
@@ -526,6 +528,10 @@ def test_kernel_instructions_counts_the_fast_path_by_statement():
     # a line marked as a rare branch: its code (up to the next line information) is not on the fast path
     assert kernel_instructions.statements(body, range(30, 60), rare={("kernels/update.py", 41)}) == {40: 3, None: 2}
     assert kernel_instructions.statements(body, range(30, 60), rare={("kernels/moments.py", 41)}) == counts
+    # --lines: by the innermost line of a kernels/ module, with its text
+    monkeypatch.setattr(kernel_instructions, "_sass", lambda fn, record, lines=False: (body, 0))
+    source = inspect.getsourcelines(moments)[0]
+    assert kernel_instructions._by_line(None, None, ["moments"]) == {"moments": [(9, source[8].strip(), 3)]}
 
 
 def test_idle_gaps_charge_each_gap_to_the_code_that_launched_the_next_kernel():
