@@ -101,11 +101,12 @@ def store_root_grid(
         )
     new_units = tl.where(fits, kept_units, largest_root * _FRESH)
     inverse = tl.where(new_units > 0, reciprocal_rn(new_units), 0.0)
-    t = r * inverse[:, None]
-    t = tl.minimum(t, _TOP)  # saturate (inf, and NaN: the min of a NaN and a number is the number)
+    # t >= 0, saturated; a NaN (r = 0 under an inverse overflowed to inf) as 0, so r = 0 rounds to code 0 below
+    t = tl.minimum(tl.maximum(r * inverse[:, None], 0.0), _TOP)  # (min and max pass over a NaN operand)
     level_bits = (t + 4.0).to(tl.int32, bitcast=True)  # the one rounding, as the reference's
     rounded = tl.minimum((level_bits - _BASE + draws) >> _SHIFT, _QMAX)
-    rounded = tl.where(r > 0, tl.maximum(rounded, 1), 0)
+    # code 1 at least where r > 0, as max(rounded, min(bits(r), 1)): r is +0 or positive (a -0 leaves rounded, 0)
+    rounded = tl.maximum(rounded, tl.minimum(r.to(tl.int32, bitcast=True), 1))
     new_codes = tl.where(fits[:, None] & same, codes, rounded)
     blocks, has_block = block_rows(start, n_elements, BLOCK, R)
     block_commit = (tl.zeros([R], tl.int32) + status) == 0
