@@ -518,7 +518,7 @@ def _update_tile(
             tl.reshape(v, [ROOT_ROWS, _ROOT_BLOCK]), tl.reshape(v_root, [ROOT_ROWS, _ROOT_BLOCK]), v_codes, v_units,
             v_values, _as_f32(v_decay), _as_f32(v_decay_root), tl.reshape(v_draws, [ROOT_ROWS, _ROOT_BLOCK]),
             tl.reshape(offs, [ROOT_ROWS, _ROOT_BLOCK]), v_ptr, v_scale_ptr, start, n_elements, status,
-            IEEE_DENOMINATOR, ROOT_ROWS, True,
+            IEEE_DENOMINATOR, ROOT_ROWS, FINITE=True,
         )  # fmt: skip
     if M_FAMILY == _NORMALISED:
         root = tl.where(mask, tl.reshape(stored_roots, [NB, QBLOCK]), 0.0)  # sqrt(v) as just stored
@@ -526,7 +526,7 @@ def _update_tile(
         store_normalised(
             tl.reshape(m, [NORM_ROWS, _NORM_BLOCK]), tl.reshape(root, [NORM_ROWS, _NORM_BLOCK]),
             tl.reshape(m_u, [NORM_ROWS, _NORM_BLOCK]), m_ptr, m_scale_ptr, start, n_elements, status,
-            M_BITS, M_CLIP, IEEE_DENOMINATOR, NORM_ROWS, True,
+            M_BITS, M_CLIP, IEEE_DENOMINATOR, NORM_ROWS, FINITE=True,
         )  # fmt: skip
     else:
         store_moment(
