@@ -123,6 +123,12 @@ _NORMALISED = tl.constexpr(Family.NORMALISED)
 _ROOT_GRID = tl.constexpr(Family.ROOT_GRID)
 _ROOT_BLOCK = tl.constexpr(128)  # the root grid's blocks (kernels/rootgrid.py) and the normalised codes'
 _NORM_BLOCK = tl.constexpr(64)
+# n_elements and n_pairs of a tile wholly inside its tensor: an int64 above every offset (int32 offsets are
+# widened), so the compiler folds each bound check `offset < n` to true
+_WHOLE_TILE = tl.constexpr(1 << 40)
+# False: the update kernel without its branch for a partial last tile (benchmarks/kernel_instructions.py's
+# setting: its static count is then the path every other tile takes)
+_PARTIAL_TILES = tl.constexpr(True)
 
 
 @triton.jit
@@ -590,6 +596,45 @@ def _update_tile(
     )
 
 
+@triton.jit
+def _step_tile(
+    start, hash_start, grad_ptr, accum_ptr, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr,
+    n_elements, n_pairs, status, step, step_size, inv_bias_correction2_sqrt, grad_scale, shared_hash, param_hash,
+    lr, beta1, beta2, eps, decay, weight_decay, lerp_weight, one_minus_beta2, v_decay, v_decay_root,
+    ALGO: tl.constexpr, MASTER: tl.constexpr, PARAM_BF16: tl.constexpr, CORR_BITS: tl.constexpr,
+    STOCHASTIC_MASTER: tl.constexpr, PARAM_OWN_DRAW: tl.constexpr, HAS_ACCUM: tl.constexpr, MAXIMIZE: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    M_FAMILY: tl.constexpr, M_BITS: tl.constexpr, M_SIGNED: tl.constexpr, M_POWER: tl.constexpr,
+    M_QMAX: tl.constexpr, M_K: tl.constexpr, M_MIN_E: tl.constexpr, M_THR: tl.constexpr, M_TOP: tl.constexpr,
+    M_CLIP: tl.constexpr,
+    V_FAMILY: tl.constexpr, V_BITS: tl.constexpr, V_SIGNED: tl.constexpr, V_POWER: tl.constexpr,
+    V_QMAX: tl.constexpr, V_K: tl.constexpr, V_MIN_E: tl.constexpr, V_THR: tl.constexpr, V_TOP: tl.constexpr,
+    NB: tl.constexpr, QBLOCK: tl.constexpr, SCALE_GRAD: tl.constexpr, IEEE_DENOMINATOR: tl.constexpr,
+    APPROXIMATE_DIV: tl.constexpr,
+    WHOLE: tl.constexpr,  # the tile lies wholly inside the tensor
+):  # fmt: skip
+    """Load, then update the tile at ``start`` (``_update_kernel``'s arguments, as it documents them)."""
+    if WHOLE:  # bounds above every offset: the compiler drops the masks and the padding's selects
+        n_elements = tl.full([], _WHOLE_TILE, tl.int64)
+        n_pairs = n_elements
+    stored = _load_tile(
+        start, grad_ptr, accum_ptr, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr, n_elements, n_pairs,
+        MASTER, HAS_ACCUM, M_FAMILY, M_BITS, V_FAMILY, V_BITS, NB, QBLOCK,
+    )  # fmt: skip
+    # Issue every load before any arithmetic: the compiler would otherwise sink some next to
+    # their first use, and each program would wait for memory more than once.
+    tl.debug_barrier()
+    _update_tile(
+        start, hash_start, stored, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr, n_elements,
+        n_pairs, status, step, step_size, inv_bias_correction2_sqrt, grad_scale, shared_hash, param_hash,
+        lr, beta1, beta2, eps, decay, weight_decay, lerp_weight, one_minus_beta2, v_decay, v_decay_root,
+        ALGO, MASTER, PARAM_BF16, CORR_BITS, STOCHASTIC_MASTER, PARAM_OWN_DRAW, HAS_ACCUM,
+        MAXIMIZE, NESTEROV, M_FAMILY, M_BITS, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, M_THR, M_TOP, M_CLIP,
+        V_FAMILY, V_BITS, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, V_THR, V_TOP, NB, QBLOCK, SCALE_GRAD,
+        IEEE_DENOMINATOR, APPROXIMATE_DIV,
+    )  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["key_shared", "key_param", "first"] + [f"gd{i}" for i in range(BUCKET_TENSORS)])
 def _update_kernel(
     param_ptr,  # parameter, updated in place
@@ -706,22 +751,33 @@ def _update_kernel(
     else:
         hash_base = (first - _INDEX_BIAS).to(tl.int32)
     start = _tile_start(program, NB * QBLOCK, INDEX_64)
-    stored = _load_tile(
-        start, grad_ptr, accum_ptr, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr, n_elements, n_pairs,
-        MASTER, HAS_ACCUM, M_FAMILY, M_BITS, V_FAMILY, V_BITS, NB, QBLOCK,
-    )  # fmt: skip
-    # Issue every load before any arithmetic: the compiler would otherwise sink some next to
-    # their first use, and each program would wait for memory more than once.
-    tl.debug_barrier()
-    _update_tile(
-        start, start + hash_base, stored, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr, n_elements,
-        n_pairs, status, step, step_size, inv_bias_correction2_sqrt, grad_scale, step_hash(key_shared, step),
-        step_hash(key_param, step), lr, beta1, beta2, eps, decay, weight_decay, lerp_weight, one_minus_beta2,
-        v_decay, v_decay_root, ALGO, MASTER, PARAM_BF16, CORR_BITS, STOCHASTIC_MASTER, PARAM_OWN_DRAW, HAS_ACCUM,
-        MAXIMIZE, NESTEROV, M_FAMILY, M_BITS, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, M_THR, M_TOP, M_CLIP,
-        V_FAMILY, V_BITS, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, V_THR, V_TOP, NB, QBLOCK, SCALE_GRAD,
-        IEEE_DENOMINATOR, APPROXIMATE_DIV,
-    )  # fmt: skip
+    whole = True
+    if _PARTIAL_TILES:
+        whole = n_elements - start >= NB * QBLOCK
+    if whole:  # every tile but a tensor's last: its bound checks fold away
+        _step_tile(
+        start, start + hash_base, grad_ptr, accum_ptr, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr,
+        n_elements, n_pairs, status, step, step_size, inv_bias_correction2_sqrt, grad_scale,
+        step_hash(key_shared, step), step_hash(key_param, step), lr, beta1, beta2, eps, decay, weight_decay,
+        lerp_weight, one_minus_beta2, v_decay, v_decay_root, ALGO, MASTER, PARAM_BF16, CORR_BITS, STOCHASTIC_MASTER,
+        PARAM_OWN_DRAW, HAS_ACCUM, MAXIMIZE, NESTEROV, M_FAMILY, M_BITS, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E,
+        M_THR, M_TOP, M_CLIP, V_FAMILY, V_BITS, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, V_THR, V_TOP, NB, QBLOCK,
+        SCALE_GRAD, IEEE_DENOMINATOR, APPROXIMATE_DIV,
+            WHOLE=True,
+        )  # fmt: skip
+    else:
+        _step_tile(  # a tensor's last tile, when partial
+        start, start + hash_base, grad_ptr, accum_ptr, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr,
+        n_elements, n_pairs, status, step, step_size, inv_bias_correction2_sqrt, grad_scale,
+        step_hash(key_shared, step), step_hash(key_param, step), lr, beta1, beta2, eps, decay, weight_decay,
+        lerp_weight, one_minus_beta2, v_decay, v_decay_root, ALGO, MASTER, PARAM_BF16, CORR_BITS, STOCHASTIC_MASTER,
+        PARAM_OWN_DRAW, HAS_ACCUM, MAXIMIZE, NESTEROV, M_FAMILY, M_BITS, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E,
+        M_THR, M_TOP, M_CLIP, V_FAMILY, V_BITS, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, V_THR, V_TOP, NB, QBLOCK,
+        SCALE_GRAD, IEEE_DENOMINATOR, APPROXIMATE_DIV,
+            WHOLE=False,
+        )  # fmt: skip
+        # ends unlike the branch above: LLVM would otherwise sink their common tail into one, masks and all
+        tl.debug_barrier()
 
 
 # runtime arguments: tensors, then ints (the gradient deltas last: always int64, not in the
