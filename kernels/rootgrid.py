@@ -16,7 +16,6 @@ from fusedopt.kernels.moments import block_rows, load_nibble_bytes, reciprocal_r
 
 BLOCK = tl.constexpr(128)  # elements per block (fusedopt.codecs.rootgrid.BLOCK)
 _TOP = tl.constexpr(52.0)  # the top level, L(15)
-_QMAX = tl.constexpr(15)
 _SHIFT = tl.constexpr(21)  # 23 - the levels' 2 mantissa bits
 _BASE = tl.constexpr((127 + 2) << 23)  # the bits of 4.0 = 2**2
 _FRESH = tl.constexpr(FRESH_UNIT)  # HEADROOM / TOP, an fp32 value
@@ -104,7 +103,8 @@ def store_root_grid(
     # t >= 0, saturated; a NaN (r = 0 under an inverse overflowed to inf) as 0, so r = 0 rounds to code 0 below
     t = tl.minimum(tl.maximum(r * inverse[:, None], 0.0), _TOP)  # (min and max pass over a NaN operand)
     level_bits = (t + 4.0).to(tl.int32, bitcast=True)  # the one rounding, as the reference's
-    rounded = tl.minimum((level_bits - _BASE + draws) >> _SHIFT, _QMAX)
+    # at most code 15 without a clamp: t + 4 <= 56, whose pattern less 4's is 15 << 21 with low bits 0 below the draw
+    rounded = (level_bits - _BASE + draws) >> _SHIFT
     # code 1 at least where r > 0, as max(rounded, min(bits(r), 1)): r is +0 or positive (a -0 leaves rounded, 0)
     rounded = tl.maximum(rounded, tl.minimum(r.to(tl.int32, bitcast=True), 1))
     new_codes = tl.where(fits[:, None] & same, codes, rounded)

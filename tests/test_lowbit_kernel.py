@@ -335,6 +335,8 @@ def _root_grid_case(huge: bool):
     if huge:
         x[2:4, 32:] = values[2:4, 32:] * decay  # no increment, v above 2**100
     words = torch.randint(0, 2**32, (rows * 128,), generator=gen, dtype=torch.int64)
+    # the largest draw where t is at the top or just above it: code 16 unless t (or the code) is capped
+    words.view(rows, 128)[4:8, 100] = words.view(rows, 128)[13:16, 103] = 2**32 - 1
     draws = (words >> 11).to(torch.int32).view(rows, 128)  # the top 21 bits of the whole words
     expected = codec.encode_decayed(x.reshape(-1), lambda: words, previous, decay)
     return codec, previous, x, draws, decay, expected
