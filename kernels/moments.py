@@ -82,6 +82,19 @@ def reciprocal_rn(x):
 
 
 @triton.jit
+def saturated_product(x, c):
+    """``min(max(x * c, 0), 1)`` of fp32 ``x * c`` rounded to nearest (a NaN product as 0): one ``mul.sat`` on the
+    FMA pipe where a multiply and two clamps would take the busier ALU pipe twice."""
+    if INTERPRETED:
+        s = tl.minimum(tl.maximum(x * c, 0.0), 1.0)  # (np.fmax takes a NaN to 0, as mul.sat does)
+    else:
+        s = tl.inline_asm_elementwise(
+            "mul.rn.sat.f32 $0, $1, $2;", "=r,r,r", [x, c], dtype=tl.float32, is_pure=True, pack=1
+        )
+    return s
+
+
+@triton.jit
 def floor_small(y):
     """``floor(y)`` as int32 for fp32 ``y`` in [0, 2**22), exactly, without the floor and float -> int
     conversions: the rounder holds round(y) in its low mantissa bits; one less where that rounded up."""

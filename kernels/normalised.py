@@ -19,6 +19,7 @@ from fusedopt.kernels.moments import (
     commit_mask,
     floor_truncating,
     reciprocal_rn,
+    saturated_product,
 )
 
 BLOCK = tl.constexpr(64)  # elements per block (fusedopt.codecs.normalised.BLOCK)
@@ -127,9 +128,10 @@ def store_normalised(
     half = tl.minimum(tl.max(tl.abs(q), axis=1), block_rms(q, R) * CLIP)
     # rounded up to bf16: the smallest bf16 pattern not below half's (half >= 0, finite)
     unit = ((half.to(tl.int32, bitcast=True) + 0xFFFF) & -65536).to(tl.float32, bitcast=True)
-    t = (q * reciprocal_rn(tl.maximum(unit, _TINY))[:, None] + 1.0) * (TOP / 2)
-    t = tl.maximum(t, 0.0)  # (the reference's cap at TOP: above it, t + u floors to TOP or more, taken to TOP here)
-    codes = tl.minimum(floor_truncating(t + u), TOP)
+    # t = (q / unit + 1) * TOP / 2 saturated to [0, 4] as s = t / 4 saturated to [0, 1] (exact scalings; the
+    # reference's cap at TOP: from 4 t + u floors to TOP or more, taken to TOP here), t + u as fma(s, 4, u)
+    s = saturated_product(q * reciprocal_rn(tl.maximum(unit, _TINY))[:, None] + 1.0, TOP / 8)
+    codes = tl.minimum(floor_truncating(tl.fma(s, 4.0, u)), TOP)
     codes = tl.where(unit[:, None] > 0, codes, 0)  # a zero block: the zero encoding
     blocks, has_block = block_rows(start, n_elements, BLOCK, R)
     block_commit = (tl.zeros([R], tl.int32) + status) == 0

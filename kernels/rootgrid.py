@@ -12,7 +12,15 @@ import triton
 import triton.language as tl
 
 from fusedopt.codecs.rootgrid import FRESH_UNIT
-from fusedopt.kernels.moments import block_rows, load_nibble_bytes, reciprocal_rn, store_nibble_codes, unpack_nibbles
+from fusedopt.kernels.moments import (
+    INTERPRETED,
+    block_rows,
+    load_nibble_bytes,
+    reciprocal_rn,
+    saturated_product,
+    store_nibble_codes,
+    unpack_nibbles,
+)
 
 BLOCK = tl.constexpr(128)  # elements per block (fusedopt.codecs.rootgrid.BLOCK)
 _TOP = tl.constexpr(52.0)  # the top level, L(15)
@@ -21,6 +29,7 @@ _BASE = tl.constexpr((127 + 2) << 23)  # the bits of 4.0 = 2**2
 _FRESH = tl.constexpr(FRESH_UNIT)  # HEADROOM / TOP, an fp32 value
 _TOP_SLACK = tl.constexpr(52.0 * (1.0 + 2.0**-20))  # exact in fp32
 _SMALLEST = tl.constexpr(2.0**-63)  # smaller roots decode as 0 (their square would be subnormal)
+_LARGEST_SCALE = tl.constexpr(2.0**63)  # 1 / _SMALLEST
 _BIG_ROOT = tl.constexpr(2.0**50)  # the root of the reference's saturation of v, 2**100
 
 
@@ -31,7 +40,15 @@ def roots(codes, units):
     biased = ((codes << _SHIFT) + _BASE).to(tl.float32, bitcast=True)  # 4 + L(c), exactly
     # (4 + L) w - 4 w in one fma (4 w is exact): L w rounded once, as the reference's product
     r = tl.fma(biased, units[:, None], -4.0 * units[:, None])
-    return tl.where(r >= _SMALLEST, r, 0.0)
+    if INTERPRETED:
+        r = tl.where(r >= _SMALLEST, r, 0.0)
+    else:  # r * 2**-63 toward zero, subnormals flushed: 0 exactly below 2**-126, exact above; two FMA-pipe
+        # multiplies for a compare and a select on the busier ALU pipe
+        scaled = tl.inline_asm_elementwise(
+            "mul.rz.ftz.f32 $0, $1, 0f20000000;", "=r,r", [r], dtype=tl.float32, is_pure=True, pack=1
+        )
+        r = scaled * _LARGEST_SCALE
+    return r
 
 
 @triton.jit
@@ -100,9 +117,12 @@ def store_root_grid(
         )
     new_units = tl.where(fits, kept_units, largest_root * _FRESH)
     inverse = tl.where(new_units > 0, reciprocal_rn(new_units), 0.0)
-    # t >= 0, saturated; a NaN (r = 0 under an inverse overflowed to inf) as 0, so r = 0 rounds to code 0 below
-    t = tl.minimum(tl.maximum(r * inverse[:, None], 0.0), _TOP)  # (min and max pass over a NaN operand)
-    level_bits = (t + 4.0).to(tl.int32, bitcast=True)  # the one rounding, as the reference's
+    # t = r * inverse saturated to [0, TOP] (a NaN, r = 0 under an inverse overflowed to inf, as 0 so that r = 0
+    # rounds to code 0 below), then t + 4, by exact scalings: s = r * (inverse / 64) saturated to [0, 1] is
+    # t / 64 (or 1 for t >= 64), fma(s, 64, 4) is t + 4 rounded once, and its min with 56 the min of t with TOP
+    s = saturated_product(r, tl.broadcast_to(inverse[:, None] * (1.0 / 64), r.shape))
+    level = tl.minimum(tl.fma(s, 64.0, 4.0), _TOP + 4.0)
+    level_bits = level.to(tl.int32, bitcast=True)  # the one rounding, as the reference's
     # at most code 15 without a clamp: t + 4 <= 56, whose pattern less 4's is 15 << 21 with low bits 0 below the draw
     rounded = (level_bits - _BASE + draws) >> _SHIFT
     # code 1 at least where r > 0, as max(rounded, min(bits(r), 1)): r is +0 or positive (a -0 leaves rounded, 0)

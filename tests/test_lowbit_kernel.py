@@ -292,6 +292,26 @@ def test_the_kernels_block_rms_is_the_references(device):
 
 
 @triton.jit
+def _roots_kernel(codes_ptr, units_ptr, out_ptr, R: tl.constexpr):
+    at = tl.arange(0, R)[:, None] * 128 + tl.arange(0, 128)[None, :]
+    tl.store(out_ptr + at, rootgrid.roots(tl.load(codes_ptr + at), tl.load(units_ptr + tl.arange(0, R))))
+
+
+def test_the_kernels_roots_below_2_63_are_zero_as_the_references(device):
+    """Every code under units that put roots at 2**-63, an ulp either side of it, far below it (subnormal units) and
+    far above: the kernel's roots (on a GPU zeroed by a multiply toward zero that flushes subnormals) are the
+    reference's."""
+    below = 2.0**-63 * (1 - 2.0**-24)  # code 1's root (its level is 1) one ulp below the bound
+    units = torch.tensor([2.0**-63, below, 2.0**-63 * (1 + 2.0**-23), 2.0**-67, 2.0**-140, 0.0, 1.0, 2.0**50 / 36])
+    codes = torch.arange(16, dtype=torch.int32).repeat(len(units), 8)
+    expected = RootGridCodec.roots(codes, units)
+    assert expected[0, 1] == 2.0**-63 and expected[1, 1] == 0 and expected[1, 2] > 0 and expected[4].max() == 0
+    got = torch.empty(len(units), 128, device=device)
+    _roots_kernel[(1,)](codes.to(device), units.to(device), got, R=len(units), enable_fp_fusion=False)
+    assert torch.equal(got.cpu(), expected)
+
+
+@triton.jit
 def _root_store_kernel(x_ptr, draws_ptr, codes_ptr, units_ptr, n, decay, decay_root, EXACT: tl.constexpr,
                        R: tl.constexpr):  # fmt: skip
     at = tl.arange(0, R)[:, None] * 128 + tl.arange(0, 128)[None, :]
