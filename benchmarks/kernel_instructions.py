@@ -66,7 +66,7 @@ def _capture(configs: list[str], out: str, root_grid_tile=None) -> None:
     from fusedopt.kernels import factored, launcher, update
 
     if root_grid_tile:
-        update.ROOT_GRID_TILE = tuple(root_grid_tile)
+        update.ROOT_GRID_TILE = update.ROOT_GRID_UNCORRECTED_TILE = tuple(root_grid_tile)
     from fusedopt.profile import parse_config
 
     records = []

@@ -122,7 +122,8 @@ def main(argv=None) -> int:
         "--root-grid-tiles",
         nargs="*",
         default=(),
-        help="also --formats, --configs built with these ELEMENTSxWARPS tiles (update.ROOT_GRID_TILE)",
+        help="also --formats, --configs built with these ELEMENTSxWARPS tiles (update.ROOT_GRID_TILE and "
+        "ROOT_GRID_UNCORRECTED_TILE)",
     )
     parser.add_argument(
         "--block-tiles",
@@ -177,7 +178,8 @@ def main(argv=None) -> int:
         names[config.label] = (config, dtype, step_bytes(config, dtype))
     variants = []  # (name suffix, the kernels/update.py constants a configuration is built under)
     for tile in args.root_grid_tiles:
-        variants.append((f"tile {tile}", dict(ROOT_GRID_TILE=tuple(int(x) for x in tile.split("x")))))
+        shape = tuple(int(x) for x in tile.split("x"))
+        variants.append((f"tile {tile}", dict(ROOT_GRID_TILE=shape, ROOT_GRID_UNCORRECTED_TILE=shape)))
     for tile in args.block_tiles:
         elements, warps = (int(x) for x in tile.split("x"))
         variants.append(

@@ -71,6 +71,9 @@ NUM_WARPS = 2
 # resident and 32 longer (A/B of step_speed.py --root-grid-tiles, benchmarks/RESULTS.md); any multiple of their
 # blocks gives the same bits
 ROOT_GRID_TILE = (1024, 4)
+# The same without a master correction (no split and join holding registers): 16 elements a thread, as the
+# ALU-bound update then issues fewer per-program instructions per element (A/B of step_speed.py --root-grid-tiles)
+ROOT_GRID_UNCORRECTED_TILE = (1024, 2)
 # (elements, warps) of a program of 4-bit block codes with a master correction (state_bits=4's default):
 # the correction's split and join on 16 elements a thread took 130 registers; at 8 the step is shorter (A/B
 # of step_speed.py --block-tiles, benchmarks/RESULTS.md). Without a correction BLOCK, NUM_WARPS is faster.
@@ -1077,7 +1080,7 @@ def _tile(m_fmt: KernelFormat, v_fmt: KernelFormat, corrected: bool) -> tuple[in
     """(elements, warps) of one update program for these moments (``corrected``: the parameter has a master
     correction). Any multiple of the moments' blocks stores the same bits: the tile is a speed choice."""
     if Family.ROOT_GRID in (m_fmt.family, v_fmt.family) or Family.NORMALISED in (m_fmt.family, v_fmt.family):
-        return ROOT_GRID_TILE
+        return ROOT_GRID_TILE if corrected else ROOT_GRID_UNCORRECTED_TILE
     if corrected and any(f.family == Family.BLOCK and f.bits == 4 for f in (m_fmt, v_fmt)):
         return NIBBLE_MASTER_TILE
     return BLOCK, NUM_WARPS
