@@ -71,8 +71,9 @@ NUM_WARPS = 2
 # resident and 32 longer (A/B of step_speed.py --root-grid-tiles, benchmarks/RESULTS.md); any multiple of their
 # blocks gives the same bits
 ROOT_GRID_TILE = (1024, 4)
-# The same without a master correction (no split and join holding registers): 16 elements a thread, as the
-# ALU-bound update then issues fewer per-program instructions per element (A/B of step_speed.py --root-grid-tiles)
+# The same for a 16-bit parameter without a master correction (no split and join holding registers): 16 elements
+# a thread, as the issue-bound update then spends fewer per-program instructions per element (A/B of
+# step_speed.py --root-grid-tiles)
 ROOT_GRID_UNCORRECTED_TILE = (1024, 2)
 # (elements, warps) of a program of 4-bit block codes with a master correction (state_bits=4's default):
 # the correction's split and join on 16 elements a thread took 130 registers; at 8 the step is shorter (A/B
@@ -945,7 +946,7 @@ class PreparedUpdate:
         self.scratch, self.step, self.skipped = scratch, step, skipped
         # plain integer division: triton.cdiv is a JIT function, ~7 us per call from Python
         self.check_programs = -(-max(n, 1) // (CHECK_TILE * CHECK_TILES))
-        block, warps = _tile(m_fmt, v_fmt, correction is not None)
+        block, warps = _tile(m_fmt, v_fmt, correction is not None, param.dtype == torch.float32)
         self.programs = -(-n // block)
         corr_bits = 0 if correction is None else (16 if correction.dtype == torch.int16 else 8)
         self.configs = [  # [has_accum]
@@ -1076,11 +1077,12 @@ def bucket_config(config: LaunchConfig) -> LaunchConfig:
     return LaunchConfig({**config.constexprs, "BUCKET": True}, config.options)
 
 
-def _tile(m_fmt: KernelFormat, v_fmt: KernelFormat, corrected: bool) -> tuple[int, int]:
+def _tile(m_fmt: KernelFormat, v_fmt: KernelFormat, corrected: bool, fp32_param: bool) -> tuple[int, int]:
     """(elements, warps) of one update program for these moments (``corrected``: the parameter has a master
     correction). Any multiple of the moments' blocks stores the same bits: the tile is a speed choice."""
     if Family.ROOT_GRID in (m_fmt.family, v_fmt.family) or Family.NORMALISED in (m_fmt.family, v_fmt.family):
-        return ROOT_GRID_TILE if corrected else ROOT_GRID_UNCORRECTED_TILE
+        # (an fp32 parameter, with IEEE arithmetic, keeps the tile measured with a correction)
+        return ROOT_GRID_TILE if corrected or fp32_param else ROOT_GRID_UNCORRECTED_TILE
     if corrected and any(f.family == Family.BLOCK and f.bits == 4 for f in (m_fmt, v_fmt)):
         return NIBBLE_MASTER_TILE
     return BLOCK, NUM_WARPS

@@ -158,18 +158,20 @@ def test_any_tile_of_whole_blocks_stores_the_references_bits(monkeypatch, device
 
 
 @pytest.mark.parametrize(
-    "kwargs,tile",
+    "kwargs,dtype,tile",
     [
-        (dict(state_bits=4, master_weight_bits=24), "NIBBLE_MASTER_TILE"),
-        (dict(state_bits=4, master_weight_bits=None), "BLOCK"),
-        (dict(state_bits=8, master_weight_bits=24), "BLOCK"),
-        (dict(state_format="norm2-root4", master_weight_bits=24), "ROOT_GRID_TILE"),
-        (dict(state_format="norm2-root4", master_weight_bits=None), "ROOT_GRID_UNCORRECTED_TILE"),
+        (dict(state_bits=4, master_weight_bits=24), torch.bfloat16, "NIBBLE_MASTER_TILE"),
+        (dict(state_bits=4, master_weight_bits=None), torch.bfloat16, "BLOCK"),
+        (dict(state_bits=8, master_weight_bits=24), torch.bfloat16, "BLOCK"),
+        (dict(state_format="norm2-root4", master_weight_bits=24), torch.bfloat16, "ROOT_GRID_TILE"),
+        (dict(state_format="norm2-root4", master_weight_bits=None), torch.bfloat16, "ROOT_GRID_UNCORRECTED_TILE"),
+        (dict(state_format="norm2-root4"), torch.float32, "ROOT_GRID_TILE"),
     ],
 )
-def test_each_format_takes_its_tile(monkeypatch, device, kwargs, tile):
+def test_each_format_takes_its_tile(monkeypatch, device, kwargs, dtype, tile):
     """4-bit block codes with a correction run programs of ``NIBBLE_MASTER_TILE``; without one, and 8-bit codes,
-    of ``BLOCK`` elements; norm2-root4 of ``ROOT_GRID_TILE``, without a correction ``ROOT_GRID_UNCORRECTED_TILE``."""
+    of ``BLOCK`` elements; norm2-root4 of ``ROOT_GRID_TILE``, on a 16-bit parameter without a correction of
+    ``ROOT_GRID_UNCORRECTED_TILE``."""
     from fusedopt.kernels import update
 
     monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
@@ -179,7 +181,7 @@ def test_each_format_takes_its_tile(monkeypatch, device, kwargs, tile):
     monkeypatch.setattr(update, "NIBBLE_MASTER_TILE", (sizes["NIBBLE_MASTER_TILE"], 2))
     monkeypatch.setattr(update, "ROOT_GRID_TILE", (sizes["ROOT_GRID_TILE"], 2))
     monkeypatch.setattr(update, "ROOT_GRID_UNCORRECTED_TILE", (sizes["ROOT_GRID_UNCORRECTED_TILE"], 2))
-    w = torch.nn.Parameter(torch.randn(16, 256, device=device, dtype=torch.bfloat16))
+    w = torch.nn.Parameter(torch.randn(16, 256, device=device, dtype=dtype))
     opt = fusedopt.AdamW([w], lr=1e-3, min_compress_numel=0, **kwargs)
     w.grad = torch.randn_like(w)
     opt.step()
