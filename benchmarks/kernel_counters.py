@@ -12,7 +12,9 @@ and DRAM bytes per element (the dynamic counts that ``kernel_instructions.py``'s
 approximate). With ``STALLS=1`` the shell script also collects ``STALL_METRICS`` and the summary adds
 per kernel (averaged over its launches by their time) how busy the issue slots were, the warps
 active and eligible per scheduler and cycle, and why active warps did not issue (each reason as a
-share of the warp-active cycles, largest first): what limits a kernel that is not memory-bound.
+share of the warp-active cycles, largest first): what limits a kernel that is not memory-bound. With
+``PIPES=1`` it collects ``PIPE_METRICS``: how busy each execution pipe was (instructions issued to it as a share of
+its peak, over active cycles), so an issue-bound kernel's instruction cuts can aim at its busiest pipe.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ ISSUE_METRICS = (
     "smsp__warps_eligible.avg.per_cycle_active",
 )
 STALL_METRICS = ISSUE_METRICS + tuple(f"smsp__warp_issue_stalled_{r}_per_warp_active.pct" for r in STALL_REASONS)
+PIPES = ("alu", "fma", "xu", "lsu", "adu", "cbu", "uniform")
+PIPE_METRICS = tuple(f"sm__inst_executed_pipe_{p}.avg.pct_of_peak_sustained_active" for p in PIPES)
+RATES = STALL_METRICS + PIPE_METRICS  # per-launch rates: a kernel's is their average weighted by the launches' time
 
 
 def run(configs) -> None:
@@ -76,7 +81,7 @@ def summarize(paths: list[str]) -> None:
     elements = SHAPE[0] * SHAPE[1]
     print("| configuration | kernel | launches | us | instructions per element | DRAM B per element |")
     print("|---|---|---|---|---|---|")
-    stalls = []
+    stalls, pipes = [], []
     for path in paths:
         with open(path) as f:
             lines = f.read().splitlines()
@@ -92,7 +97,7 @@ def summarize(paths: list[str]) -> None:
             time = entry.get("gpu__time_duration.sum", 0.0)
             for k, v in entry.items():
                 if k != "name":  # sums add up; a rate is weighted by the launch's time
-                    g[k] += v * time if k in STALL_METRICS else v
+                    g[k] += v * time if k in RATES else v
         for name, g in grouped.items():
             dram = g["dram__bytes_read.sum"] + g["dram__bytes_write.sum"]
             print(
@@ -101,6 +106,9 @@ def summarize(paths: list[str]) -> None:
             )
             if any(m in g for m in STALL_METRICS) and g["gpu__time_duration.sum"] > 0:
                 stalls.append((config, name, {m: g[m] / g["gpu__time_duration.sum"] for m in STALL_METRICS if m in g}))
+            if any(m in g for m in PIPE_METRICS) and g["gpu__time_duration.sum"] > 0:
+                time = g["gpu__time_duration.sum"]
+                pipes.append((config, name, [g[m] / time if m in g else None for m in PIPE_METRICS]))
     if stalls:
         print("\n| configuration | kernel | issue active % | warps active / eligible per cycle | stalls, % |")
         print("|---|---|---|---|---|")
@@ -113,6 +121,12 @@ def summarize(paths: list[str]) -> None:
             )  # fmt: skip
             top = ", ".join(f"{r} {v:.0f}" for r, v in reasons if v >= 1)
             print(f"| {config} | {name[:48]} | {issue:.0f} | {active:.2f} / {eligible:.2f} | {top} |")
+    if pipes:
+        print("\n| configuration | kernel | " + " | ".join(PIPES) + " |")
+        print("|---|---|" + "---|" * len(PIPES))
+        for config, name, shares in pipes:
+            cells = " | ".join("-" if v is None else f"{v:.0f}" for v in shares)
+            print(f"| {config} | {name[:48]} | {cells} |")
 
 
 def main(argv=None) -> int:

@@ -618,8 +618,8 @@ def test_kernel_instructions_names_the_source_lines_of_each_layout_conversion():
 
 
 def test_kernel_counters_weight_each_launchs_stall_rates_by_its_time(tmp_path, capsys):
-    """STALLS=1: ncu's per-launch rates (issue slots, warps per cycle, stall reasons) averaged over a kernel's
-    launches by their time, the reasons largest first (below 1% left out); sums (time, instructions) add up."""
+    """STALLS=1, PIPES=1: ncu's per-launch rates (issue slots, warps per cycle, stall reasons, pipes) averaged over a
+    kernel's launches by their time, the reasons largest first (below 1% left out); sums (time, instructions) add up."""
     header = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
     rows = []
     for launch, time, issue, barrier, wait in (("0", 1000, 50, 10, 30), ("1", 3000, 90, 2, 6)):
@@ -630,6 +630,8 @@ def test_kernel_counters_weight_each_launchs_stall_rates_by_its_time(tmp_path, c
             "smsp__warp_issue_stalled_barrier_per_warp_active.pct": barrier,
             "smsp__warp_issue_stalled_wait_per_warp_active.pct": wait,
             "smsp__warp_issue_stalled_drain_per_warp_active.pct": 0.5,
+            "sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active": issue - 10,
+            "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active": 20,
         }  # fmt: skip
         rows += [f'"{launch}","_update_kernel(int)","{name}","x","{value:,}"' for name, value in metrics.items()]
     path = tmp_path / "counters_0.csv"
@@ -640,6 +642,8 @@ def test_kernel_counters_weight_each_launchs_stall_rates_by_its_time(tmp_path, c
     assert f"| fusedopt.AdamW | _update_kernel | 2 | 4.0 | {2e9 / elements:.1f} | {6e8 / elements:.2f} |" in out
     # issue (50 * 1 + 90 * 3) / 4 = 80; wait (30 + 18) / 4 = 12; barrier (10 + 6) / 4 = 4; drain 0.5: left out
     assert "| fusedopt.AdamW | _update_kernel | 80 | 4.00 / 1.00 | wait 12, barrier 4 |" in out
+    # PIPES=1: each pipe's share weighted the same way, pipes ncu did not report as "-"
+    assert "| fusedopt.AdamW | _update_kernel | 70 | 20 | - | - | - | - | - |" in out
 
 
 def test_kernel_instructions_finds_the_rare_branch_of_adams_denominator():
