@@ -11,7 +11,10 @@ options); this process then compiles each recorded launch for sm_90 with Triton'
 counts the instructions of its SASS. The kernels are straight-line code (no loops over elements), so
 a program's static count divided by the elements it owns approximates the executed instructions
 per element, per thread of the program (the work the issue slots see); a one-off branch (the check
-kernel's last program) is counted as if every program took it, so check kernels read high.
+kernel's last program) is counted as if every program took it, so check kernels read high. The update
+kernel is compiled without its branch for a tensor's partial last tile (``update._PARTIAL_TILES``): the
+counts and registers are those of the whole-tile path every other tile takes (the kernel with both
+branches allocates the larger of the two paths' registers).
 
 ``--statements`` splits the update kernel's count by the statement of ``_update_tile`` whose code each
 instruction was inlined from (the line information of ``nvdisasm -gi``), and Adafactor's element-wise

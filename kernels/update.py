@@ -760,24 +760,24 @@ def _update_kernel(
         whole = n_elements - start >= NB * QBLOCK
     if whole:  # every tile but a tensor's last: its bound checks fold away
         _step_tile(
-        start, start + hash_base, grad_ptr, accum_ptr, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr,
-        n_elements, n_pairs, status, step, step_size, inv_bias_correction2_sqrt, grad_scale,
-        step_hash(key_shared, step), step_hash(key_param, step), lr, beta1, beta2, eps, decay, weight_decay,
-        lerp_weight, one_minus_beta2, v_decay, v_decay_root, ALGO, MASTER, PARAM_BF16, CORR_BITS, STOCHASTIC_MASTER,
-        PARAM_OWN_DRAW, HAS_ACCUM, MAXIMIZE, NESTEROV, M_FAMILY, M_BITS, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E,
-        M_THR, M_TOP, M_CLIP, V_FAMILY, V_BITS, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, V_THR, V_TOP, NB, QBLOCK,
-        SCALE_GRAD, IEEE_DENOMINATOR, APPROXIMATE_DIV,
+            start, start + hash_base, grad_ptr, accum_ptr, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr,
+            v_scale_ptr, n_elements, n_pairs, status, step, step_size, inv_bias_correction2_sqrt, grad_scale,
+            step_hash(key_shared, step), step_hash(key_param, step), lr, beta1, beta2, eps, decay, weight_decay,
+            lerp_weight, one_minus_beta2, v_decay, v_decay_root, ALGO, MASTER, PARAM_BF16, CORR_BITS,
+            STOCHASTIC_MASTER, PARAM_OWN_DRAW, HAS_ACCUM, MAXIMIZE, NESTEROV, M_FAMILY, M_BITS, M_SIGNED, M_POWER,
+            M_QMAX, M_K, M_MIN_E, M_THR, M_TOP, M_CLIP, V_FAMILY, V_BITS, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E,
+            V_THR, V_TOP, NB, QBLOCK, SCALE_GRAD, IEEE_DENOMINATOR, APPROXIMATE_DIV,
             WHOLE=True,
         )  # fmt: skip
-    else:
-        _step_tile(  # a tensor's last tile, when partial
-        start, start + hash_base, grad_ptr, accum_ptr, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr,
-        n_elements, n_pairs, status, step, step_size, inv_bias_correction2_sqrt, grad_scale,
-        step_hash(key_shared, step), step_hash(key_param, step), lr, beta1, beta2, eps, decay, weight_decay,
-        lerp_weight, one_minus_beta2, v_decay, v_decay_root, ALGO, MASTER, PARAM_BF16, CORR_BITS, STOCHASTIC_MASTER,
-        PARAM_OWN_DRAW, HAS_ACCUM, MAXIMIZE, NESTEROV, M_FAMILY, M_BITS, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E,
-        M_THR, M_TOP, M_CLIP, V_FAMILY, V_BITS, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, V_THR, V_TOP, NB, QBLOCK,
-        SCALE_GRAD, IEEE_DENOMINATOR, APPROXIMATE_DIV,
+    else:  # a tensor's last tile, when partial
+        _step_tile(
+            start, start + hash_base, grad_ptr, accum_ptr, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr,
+            v_scale_ptr, n_elements, n_pairs, status, step, step_size, inv_bias_correction2_sqrt, grad_scale,
+            step_hash(key_shared, step), step_hash(key_param, step), lr, beta1, beta2, eps, decay, weight_decay,
+            lerp_weight, one_minus_beta2, v_decay, v_decay_root, ALGO, MASTER, PARAM_BF16, CORR_BITS,
+            STOCHASTIC_MASTER, PARAM_OWN_DRAW, HAS_ACCUM, MAXIMIZE, NESTEROV, M_FAMILY, M_BITS, M_SIGNED, M_POWER,
+            M_QMAX, M_K, M_MIN_E, M_THR, M_TOP, M_CLIP, V_FAMILY, V_BITS, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E,
+            V_THR, V_TOP, NB, QBLOCK, SCALE_GRAD, IEEE_DENOMINATOR, APPROXIMATE_DIV,
             WHOLE=False,
         )  # fmt: skip
         # ends unlike the branch above: LLVM would otherwise sink their common tail into one, masks and all
