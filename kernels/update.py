@@ -19,7 +19,8 @@ them never recompiles. The step count lives in device memory; the bias correctio
 computed from it in fp64 by the check kernel and handed over in the scratch words.
 
 A program loads its tile as stored (``_load_tile``) and then decodes, updates and encodes it
-(``_update_tile``), one tile per program.
+(``_update_tile``), one tile per program. A tile wholly inside its tensor takes a copy of that code
+compiled without bound checks (no masks, no selects for the padding); a tensor's partial last tile the other.
 
 ``n_elements`` is specialised by Triton (a multiple of 16 or not): with the hint the masks
 are uniform per 16 elements and every load and store is a vector access; without it (odd
@@ -427,8 +428,7 @@ def _load_tile(
 def _update_tile(
     start,  # the tile's first element
     hash_start,  # and its hash index
-    stored,  # what _load_tile loaded for it
-    param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr, n_elements, n_pairs,
+    grad_ptr, accum_ptr, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr, n_elements, n_pairs,
     status, step, step_size, inv_bias_correction2_sqrt, grad_scale,
     shared_hash, param_hash,  # step_hash of the two keys
     lr, beta1, beta2, eps, decay, weight_decay, lerp_weight, one_minus_beta2, v_decay, v_decay_root,
@@ -442,9 +442,19 @@ def _update_tile(
     V_QMAX: tl.constexpr, V_K: tl.constexpr, V_MIN_E: tl.constexpr, V_THR: tl.constexpr, V_TOP: tl.constexpr,
     NB: tl.constexpr, QBLOCK: tl.constexpr, SCALE_GRAD: tl.constexpr, IEEE_DENOMINATOR: tl.constexpr,
     APPROXIMATE_DIV: tl.constexpr,
+    WHOLE: tl.constexpr,  # the tile lies wholly inside the tensor
 ):  # fmt: skip
-    """Decode, update and re-encode one tile (the update kernel's arguments, as it documents them)."""
-    g, accum, head, correction, m_stored, m_scales, v_stored, v_scales = stored
+    """Load, decode, update and re-encode one tile (the update kernel's arguments, as it documents them)."""
+    if WHOLE:  # bounds above every offset: the compiler drops the masks and the padding's selects
+        n_elements = tl.full([], _WHOLE_TILE, tl.int64)
+        n_pairs = n_elements
+    g, accum, head, correction, m_stored, m_scales, v_stored, v_scales = _load_tile(
+        start, grad_ptr, accum_ptr, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr, n_elements, n_pairs,
+        MASTER, HAS_ACCUM, M_FAMILY, M_BITS, V_FAMILY, V_BITS, NB, QBLOCK,
+    )  # fmt: skip
+    # Issue every load before any arithmetic: the compiler would otherwise sink some next to
+    # their first use, and each program would wait for memory more than once.
+    tl.debug_barrier()
     # fp32 scalars everywhere (the interpreter would otherwise compute with Python doubles)
     lr, beta1, beta2, eps, decay = _as_f32(lr), _as_f32(beta1), _as_f32(beta2), _as_f32(eps), _as_f32(decay)
     weight_decay, lerp_weight, one_minus_beta2 = (
@@ -600,45 +610,6 @@ def _update_tile(
     )
 
 
-@triton.jit
-def _step_tile(
-    start, hash_start, grad_ptr, accum_ptr, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr,
-    n_elements, n_pairs, status, step, step_size, inv_bias_correction2_sqrt, grad_scale, shared_hash, param_hash,
-    lr, beta1, beta2, eps, decay, weight_decay, lerp_weight, one_minus_beta2, v_decay, v_decay_root,
-    ALGO: tl.constexpr, MASTER: tl.constexpr, PARAM_BF16: tl.constexpr, CORR_BITS: tl.constexpr,
-    STOCHASTIC_MASTER: tl.constexpr, PARAM_OWN_DRAW: tl.constexpr, HAS_ACCUM: tl.constexpr, MAXIMIZE: tl.constexpr,
-    NESTEROV: tl.constexpr,
-    M_FAMILY: tl.constexpr, M_BITS: tl.constexpr, M_SIGNED: tl.constexpr, M_POWER: tl.constexpr,
-    M_QMAX: tl.constexpr, M_K: tl.constexpr, M_MIN_E: tl.constexpr, M_THR: tl.constexpr, M_TOP: tl.constexpr,
-    M_CLIP: tl.constexpr,
-    V_FAMILY: tl.constexpr, V_BITS: tl.constexpr, V_SIGNED: tl.constexpr, V_POWER: tl.constexpr,
-    V_QMAX: tl.constexpr, V_K: tl.constexpr, V_MIN_E: tl.constexpr, V_THR: tl.constexpr, V_TOP: tl.constexpr,
-    NB: tl.constexpr, QBLOCK: tl.constexpr, SCALE_GRAD: tl.constexpr, IEEE_DENOMINATOR: tl.constexpr,
-    APPROXIMATE_DIV: tl.constexpr,
-    WHOLE: tl.constexpr,  # the tile lies wholly inside the tensor
-):  # fmt: skip
-    """Load, then update the tile at ``start`` (``_update_kernel``'s arguments, as it documents them)."""
-    if WHOLE:  # bounds above every offset: the compiler drops the masks and the padding's selects
-        n_elements = tl.full([], _WHOLE_TILE, tl.int64)
-        n_pairs = n_elements
-    stored = _load_tile(
-        start, grad_ptr, accum_ptr, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr, n_elements, n_pairs,
-        MASTER, HAS_ACCUM, M_FAMILY, M_BITS, V_FAMILY, V_BITS, NB, QBLOCK,
-    )  # fmt: skip
-    # Issue every load before any arithmetic: the compiler would otherwise sink some next to
-    # their first use, and each program would wait for memory more than once.
-    tl.debug_barrier()
-    _update_tile(
-        start, hash_start, stored, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr, n_elements,
-        n_pairs, status, step, step_size, inv_bias_correction2_sqrt, grad_scale, shared_hash, param_hash,
-        lr, beta1, beta2, eps, decay, weight_decay, lerp_weight, one_minus_beta2, v_decay, v_decay_root,
-        ALGO, MASTER, PARAM_BF16, CORR_BITS, STOCHASTIC_MASTER, PARAM_OWN_DRAW, HAS_ACCUM,
-        MAXIMIZE, NESTEROV, M_FAMILY, M_BITS, M_SIGNED, M_POWER, M_QMAX, M_K, M_MIN_E, M_THR, M_TOP, M_CLIP,
-        V_FAMILY, V_BITS, V_SIGNED, V_POWER, V_QMAX, V_K, V_MIN_E, V_THR, V_TOP, NB, QBLOCK, SCALE_GRAD,
-        IEEE_DENOMINATOR, APPROXIMATE_DIV,
-    )  # fmt: skip
-
-
 @triton.jit(do_not_specialize=["key_shared", "key_param", "first"] + [f"gd{i}" for i in range(BUCKET_TENSORS)])
 def _update_kernel(
     param_ptr,  # parameter, updated in place
@@ -759,7 +730,7 @@ def _update_kernel(
     if _PARTIAL_TILES:
         whole = n_elements - start >= NB * QBLOCK
     if whole:  # every tile but a tensor's last: its bound checks fold away
-        _step_tile(
+        _update_tile(
             start, start + hash_base, grad_ptr, accum_ptr, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr,
             v_scale_ptr, n_elements, n_pairs, status, step, step_size, inv_bias_correction2_sqrt, grad_scale,
             step_hash(key_shared, step), step_hash(key_param, step), lr, beta1, beta2, eps, decay, weight_decay,
@@ -770,7 +741,7 @@ def _update_kernel(
             WHOLE=True,
         )  # fmt: skip
     else:  # a tensor's last tile, when partial
-        _step_tile(
+        _update_tile(
             start, start + hash_base, grad_ptr, accum_ptr, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr,
             v_scale_ptr, n_elements, n_pairs, status, step, step_size, inv_bias_correction2_sqrt, grad_scale,
             step_hash(key_shared, step), step_hash(key_param, step), lr, beta1, beta2, eps, decay, weight_decay,
