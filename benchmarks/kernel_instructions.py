@@ -30,6 +30,10 @@ of a kernel line marked ``# rare branch`` (AdamW's IEEE fallback for an eps belo
 source lines they come from, innermost first) and counts its barriers (``BAR.SYNC``): a conversion
 between register layouts goes through shared memory and waits for every warp of the program.
 
+``--pipes`` adds each kernel's instructions per element by the execution pipe its opcodes issue to on
+sm_90 (``PIPES``, an approximation by opcode: ``PIPES=1 kernel_counters.sh`` measures the shares), e.g. the
+16-lane ALU pipe that limits ``norm2-root4``'s update.
+
 The local Triton may differ from the GPU machine's: compare counts made with one Triton only.
 """
 
@@ -191,6 +195,25 @@ def count(sass: str) -> collections.Counter:
     return +ops
 
 
+# The execution pipe of sm_90 SASS opcodes, by their first word (the rest: "other")
+PIPES = {
+    "alu": ("LOP3", "SHF", "FMNMX", "FSEL", "SEL", "FSETP", "ISETP", "IADD3", "LEA", "PRMT", "VIMNMX", "VIADDMNMX",
+            "IMNMX", "P2R", "R2P", "SGXT", "PLOP3", "MOV", "FSET", "ISET", "BMSK", "IABS"),
+    "fma": ("FFMA", "FMUL", "FADD", "IMAD", "IMUL", "HFMA2", "HMUL2", "HADD2"),
+    "xu": ("MUFU", "F2F", "I2F", "F2I", "FRND", "POPC", "FLO", "BREV"),
+    "lsu": ("LDG", "STG", "LDS", "STS", "LDL", "STL", "LDC", "SHFL", "ATOM", "ATOMG", "RED"),
+}  # fmt: skip
+
+
+def by_pipe(ops: collections.Counter) -> dict:
+    """``count``'s opcodes summed by ``PIPES``' pipe."""
+    pipe_of = {op: pipe for pipe, ops_ in PIPES.items() for op in ops_}
+    out = dict.fromkeys([*PIPES, "other"], 0)
+    for op, n in ops.items():
+        out[pipe_of.get(op.split(".")[0], "other")] += n
+    return out
+
+
 _FRAME = re.compile(r'"([^"]+)", line (\d+)')  # a frame of nvdisasm's "//## File ..., line N inlined at ..."
 
 
@@ -311,6 +334,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--layouts", action="store_true", help="also each kernel's layout conversions and barriers (BAR.SYNC)"
     )
+    parser.add_argument("--pipes", action="store_true", help="also each kernel's instructions by execution pipe")
     parser.add_argument("--out", help="results JSON")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -368,6 +392,10 @@ def main(argv=None) -> int:
         if args.opcodes:
             top = list(r["opcodes"].items())[: args.opcodes]
             print("|   | " + ", ".join(f"{op} {n}" for op, n in top) + " | | | | |")
+        if args.pipes and r["per_element"]:
+            scale = r["per_element"] / r["instructions"]
+            pipes = by_pipe(collections.Counter(r["opcodes"])).items()
+            print("|   | per element by pipe: " + ", ".join(f"{p} {n * scale:.1f}" for p, n in pipes) + " | | | | |")
     for r in results:
         if r["statements"] and r["kernel"] in BY_STATEMENT:
             scale = r["per_element"] / r["instructions"]

@@ -5,6 +5,7 @@ report, fingerprints) and scripts (fit search, quality studies, step speed). Non
 competitor libraries installed."""
 
 import argparse
+import collections
 import inspect
 import json
 import os
@@ -644,6 +645,13 @@ def test_kernel_counters_weight_each_launchs_stall_rates_by_its_time(tmp_path, c
     assert "| fusedopt.AdamW | _update_kernel | 80 | 4.00 / 1.00 | wait 12, barrier 4 |" in out
     # PIPES=1: each pipe's share weighted the same way, pipes ncu did not report as "-"
     assert "| fusedopt.AdamW | _update_kernel | 70 | 20 | - | - | - | - | - |" in out
+
+
+def test_kernel_instructions_sums_opcodes_by_their_pipe():
+    """--pipes: opcodes by their first word onto sm_90's pipes, modifiers and all; unknown ones as "other"."""
+    ops = collections.Counter({"LOP3.LUT": 3, "FMNMX": 2, "FFMA": 4, "IMAD.MOV.U32": 1, "MUFU.RCP": 1, "LDG.E.128": 2,
+                               "BRA": 5, "VIADD": 1})  # fmt: skip
+    assert kernel_instructions.by_pipe(ops) == {"alu": 5, "fma": 5, "xu": 1, "lsu": 2, "other": 6}
 
 
 def test_kernel_instructions_finds_the_rare_branch_of_adams_denominator():
