@@ -350,7 +350,8 @@ def main(argv=None) -> int:
 
     driver.set_active(_NoGPU())
     modules = [importlib.import_module(f"fusedopt.kernels.{m}") for m in ("update", "factored", "clipping", "norms")]
-    modules[0]._PARTIAL_TILES = modules[0].tl.constexpr(False)  # the update's whole-tile path alone
+    update = modules[0]
+    update._PARTIAL_TILES = update.tl.constexpr(False)  # the update's whole-tile path alone
     seen, results = set(), []
     for record in captured["records"]:
         key = json.dumps([record["config"], record["kernel"], record["constexprs"]], sort_keys=True)
