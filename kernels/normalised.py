@@ -24,7 +24,6 @@ from fusedopt.kernels.moments import (
 
 BLOCK = tl.constexpr(64)  # elements per block (fusedopt.codecs.normalised.BLOCK)
 _BIG = tl.constexpr(2.0**60)  # the reference's saturation of q
-_ROOT_TO_ONE = tl.constexpr(2.0**64)  # takes the smallest root, 2**-63, above 1
 _TINY = tl.constexpr(1e-30)  # the reference's divisor of a block of scale 0
 _THIRD = tl.constexpr(1.0 / 3.0)  # rounded to fp32 where it is used
 
@@ -119,16 +118,12 @@ def store_normalised(
     tl.static_assert(CLIP > 0, "the half-range's cap must be positive")
     TOP: tl.constexpr = 3  # 2**BITS - 1
     if IEEE:
-        q = tl.div_rn(x, r)
+        q = tl.where(r > 0, tl.div_rn(x, r), 0.0)
     else:
-        q = approximate_div(x, r)  # r is 0 or in [2**-63, 2**50]: in its range
-    if FINITE:  # a finite x: a NaN or inf only where r = 0
-        # saturated, then 0 where r = 0 by a product on the FMA pipe (a compare and a select would take the busier
-        # ALU pipe): the clamp takes r = 0's quotient to a finite value (a NaN to -_BIG), sat(r * 2**64) is 1 for
-        # every r > 0 and 0 for r = 0 (the product's -0 reads as +0 below: squared, abs, plus 1)
-        q = tl.minimum(tl.maximum(q, -_BIG), _BIG) * saturated_product(r, _ROOT_TO_ONE)
+        q = tl.where(r > 0, approximate_div(x, r), 0.0)  # r is 0 or in [2**-63, 2**50]: in its range
+    if FINITE:  # a finite x over r > 0: no NaN
+        q = tl.minimum(tl.maximum(q, -_BIG), _BIG)  # saturated
     else:
-        q = tl.where(r > 0, q, 0.0)
         q = tl.where(q != q, 0.0, tl.minimum(tl.maximum(q, -_BIG), _BIG))  # nan_to_num, saturated
     half = tl.minimum(tl.max(tl.abs(q), axis=1), block_rms(q, R) * CLIP)
     # rounded up to bf16: the smallest bf16 pattern not below half's (half >= 0, finite)
