@@ -22,6 +22,8 @@ backward pass that runs a hook queues an end-of-pass marker with the autograd en
 it when the pass completes and drops it, unrun, when the pass fails. A pass whose marker is gone
 unrun was interrupted; the next hook of another pass, or the optimizer's next call, closes its
 window (``close_interrupted``): what was updated stays, held and accumulated gradients are dropped.
+Under reentrant activation checkpointing a segment's backward is a pass nested in the one that
+recomputes the segments; that outer pass queues a marker too (``_watch_outer_pass``).
 
 References are arranged so the optimizer can be garbage-collected: hooks hold a weak
 reference to this object, which holds a weak reference to the optimizer; a finaliser on
@@ -130,6 +132,12 @@ def _hook(release_ref: weakref.ref, p: torch.Tensor) -> None:
         release.on_gradient(p)
 
 
+def _outer_pass_prehook(release_ref: weakref.ref, grad_outputs) -> None:
+    release = release_ref()
+    if release is not None:
+        release.enter_outer_pass()
+
+
 _NO_PASS = -1  # torch._C._current_graph_task_id() outside a backward pass
 
 
@@ -168,15 +176,16 @@ class _EndOfPass:
         self.record.finished = True
 
 
-def _inside_reentrant_checkpoint() -> bool:
-    """Whether this hook runs inside the nested backward of reentrant activation checkpointing."""
+def _reentrant_checkpoint():
+    """The autograd node of the reentrant activation checkpoint whose nested backward runs this hook
+    (its ``ctx``), or None outside one."""
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if code.co_name == "backward" and code.co_filename.endswith(os.path.join("torch", "utils", "checkpoint.py")):
-            return True
+            return frame.f_locals.get("ctx")
         frame = frame.f_back
-    return False
+    return None
 
 
 class GradientRelease:
@@ -193,6 +202,7 @@ class GradientRelease:
         self._held: list[tuple] = []  # (param, gradient, its CheckedUpdate) not yet updated
         self._held_bytes = 0
         self._passes: dict[int, _Pass] = {}  # graph task id -> a pass whose end has not run yet
+        self._outer_watch: list = []  # handles of the node pre-hooks that wait for a reentrant checkpoint's outer pass
         self._task = _NO_PASS  # the pass the last hook ran in
         self._updated = 0  # updates release launched since step()
         self._left: dict[int, tuple[weakref.ref, int]] = {}  # id(param) -> its gradient left in p.grad, its version
@@ -339,7 +349,7 @@ class GradientRelease:
 
     def _second_gradient_error(self, p: torch.Tensor, n: int, k: int) -> str:
         shape = tuple(p.shape)
-        if _inside_reentrant_checkpoint() or len(self._passes) > 1:
+        if _reentrant_checkpoint() is not None or len(self._passes) > 1:
             return (
                 f"fusedopt: a parameter of shape {shape} received a second gradient within one backward pass, after "
                 "its update was already applied: autograd delivered its gradient in pieces, which happens under "
@@ -441,14 +451,47 @@ class GradientRelease:
         of an earlier pass that stopped early, then have the engine tell this one's end."""
         if task != _NO_PASS and task not in self._passes:
             self.close_interrupted(optimizer, current=p)
-            marker = _EndOfPass(task, self)
-            try:
-                torch.autograd.Variable._execution_engine.queue_callback(marker)
-            except RuntimeError:  # no pass to queue it in after all: updates launch at once
+            if not self._queue_end_of_pass(task):  # no pass to queue it in after all: updates launch at once
                 task = _NO_PASS
-            else:
-                self._passes[task] = marker.record
+            elif len(self._passes) == 1:  # the only pass watched: the outer of a reentrant checkpoint is not
+                checkpoint = _reentrant_checkpoint()
+                if checkpoint is not None:
+                    self._watch_outer_pass(checkpoint)
         self._task = task
+
+    def _queue_end_of_pass(self, task: int) -> bool:
+        """Queue an end-of-pass marker with the running pass ``task``; False where the engine runs none."""
+        marker = _EndOfPass(task, self)
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(marker)
+        except RuntimeError:
+            return False
+        self._passes[task] = marker.record
+        return True
+
+    def _watch_outer_pass(self, checkpoint) -> None:
+        """Reentrant checkpointing runs a segment's backward as a pass of its own, nested in the pass that
+        recomputes the segments (the outer). The outer queues no marker unless a hook runs in it, so its
+        failure after a nested pass ended (out of memory in the next segment's recomputation) would go
+        unseen and the retry would meet parameters already updated in this window: the outer queues its
+        marker before the nodes the checkpoint's gradient flows to run (``enter_outer_pass``). (A fault
+        before the first of them runs, as the checkpoint returns its gradients, is not seen.)"""
+        hook = functools.partial(_outer_pass_prehook, weakref.ref(self))
+        for node, _ in checkpoint.next_functions:
+            if node is not None:
+                self._outer_watch.append(node.register_prehook(hook))
+
+    def enter_outer_pass(self) -> None:
+        """A node of the outer pass is about to run (``_watch_outer_pass``): queue its end-of-pass marker."""
+        self._stop_watching()
+        task = torch._C._current_graph_task_id()
+        if task != _NO_PASS and task not in self._passes:
+            self._queue_end_of_pass(task)
+
+    def _stop_watching(self) -> None:
+        handles, self._outer_watch = self._outer_watch, []
+        for handle in handles:
+            handle.remove()
 
     def end_of_pass(self, task: int) -> None:
         """A backward pass completed: launch the updates it holds."""
@@ -522,6 +565,7 @@ class GradientRelease:
         self._counts.clear()
         self._left.clear()
         self._passes = {task: record for task, record in self._passes.items() if not record.interrupted(outside)}
+        self._stop_watching()
         self._updated = 0
         optimizer.gradient_pipeline.abandon_window()
 
@@ -555,6 +599,7 @@ class GradientRelease:
 
     def new_window(self) -> None:
         """``step()`` was called: the next backward starts a new accumulation window."""
+        self._stop_watching()
         self._counts.clear()
         self._left.clear()
         self._updated = 0

@@ -267,6 +267,77 @@ def test_every_entry_point_closes_a_failed_backward(recovery, mode, dtype, monke
     _check_closed_and_resumable(loop, params, steps, updated, algorithm, dtype, mode)
 
 
+class CheckpointedLoop(Loop):
+    """The loop with every layer a reentrant activation checkpoint (``use_reentrant=True``, as Hugging Face's
+    gradient checkpointing by default): each layer's backward runs as a pass of its own, nested in the pass
+    that recomputes the layers."""
+
+    def backward(self, x, fault=None):
+        loss = _checkpointed_loss(self.model, x, *(fault or (None, None)))
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+
+def _checkpointed_loss(model, x, kind=None, layer=None):
+    """``_loss`` through reentrant checkpoints; the fault in ``layer``'s recomputation (``kind="recompute"``:
+    in the outer pass, after the nested passes of the layers above it ended) or in its nested backward
+    (``"nested"``)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def segment(i, t):
+        if kind == "recompute" and i == layer and torch.is_grad_enabled() and OutOfMemory.armed:
+            OutOfMemory.armed = False  # (the first forward runs without grad: this is the recomputation)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        t = torch.tanh(model[i](t))
+        return OutOfMemory.apply(t) if kind == "nested" and i == layer else t
+
+    x = x.detach().requires_grad_(True)  # a checkpoint passes gradients only to inputs that require them
+    for i in range(LAYERS):
+        x = checkpoint(segment, i, x, use_reentrant=True)
+    return x.float().pow(2).mean()
+
+
+@pytest.mark.parametrize("kind, layer", [("recompute", 1), ("recompute", 0), ("nested", 1)])
+@pytest.mark.parametrize("recovery", ["zero_grad", "next-backward"])
+@pytest.mark.parametrize("mode", ["plain", "accumulation-second", "scaler"])
+@pytest.mark.parametrize("dtype", dtype_cases(torch.float32, torch.bfloat16))
+def test_a_failure_under_reentrant_checkpointing_is_closed(kind, layer, recovery, mode, dtype):
+    """Out of memory while a layer is recomputed fails the outer pass after the nested passes of the layers
+    above it ended and updated them, where no release hook of the outer pass itself ran: the step is still
+    closed (the outer pass queues its end-of-pass marker too), so the retry trains instead of meeting
+    parameters already updated in its window. Also a failure inside a nested pass."""
+    algorithm = ALGORITHM["adamw"]
+    plain = _build(algorithm, dtype, mode)
+    loop = CheckpointedLoop(plain.model, plain.opt, plain.k, plain.scaler)
+    loop.train(_batches(2 * loop.k, dtype))
+    params = [p.detach().clone() for p in loop.model.parameters()]
+    steps = _steps(loop.opt)
+    x = _batches(1, dtype, seed=3)[0]
+    if mode == "accumulation-second":
+        loop.backward(x)
+    OutOfMemory.armed = True
+    with pytest.raises(torch.OutOfMemoryError):
+        loop.backward(x, (kind, layer))
+    assert not OutOfMemory.armed
+    updated = [i > layer for i in range(LAYERS) for _ in range(2)]
+    with pytest.warns(UserWarning, match=rf"stopped early.*; {sum(updated)} parameter update\(s\)"):
+        if recovery == "zero_grad":
+            loop.opt.zero_grad()
+        else:
+            loop.backward(_batches(1, dtype, seed=9)[0])
+    if recovery == "next-backward":  # it opened a new window: the rest of it, and its step
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            for x in _batches(loop.k - 1, dtype, seed=10):
+                loop.backward(x)
+            loop.step()
+        assert [s - b for s, b in zip(_steps(loop.opt), steps)] == [1 + u for u in updated]
+        _assert_finite_state(loop.opt)
+        assert loop.opt.num_interrupted_steps == 1
+        return
+    assert loop.opt.num_interrupted_steps == 1
+    _check_closed_and_resumable(loop, params, steps, updated, algorithm, dtype, mode)
+
+
 def test_a_float32_partial_accumulation_left_in_p_grad_is_refused_not_added_to(monkeypatch):
     """float32 gradients accumulate in p.grad, where a pass that failed in the first micro-batch left its
     partial sum; the next pass adds to it before any hook runs. As with torch.optim, zero_grad() clears
