@@ -474,6 +474,49 @@ class _OutOfMemoryOnce(torch.autograd.Function):
         return grad
 
 
+def test_auto_find_batch_size_retries_an_out_of_memory_recomputation_under_reentrant_checkpointing(tmp_path):
+    """Gradient checkpointing as transformers does it by default (``use_reentrant=True``) with the embedding,
+    final norm and head frozen: every release hook runs in a layer's nested backward, and the out-of-memory
+    error comes in the recomputation of the first layer, after the second layer's nested backward updated
+    it. The optimizer closes that step, and the retry with a smaller batch trains to the end."""
+    recomputations = []
+
+    def fail_in_recomputation(module, args, out):
+        if torch.is_grad_enabled():  # reentrant checkpointing runs the first forward without gradients
+            recomputations.append(len(recomputations))
+            if len(recomputations) == 4:  # the second step's second micro-batch, the one that updates
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return out
+
+    model = tiny_llama(torch.bfloat16)
+    for module in (model.model.embed_tokens, model.model.norm, model.lm_head):
+        module.requires_grad_(False)
+    model.enable_input_require_grads()  # the layers' input carries gradients into the checkpoints
+    model.model.layers[0].mlp.register_forward_hook(fail_in_recomputation)
+    args = training_args(
+        tmp_path, max_steps=6, max_grad_norm=1.0, per_device_train_batch_size=4, auto_find_batch_size=True,
+        gradient_accumulation_steps=2, gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": True},
+    )  # fmt: skip
+    trainer = FusedOptTrainer(
+        model=model,
+        args=args,
+        train_dataset=TokenDataset(n=40),
+        optimizer_cls_and_kwargs=(fusedopt.AdamW, dict(fused=True, state_bits=8, min_compress_numel=0)),
+    )
+    with pytest.warns(UserWarning, match=r"stopped early.*; [1-9]\d* parameter update\(s\)") as record:
+        trainer.train()
+    assert len(recomputations) > 4 and sum("stopped early" in str(w.message) for w in record) == 1
+    assert trainer.state.global_step == 6 and trainer.state.train_batch_size == 3  # retried with 0.9 x 4
+    opt = fused_optimizer(trainer.optimizer)
+    assert opt.num_interrupted_steps == 1
+    # one step before the failure and six in the retry, which runs on the same optimizer; the second layer,
+    # updated by the failed pass, one more
+    steps = {name: int(opt.state[p]["step"]) for name, p in model.named_parameters() if p.requires_grad}
+    assert {name for name, n in steps.items() if n == 8} == {n for n in steps if ".layers.1." in n}
+    assert all(n == 7 for name, n in steps.items() if ".layers.1." not in name)
+
+
 def test_auto_find_batch_size_retries_an_out_of_memory_backward_and_resumes_bit_for_bit(tmp_path):
     """``auto_find_batch_size=True``: an out-of-memory error inside a releasing backward, after the layers
     above the fault were updated, makes the Trainer start again with a smaller batch on the same
