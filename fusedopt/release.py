@@ -265,6 +265,7 @@ class GradientRelease:
             if p is not None:
                 self._disown(p)
         GradientRelease._remove_handles(self._handles)
+        self._stop_watching()
         self._frozen.clear()
         self.attached = False
 
