@@ -198,6 +198,19 @@ def _check_closed_and_resumable(
     assert [s - b for s, b in zip(_steps(opt), before_steps)] == [2 + u for u in updated]
 
 
+def _finish_the_next_window(loop, dtype, steps, updated):
+    """After a failed step closed by the next backward, which opened a new window: the rest of that window
+    and its step, without another warning; every parameter one step on, those the failed pass updated two."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        for x in _batches(loop.k - 1, dtype, seed=10):
+            loop.backward(x)
+        loop.step()
+    assert [s - b for s, b in zip(_steps(loop.opt), steps)] == [1 + u for u in updated]
+    _assert_finite_state(loop.opt)
+    assert loop.opt.num_interrupted_steps == 1
+
+
 MODES = ("plain", "accumulation-first", "accumulation-second", "clipping", "scaler")
 ALGORITHMS = algorithm_cases("adamw", "sgd-momentum", "lion", "adafactor")
 
@@ -254,15 +267,8 @@ def test_every_entry_point_closes_a_failed_backward(recovery, mode, dtype, monke
         _assert_same(checkpoint["opt"]["state"], loop.opt.state_dict()["state"])
         assert _steps(loop.opt) == steps
         return
-    if recovery == "next-backward":  # it opened a new window: the rest of it, and its step
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", UserWarning)
-            for x in _batches(loop.k - 1, dtype, seed=10):
-                loop.backward(x)
-            loop.step()
-        assert [s - b for s, b in zip(_steps(loop.opt), steps)] == [1 + u for u in updated]
-        _assert_finite_state(loop.opt)
-        assert loop.opt.num_interrupted_steps == 1
+    if recovery == "next-backward":
+        _finish_the_next_window(loop, dtype, steps, updated)
         return
     _check_closed_and_resumable(loop, params, steps, updated, algorithm, dtype, mode)
 
@@ -324,15 +330,8 @@ def test_a_failure_under_reentrant_checkpointing_is_closed(kind, layer, recovery
             loop.opt.zero_grad()
         else:
             loop.backward(_batches(1, dtype, seed=9)[0])
-    if recovery == "next-backward":  # it opened a new window: the rest of it, and its step
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", UserWarning)
-            for x in _batches(loop.k - 1, dtype, seed=10):
-                loop.backward(x)
-            loop.step()
-        assert [s - b for s, b in zip(_steps(loop.opt), steps)] == [1 + u for u in updated]
-        _assert_finite_state(loop.opt)
-        assert loop.opt.num_interrupted_steps == 1
+    if recovery == "next-backward":
+        _finish_the_next_window(loop, dtype, steps, updated)
         return
     assert loop.opt.num_interrupted_steps == 1
     _check_closed_and_resumable(loop, params, steps, updated, algorithm, dtype, mode)
