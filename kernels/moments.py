@@ -163,43 +163,27 @@ def commit_mask(status, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def code_run_bytes(start, n_elements, BLOCK: tl.constexpr, R: tl.constexpr, RUN: tl.constexpr, BITS: tl.constexpr):
-    """(byte offsets, mask) of the codes of ``BITS`` bits of the program's ``R`` blocks of ``BLOCK`` elements,
-    ``[R * BLOCK / RUN, RUN * BITS / 8]``: a row per run of ``RUN`` elements, the gradient's vector (16 bytes),
-    so each thread loads the codes of the elements whose gradient it loads and nothing changes layout; the
-    mask: the blocks the tensor has."""
-    PER_BYTE: tl.constexpr = 8 // BITS
-    RUN_BYTES: tl.constexpr = RUN // PER_BYTE
-    byte = start // PER_BYTE + tl.arange(0, R * BLOCK // RUN)[:, None] * RUN_BYTES + tl.arange(0, RUN_BYTES)[None, :]
-    n_blocks = (n_elements - 1) // BLOCK + 1  # (as block_rows)
-    return byte, byte < n_blocks * (BLOCK // PER_BYTE)
-
-
-@triton.jit
-def load_nibble_bytes(codes_ptr, start, n_elements, R: tl.constexpr, BLOCK: tl.constexpr, RUN: tl.constexpr):
-    """The bytes ``[R * BLOCK / RUN, RUN / 2]`` (``code_run_bytes``) of the program's blocks of 4-bit codes, two a
-    byte, element ``2i`` in the low nibble (the root grid's storage, ``fusedopt.codecs.nibbles``;
-    ``unpack_nibbles`` decodes them); 0 past the tensor's last block."""
-    byte, has_block = code_run_bytes(start, n_elements, BLOCK, R, RUN, 4)
-    return tl.load(codes_ptr + byte, mask=has_block, other=0)
+def load_nibble_bytes(codes_ptr, start, has_block, R: tl.constexpr, BLOCK: tl.constexpr):
+    """The bytes ``[R, BLOCK / 2]`` of the program's blocks of 4-bit codes, two a byte, element ``2i`` in the
+    low nibble (the root grid's storage, ``fusedopt.codecs.nibbles``; ``unpack_nibbles`` decodes them); 0
+    where a row has no block."""
+    byte = start // 2 + tl.arange(0, R)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
+    return tl.load(codes_ptr + byte, mask=has_block[:, None], other=0)
 
 
 @triton.jit
 def unpack_nibbles(packed, R: tl.constexpr, BLOCK: tl.constexpr):
-    """int32 codes ``[R, BLOCK]`` of bytes of two codes each (``load_nibble_bytes``), element ``2i`` in the low
-    nibble."""
+    """int32 codes ``[R, BLOCK]`` of bytes ``[R, BLOCK / 2]`` of two codes each, element ``2i`` in the low nibble."""
     packed = packed.to(tl.int32)
     return tl.reshape(tl.join(packed & 0xF, packed >> 4), [R, BLOCK])
 
 
 @triton.jit
-def store_nibble_codes(
-    codes_ptr, codes, start, n_elements, status, R: tl.constexpr, BLOCK: tl.constexpr, RUN: tl.constexpr
-):
+def store_nibble_codes(codes_ptr, codes, start, has_block, status, R: tl.constexpr, BLOCK: tl.constexpr):
     """Store int32 ``codes`` ``[R, BLOCK]`` as ``load_nibble_bytes`` reads them (nothing if ``status``)."""
-    byte, has_block = code_run_bytes(start, n_elements, BLOCK, R, RUN, 4)
-    even, odd = tl.split(tl.reshape(codes, [R * BLOCK // RUN, RUN // 2, 2]))
-    commit = has_block & commit_mask(status, R * BLOCK // RUN, RUN // 2)
+    even, odd = tl.split(tl.reshape(codes, [R, BLOCK // 2, 2]))
+    byte = start // 2 + tl.arange(0, R)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
+    commit = has_block[:, None] & commit_mask(status, R, BLOCK // 2)
     tl.store(codes_ptr + byte, (even | (odd << 4)).to(tl.uint8), mask=commit)
 
 

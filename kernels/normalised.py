@@ -16,7 +16,6 @@ import triton.language as tl
 from fusedopt.kernels.moments import (
     approximate_div,
     block_rows,
-    code_run_bytes,
     commit_mask,
     floor_truncating,
     reciprocal_rn,
@@ -27,6 +26,13 @@ BLOCK = tl.constexpr(64)  # elements per block (fusedopt.codecs.normalised.BLOCK
 _BIG = tl.constexpr(2.0**60)  # the reference's saturation of q
 _TINY = tl.constexpr(1e-30)  # the reference's divisor of a block of scale 0
 _THIRD = tl.constexpr(1.0 / 3.0)  # rounded to fp32 where it is used
+
+
+@triton.jit
+def _byte_offsets(start, BITS: tl.constexpr, R: tl.constexpr):
+    """Offsets of the packed code bytes of the program's blocks, ``[R, 64 * BITS / 8]``."""
+    PER_ROW: tl.constexpr = BLOCK * BITS // 8
+    return start // (8 // BITS) + tl.arange(0, R)[:, None] * PER_ROW + tl.arange(0, PER_ROW)[None, :]
 
 
 @triton.jit
@@ -53,26 +59,20 @@ def third(s):
 
 
 @triton.jit
-def load_normalised(
-    codes_ptr, scales_ptr, r, start, n_elements, BITS: tl.constexpr, R: tl.constexpr, RUN: tl.constexpr = 8
-):
+def load_normalised(codes_ptr, scales_ptr, r, start, n_elements, BITS: tl.constexpr, R: tl.constexpr):
     """Decode the program's ``R`` blocks to ``m`` ``[R, 64]``; ``r``: the square root of the decoded
     frame (0 past the tensor's end)."""
-    packed, scales = load_normalised_raw(codes_ptr, scales_ptr, start, n_elements, BITS, R, RUN)
+    packed, scales = load_normalised_raw(codes_ptr, scales_ptr, start, n_elements, BITS, R)
     return decode_normalised(packed, scales, r, BITS, R)
 
 
 @triton.jit
-def load_normalised_raw(
-    codes_ptr, scales_ptr, start, n_elements, BITS: tl.constexpr, R: tl.constexpr, RUN: tl.constexpr = 8
-):
-    """The program's ``R`` blocks as stored, for ``decode_normalised``: (code bytes in runs of ``RUN`` elements
-    (``moments.code_run_bytes``), bf16 scales)."""
+def load_normalised_raw(codes_ptr, scales_ptr, start, n_elements, BITS: tl.constexpr, R: tl.constexpr):
+    """The program's ``R`` blocks as stored, for ``decode_normalised``: (code bytes, bf16 scales)."""
     tl.static_assert(BITS == 2, "normalised codes are 2 bits")
     blocks, has_block = block_rows(start, n_elements, BLOCK, R)
     scales = tl.load(scales_ptr + blocks, mask=has_block, other=0.0)
-    byte, has_codes = code_run_bytes(start, n_elements, BLOCK, R, RUN, BITS)
-    packed = tl.load(codes_ptr + byte, mask=has_codes, other=0)
+    packed = tl.load(codes_ptr + _byte_offsets(start, BITS, R), mask=has_block[:, None], other=0)
     return packed, scales
 
 
@@ -111,7 +111,6 @@ def store_normalised(
     IEEE: tl.constexpr,  # m / r by the IEEE division (else the approximate one: kernels/update.py's denominator)
     R: tl.constexpr,
     FINITE: tl.constexpr = False,  # x is finite wherever anything is stored (the update's: its gradient is finite)
-    RUN: tl.constexpr = 8,  # the codes' byte rows (moments.code_run_bytes)
 ):
     """``NormalisedCodec.encode``: q = m / r, the block's half-range rounded up to bf16, the codes
     rounded stochastically between the two levels around q."""
@@ -137,10 +136,10 @@ def store_normalised(
     blocks, has_block = block_rows(start, n_elements, BLOCK, R)
     block_commit = (tl.zeros([R], tl.int32) + status) == 0
     tl.store(scales_ptr + blocks, unit.to(tl.bfloat16), mask=has_block & block_commit)  # exact: a bf16 value
-    f02, f13 = tl.split(tl.reshape(codes, [R * BLOCK // RUN, RUN // 4, 2, 2]))
+    f02, f13 = tl.split(tl.reshape(codes, [R, BLOCK // 4, 2, 2]))
     f0, f2 = tl.split(f02)
     f1, f3 = tl.split(f13)
     packed = f0 | (f1 << 2) | (f2 << 4) | (f3 << 6)
-    byte, has_codes = code_run_bytes(start, n_elements, BLOCK, R, RUN, BITS)
-    commit = has_codes & commit_mask(status, R * BLOCK // RUN, RUN * BITS // 8)
-    tl.store(codes_ptr + byte, packed.to(tl.uint8), mask=commit)
+    PER_ROW: tl.constexpr = BLOCK * BITS // 8
+    commit = has_block[:, None] & commit_mask(status, R, PER_ROW)
+    tl.store(codes_ptr + _byte_offsets(start, BITS, R), packed.to(tl.uint8), mask=commit)

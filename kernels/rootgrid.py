@@ -52,20 +52,19 @@ def roots(codes, units):
 
 
 @triton.jit
-def load_root_grid(codes_ptr, units_ptr, start, n_elements, R: tl.constexpr, RUN: tl.constexpr = 8):
+def load_root_grid(codes_ptr, units_ptr, start, n_elements, R: tl.constexpr):
     """Decode the program's ``R`` blocks: (codes, units, roots ``[R, 128]``). Padding elements decode
     too (their codes are 0)."""
-    packed, units = load_root_grid_raw(codes_ptr, units_ptr, start, n_elements, R, RUN)
+    packed, units = load_root_grid_raw(codes_ptr, units_ptr, start, n_elements, R)
     return decode_root_grid(packed, units, R)
 
 
 @triton.jit
-def load_root_grid_raw(codes_ptr, units_ptr, start, n_elements, R: tl.constexpr, RUN: tl.constexpr = 8):
-    """The program's ``R`` blocks as stored, for ``decode_root_grid``: (code bytes in runs of ``RUN`` elements
-    (``moments.load_nibble_bytes``), units)."""
+def load_root_grid_raw(codes_ptr, units_ptr, start, n_elements, R: tl.constexpr):
+    """The program's ``R`` blocks as stored, for ``decode_root_grid``: (code bytes ``[R, 64]``, units)."""
     blocks, has_block = block_rows(start, n_elements, BLOCK, R)
     units = tl.load(units_ptr + blocks, mask=has_block, other=0.0)
-    return load_nibble_bytes(codes_ptr, start, n_elements, R, BLOCK, RUN), units
+    return load_nibble_bytes(codes_ptr, start, has_block, R, BLOCK), units
 
 
 @triton.jit
@@ -94,7 +93,6 @@ def store_root_grid(
     EXACT_ROOT: tl.constexpr,  # root is tl.sqrt_rn(x)
     R: tl.constexpr,
     FINITE: tl.constexpr = False,  # x is never NaN wherever anything is stored (the update's: its gradient is finite)
-    RUN: tl.constexpr = 8,  # the codes' byte rows (moments.store_nibble_codes)
 ):
     """``RootGridCodec.encode_decayed``: the unit decays by ``sqrt(d)``, elements without an increment
     keep their codes, the others are rounded on the decayed grid, a block above its top level afresh.
@@ -133,5 +131,5 @@ def store_root_grid(
     blocks, has_block = block_rows(start, n_elements, BLOCK, R)
     block_commit = (tl.zeros([R], tl.int32) + status) == 0
     tl.store(units_ptr + blocks, new_units, mask=has_block & block_commit)
-    store_nibble_codes(codes_ptr, new_codes, start, n_elements, status, R, BLOCK, RUN)
+    store_nibble_codes(codes_ptr, new_codes, start, has_block, status, R, BLOCK)
     return roots(new_codes, new_units)

@@ -393,13 +393,6 @@ def _tile_start(tile, TILE: tl.constexpr, INDEX_64: tl.constexpr):
 
 
 @triton.jit
-def _vector_run(grad_ptr):
-    """Elements in one 16-byte vector of the gradient: the packed codes are loaded in runs of as many
-    (``moments.code_run_bytes``), so each thread holds the codes of the elements it holds."""
-    return tl.constexpr(128 // grad_ptr.dtype.element_ty.primitive_bitwidth)
-
-
-@triton.jit
 def _load_tile(
     start, grad_ptr, accum_ptr, param_ptr, corr_ptr, m_ptr, m_scale_ptr, v_ptr, v_scale_ptr, n_elements, n_pairs,
     MASTER: tl.constexpr, HAS_ACCUM: tl.constexpr, M_FAMILY: tl.constexpr, M_BITS: tl.constexpr,
@@ -416,16 +409,14 @@ def _load_tile(
     head, correction = load_master_raw(param_ptr, corr_ptr, offs, mask, MASTER)
     if M_FAMILY == _NORMALISED:
         m_stored, m_scales = load_normalised_raw(
-            m_ptr, m_scale_ptr, start, n_elements, M_BITS, NB * QBLOCK // _NORM_BLOCK, _vector_run(grad_ptr)
+            m_ptr, m_scale_ptr, start, n_elements, M_BITS, NB * QBLOCK // _NORM_BLOCK
         )
     else:
         m_stored, m_scales = load_moment_raw(
             m_ptr, m_scale_ptr, start, n_elements, n_pairs, M_FAMILY, M_BITS, NB, QBLOCK
         )
     if V_FAMILY == _ROOT_GRID:
-        v_stored, v_scales = load_root_grid_raw(
-            v_ptr, v_scale_ptr, start, n_elements, NB * QBLOCK // _ROOT_BLOCK, _vector_run(grad_ptr)
-        )
+        v_stored, v_scales = load_root_grid_raw(v_ptr, v_scale_ptr, start, n_elements, NB * QBLOCK // _ROOT_BLOCK)
     else:
         v_stored, v_scales = load_moment_raw(
             v_ptr, v_scale_ptr, start, n_elements, n_pairs, V_FAMILY, V_BITS, NB, QBLOCK
@@ -547,7 +538,7 @@ def _update_tile(
             tl.reshape(v, [ROOT_ROWS, _ROOT_BLOCK]), tl.reshape(v_root, [ROOT_ROWS, _ROOT_BLOCK]), v_codes, v_units,
             v_values, _as_f32(v_decay), _as_f32(v_decay_root), tl.reshape(v_draws, [ROOT_ROWS, _ROOT_BLOCK]),
             tl.reshape(offs, [ROOT_ROWS, _ROOT_BLOCK]), v_ptr, v_scale_ptr, start, n_elements, status,
-            IEEE_DENOMINATOR, ROOT_ROWS, FINITE=True, RUN=_vector_run(grad_ptr),
+            IEEE_DENOMINATOR, ROOT_ROWS, FINITE=True,
         )  # fmt: skip
     if M_FAMILY == _NORMALISED:
         root = tl.where(mask, tl.reshape(stored_roots, [NB, QBLOCK]), 0.0)  # sqrt(v) as just stored
@@ -555,7 +546,7 @@ def _update_tile(
         store_normalised(
             tl.reshape(m, [NORM_ROWS, _NORM_BLOCK]), tl.reshape(root, [NORM_ROWS, _NORM_BLOCK]),
             tl.reshape(m_u, [NORM_ROWS, _NORM_BLOCK]), m_ptr, m_scale_ptr, start, n_elements, status,
-            M_BITS, M_CLIP, IEEE_DENOMINATOR, NORM_ROWS, FINITE=True, RUN=_vector_run(grad_ptr),
+            M_BITS, M_CLIP, IEEE_DENOMINATOR, NORM_ROWS, FINITE=True,
         )  # fmt: skip
     else:
         store_moment(
