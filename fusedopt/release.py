@@ -23,7 +23,8 @@ it when the pass completes and drops it, unrun, when the pass fails. A pass whos
 unrun was interrupted; the next hook of another pass, or the optimizer's next call, closes its
 window (``close_interrupted``): what was updated stays, held and accumulated gradients are dropped.
 Under reentrant activation checkpointing a segment's backward is a pass nested in the one that
-recomputes the segments; that outer pass queues a marker too (``_watch_outer_pass``).
+recomputes the segments; that outer pass queues a marker too (``_watch_outer_pass``), and so on outwards
+where checkpoints nest.
 
 References are arranged so the optimizer can be garbage-collected: hooks hold a weak
 reference to this object, which holds a weak reference to the optimizer; a finaliser on
@@ -454,10 +455,8 @@ class GradientRelease:
             self.close_interrupted(optimizer, current=p)
             if not self._queue_end_of_pass(task):  # no pass to queue it in after all: updates launch at once
                 task = _NO_PASS
-            elif len(self._passes) == 1:  # the only pass watched: the outer of a reentrant checkpoint is not
-                checkpoint = _reentrant_checkpoint()
-                if checkpoint is not None:
-                    self._watch_outer_pass(checkpoint)
+            else:
+                self._watch_enclosing_pass()
         self._task = task
 
     def _queue_end_of_pass(self, task: int) -> bool:
@@ -469,6 +468,14 @@ class GradientRelease:
             return False
         self._passes[task] = marker.record
         return True
+
+    def _watch_enclosing_pass(self) -> None:
+        """Where the only pass watched runs inside a reentrant checkpoint's backward, watch the pass that
+        checkpoint's node belongs to (``_watch_outer_pass``)."""
+        if len(self._passes) == 1:
+            checkpoint = _reentrant_checkpoint()
+            if checkpoint is not None:
+                self._watch_outer_pass(checkpoint)
 
     def _watch_outer_pass(self, checkpoint) -> None:
         """Reentrant checkpointing runs a segment's backward as a pass of its own, nested in the pass that
@@ -486,8 +493,8 @@ class GradientRelease:
         """A node of the outer pass is about to run (``_watch_outer_pass``): queue its end-of-pass marker."""
         self._stop_watching()
         task = torch._C._current_graph_task_id()
-        if task != _NO_PASS and task not in self._passes:
-            self._queue_end_of_pass(task)
+        if task != _NO_PASS and task not in self._passes and self._queue_end_of_pass(task):
+            self._watch_enclosing_pass()  # checkpoints nested in checkpoints: the outer may be nested too
 
     def _stop_watching(self) -> None:
         handles, self._outer_watch = self._outer_watch, []

@@ -276,44 +276,68 @@ def test_every_entry_point_closes_a_failed_backward(recovery, mode, dtype, monke
 class CheckpointedLoop(Loop):
     """The loop with every layer a reentrant activation checkpoint (``use_reentrant=True``, as Hugging Face's
     gradient checkpointing by default): each layer's backward runs as a pass of its own, nested in the pass
-    that recomputes the layers."""
+    that recomputes the layers. ``nested``: checkpoints in checkpoints (``_checkpointed_loss``)."""
+
+    nested = False
 
     def backward(self, x, fault=None):
-        loss = _checkpointed_loss(self.model, x, *(fault or (None, None)))
+        loss = _checkpointed_loss(self.model, x, *(fault or (None, None)), nested=self.nested)
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
 
-def _checkpointed_loss(model, x, kind=None, layer=None):
+def _checkpointed_loss(model, x, kind=None, layer=None, nested=False):
     """``_loss`` through reentrant checkpoints; the fault in ``layer``'s recomputation (``kind="recompute"``:
     in the outer pass, after the nested passes of the layers above it ended) or in its nested backward
-    (``"nested"``)."""
+    (``"nested"``). ``nested``: each half of the layers a checkpoint too, so a layer's backward is a pass
+    nested in a nested pass; ``kind="half"``: the fault in the recomputation of ``layer``'s half (in the
+    outermost pass)."""
     from torch.utils.checkpoint import checkpoint
 
-    def segment(i, t):
-        if kind == "recompute" and i == layer and torch.is_grad_enabled() and OutOfMemory.armed:
-            OutOfMemory.armed = False  # (the first forward runs without grad: this is the recomputation)
+    def fault_in_recomputation():
+        if torch.is_grad_enabled() and OutOfMemory.armed:  # (first forwards run without grad)
+            OutOfMemory.armed = False
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    def segment(i, t):
+        if kind == "recompute" and i == layer:
+            fault_in_recomputation()
         t = torch.tanh(model[i](t))
         return OutOfMemory.apply(t) if kind == "nested" and i == layer else t
 
+    def half(first, t):
+        if kind == "half" and first <= layer < first + LAYERS // 2:
+            fault_in_recomputation()
+        for i in range(first, first + LAYERS // 2):  # (the half's first forward, without grad, checkpoints nothing)
+            t = checkpoint(segment, i, t, use_reentrant=True) if torch.is_grad_enabled() else segment(i, t)
+        return t
+
     x = x.detach().requires_grad_(True)  # a checkpoint passes gradients only to inputs that require them
-    for i in range(LAYERS):
-        x = checkpoint(segment, i, x, use_reentrant=True)
+    if nested:
+        for first in (0, LAYERS // 2):
+            x = checkpoint(half, first, x, use_reentrant=True)
+    else:
+        for i in range(LAYERS):
+            x = checkpoint(segment, i, x, use_reentrant=True)
     return x.float().pow(2).mean()
 
 
-@pytest.mark.parametrize("kind, layer", [("recompute", 1), ("recompute", 0), ("nested", 1)])
+@pytest.mark.parametrize(
+    "kind, layer, nested",
+    [("recompute", 1, False), ("recompute", 0, False), ("nested", 1, False), ("recompute", 1, True), ("half", 1, True)],
+)
 @pytest.mark.parametrize("recovery", ["zero_grad", "next-backward"])
 @pytest.mark.parametrize("mode", ["plain", "accumulation-second", "scaler"])
 @pytest.mark.parametrize("dtype", dtype_cases(torch.float32, torch.bfloat16))
-def test_a_failure_under_reentrant_checkpointing_is_closed(kind, layer, recovery, mode, dtype):
+def test_a_failure_under_reentrant_checkpointing_is_closed(kind, layer, nested, recovery, mode, dtype):
     """Out of memory while a layer is recomputed fails the outer pass after the nested passes of the layers
     above it ended and updated them, where no release hook of the outer pass itself ran: the step is still
     closed (the outer pass queues its end-of-pass marker too), so the retry trains instead of meeting
-    parameters already updated in its window. Also a failure inside a nested pass."""
+    parameters already updated in its window. Also a failure inside a nested pass, and checkpoints nested in
+    checkpoints: a layer's recomputation fails the pass of its half, a half's the outermost pass."""
     algorithm = ALGORITHM["adamw"]
     plain = _build(algorithm, dtype, mode)
     loop = CheckpointedLoop(plain.model, plain.opt, plain.k, plain.scaler)
+    loop.nested = nested
     loop.train(_batches(2 * loop.k, dtype))
     params = [p.detach().clone() for p in loop.model.parameters()]
     steps = _steps(loop.opt)
