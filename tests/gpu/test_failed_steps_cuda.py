@@ -50,19 +50,22 @@ def test_a_failed_backward_on_the_gpu_is_closed_and_the_next_batch_trains(option
     _check_closed_and_resumable(loop, params, steps, updated, algorithm, dtype, mode, exact, **options)
 
 
+@pytest.mark.parametrize("kind, nested", [("recompute", False), ("recompute", True), ("half", True)])
 @pytest.mark.parametrize("options", FORMATS)
-def test_a_failed_recomputation_under_reentrant_checkpointing_on_the_gpu_is_closed(options):
+def test_a_failed_recomputation_under_reentrant_checkpointing_on_the_gpu_is_closed(options, kind, nested):
     """Out of memory in a layer's recomputation under reentrant checkpointing, after the nested passes of
-    the layers above it ran (and launched their held updates at their ends), on the device threads."""
+    the layers above it ran (and launched their held updates at their ends), on the device threads; with
+    checkpoints nested in checkpoints, in a layer's or a half's recomputation."""
     algorithm, dtype, layer = ALGORITHM["adamw"], torch.bfloat16, 1
     plain = _build(algorithm, dtype, "plain", device="cuda", **options)
     loop = CheckpointedLoop(plain.model, plain.opt, plain.k, plain.scaler)
+    loop.nested = nested
     loop.train(_batches(2, dtype, device="cuda"))
     params = [p.detach().clone() for p in loop.model.parameters()]
     steps = _steps(loop.opt)
     OutOfMemory.armed = True
     with pytest.raises(torch.OutOfMemoryError):
-        loop.backward(_batches(1, dtype, seed=3, device="cuda")[0], ("recompute", layer))
+        loop.backward(_batches(1, dtype, seed=3, device="cuda")[0], (kind, layer))
     updated = [i > layer for i in range(LAYERS) for _ in range(2)]
     with pytest.warns(UserWarning, match=rf"stopped early.*; {sum(updated)} parameter update\(s\)"):
         loop.opt.zero_grad()
