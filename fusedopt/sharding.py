@@ -127,6 +127,8 @@ def reset_fsdp_backward_state(model: torch.nn.Module) -> None:
 
         for module in modules:
             state = module._get_fsdp_state()
+            if state._is_root is None:  # never ran forward as or under a root (its layers called on their own)
+                continue
             context = state._state_ctx
             context.iter_forward_root = None
             context.post_backward_final_callback_queued = False

@@ -985,6 +985,59 @@ def _failed_backward(rank, world_size, out):
 test_a_failed_backward_under_fsdp2_is_closed_on_every_rank = scenario((TWO, _failed_backward))
 
 
+class _CheckpointedMLP(torch.nn.Sequential):
+    """``make_mlp``'s layers, each linear layer a reentrant activation checkpoint (Hugging Face's gradient
+    checkpointing by default); ``fault_in``: out of memory in that layer's recomputation."""
+
+    fault_in = None
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        def layer(i, t):
+            if i == self.fault_in and torch.is_grad_enabled() and OutOfMemory.armed:  # (first forward: no grad)
+                OutOfMemory.armed = False
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+            return self[i](t)
+
+        x = x.detach().requires_grad_(True)
+        for i in range(0, len(self), 2):
+            x = checkpoint(layer, i, x, use_reentrant=True)
+            if i + 1 < len(self):
+                x = self[i + 1](x)
+        return x
+
+
+def _failed_recomputation(rank, world_size, out):
+    """Out of memory in the recomputation of the middle layer under reentrant checkpointing, after the
+    head's nested pass released its update: closed at zero_grad() on every rank alike, and the next steps
+    train on. reset_fsdp_backward_state() also takes a model whose root never ran (layers called alone)."""
+    import warnings
+
+    model = shard(_CheckpointedMLP(*make_mlp(torch.bfloat16)))
+    opt = fusedopt.AdamW(model.parameters(), min_compress_numel=0, fused=True)
+    train(model, opt, rank, world_size, steps=2, dtype=torch.bfloat16)
+    before = params_of(model)
+    model.fault_in = 2
+    OutOfMemory.armed = True
+    with pytest.raises(torch.OutOfMemoryError):
+        loss_of(model, local_batch(5, rank, world_size, torch.bfloat16)).backward()
+    with pytest.warns(UserWarning, match=r"stopped early.*; 2 parameter update\(s\)"):
+        opt.zero_grad()
+    fusedopt.reset_fsdp_backward_state(model)
+    assert [not torch.equal(a, b) for a, b in zip(params_of(model), before)] == [False] * 4 + [True] * 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        train(model, opt, rank, world_size, steps=2, first_step=6, dtype=torch.bfloat16)
+    assert [int(opt.state[p]["step"]) for p in model.parameters()] == [4] * 4 + [5] * 2
+    alone = shard(make_mlp())
+    alone[0](local_batch(0, rank, world_size))  # its root never runs forward
+    fusedopt.reset_fsdp_backward_state(alone)
+
+
+test_a_failed_recomputation_under_reentrant_checkpointing_and_fsdp2_is_closed = scenario((TWO, _failed_recomputation))
+
+
 # --- parameters swapped for their shards after the optimizer was built (accelerate's prepare) ----
 
 
