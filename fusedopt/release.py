@@ -133,7 +133,7 @@ def _hook(release_ref: weakref.ref, p: torch.Tensor) -> None:
         release.on_gradient(p)
 
 
-def _outer_pass_prehook(release_ref: weakref.ref, grad_outputs) -> None:
+def _checkpoint_returned(release_ref: weakref.ref, grad_inputs, grad_outputs) -> None:
     release = release_ref()
     if release is not None:
         release.enter_outer_pass()
@@ -203,7 +203,7 @@ class GradientRelease:
         self._held: list[tuple] = []  # (param, gradient, its CheckedUpdate) not yet updated
         self._held_bytes = 0
         self._passes: dict[int, _Pass] = {}  # graph task id -> a pass whose end has not run yet
-        self._outer_watch: list = []  # handles of the node pre-hooks that wait for a reentrant checkpoint's outer pass
+        self._outer_watch: list = []  # handles of the node hooks that wait for a reentrant checkpoint to return
         self._task = _NO_PASS  # the pass the last hook ran in
         self._updated = 0  # updates release launched since step()
         self._left: dict[int, tuple[weakref.ref, int]] = {}  # id(param) -> its gradient left in p.grad, its version
@@ -482,15 +482,13 @@ class GradientRelease:
         recomputes the segments (the outer). The outer queues no marker unless a hook runs in it, so its
         failure after a nested pass ended (out of memory in the next segment's recomputation) would go
         unseen and the retry would meet parameters already updated in this window: the outer queues its
-        marker before the nodes the checkpoint's gradient flows to run (``enter_outer_pass``). (A fault
-        before the first of them runs, as the checkpoint returns its gradients, is not seen.)"""
-        hook = functools.partial(_outer_pass_prehook, weakref.ref(self))
-        for node, _ in checkpoint.next_functions:
-            if node is not None:
-                self._outer_watch.append(node.register_prehook(hook))
+        marker as soon as the checkpoint's backward returns, in a hook the engine runs right after it
+        (``enter_outer_pass``), before it passes the gradients on."""
+        self._outer_watch.append(checkpoint.register_hook(functools.partial(_checkpoint_returned, weakref.ref(self))))
 
     def enter_outer_pass(self) -> None:
-        """A node of the outer pass is about to run (``_watch_outer_pass``): queue its end-of-pass marker."""
+        """The watched checkpoint's backward returned to the outer pass (``_watch_outer_pass``): queue that
+        pass's end-of-pass marker."""
         self._stop_watching()
         task = torch._C._current_graph_task_id()
         if task != _NO_PASS and task not in self._passes and self._queue_end_of_pass(task):

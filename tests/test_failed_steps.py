@@ -288,15 +288,20 @@ class CheckpointedLoop(Loop):
 def _checkpointed_loss(model, x, kind=None, layer=None, nested=False):
     """``_loss`` through reentrant checkpoints; the fault in ``layer``'s recomputation (``kind="recompute"``:
     in the outer pass, after the nested passes of the layers above it ended) or in its nested backward
-    (``"nested"``). ``nested``: each half of the layers a checkpoint too, so a layer's backward is a pass
-    nested in a nested pass; ``kind="half"``: the fault in the recomputation of ``layer``'s half (in the
-    outermost pass)."""
+    (``"nested"``), or in a hook on the gradient of its output, which runs in the outer pass before anything
+    below it (``"hook"``). ``nested``: each half of the layers a checkpoint too, so a layer's backward is a
+    pass nested in a nested pass; ``kind="half"``: the fault in the recomputation of ``layer``'s half (in
+    the outermost pass)."""
     from torch.utils.checkpoint import checkpoint
 
-    def fault_in_recomputation():
-        if torch.is_grad_enabled() and OutOfMemory.armed:  # (first forwards run without grad)
+    def fault():
+        if OutOfMemory.armed:
             OutOfMemory.armed = False
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    def fault_in_recomputation():
+        if torch.is_grad_enabled():  # (first forwards run without grad)
+            fault()
 
     def segment(i, t):
         if kind == "recompute" and i == layer:
@@ -318,12 +323,21 @@ def _checkpointed_loss(model, x, kind=None, layer=None, nested=False):
     else:
         for i in range(LAYERS):
             x = checkpoint(segment, i, x, use_reentrant=True)
+            if kind == "hook" and i == layer:
+                x.register_hook(lambda g: fault() or g)
     return x.float().pow(2).mean()
 
 
 @pytest.mark.parametrize(
     "kind, layer, nested",
-    [("recompute", 1, False), ("recompute", 0, False), ("nested", 1, False), ("recompute", 1, True), ("half", 1, True)],
+    [
+        ("recompute", 1, False),
+        ("recompute", 0, False),
+        ("nested", 1, False),
+        ("hook", LAYERS - 2, False),
+        ("recompute", 1, True),
+        ("half", 1, True),
+    ],
 )
 @pytest.mark.parametrize("recovery", ["zero_grad", "next-backward"])
 @pytest.mark.parametrize("mode", ["plain", "accumulation-second", "scaler"])
@@ -332,7 +346,8 @@ def test_a_failure_under_reentrant_checkpointing_is_closed(kind, layer, nested, 
     """Out of memory while a layer is recomputed fails the outer pass after the nested passes of the layers
     above it ended and updated them, where no release hook of the outer pass itself ran: the step is still
     closed (the outer pass queues its end-of-pass marker too), so the retry trains instead of meeting
-    parameters already updated in its window. Also a failure inside a nested pass, and checkpoints nested in
+    parameters already updated in its window. Also a failure inside a nested pass, in a gradient hook as a
+    checkpoint returns, and checkpoints nested in
     checkpoints: a layer's recomputation fails the pass of its half, a half's the outermost pass."""
     algorithm = ALGORITHM["adamw"]
     plain = _build(algorithm, dtype, mode)
