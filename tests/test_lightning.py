@@ -12,6 +12,8 @@ ends on Lightning's short window of one batch).
   ``16-mixed`` the precision plugin's scaler is handed to a releasing optimizer.
 * The logged ``grad_norm`` is the optimizer's ``grad_norm`` after each step.
 * What cannot work is refused when fitting starts, before any training step, naming the fix.
+* Lightning's ``BatchSizeFinder`` retries after out of memory inside a releasing backward and then trains as
+  a run at the batch size it found.
 
 The issue's acceptance, on a tiny Llama (``transformers.LlamaForCausalLM`` from a config) with
 ``fused=True``, ``accumulate_grad_batches=2`` and ``gradient_clip_val=1.0``:
@@ -32,11 +34,11 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import tiny_llama
+from helpers import OutOfMemory, tiny_llama
 
 L = pytest.importorskip("lightning")
 
-from lightning.pytorch.callbacks import GradientAccumulationScheduler  # noqa: E402
+from lightning.pytorch.callbacks import BatchSizeFinder, GradientAccumulationScheduler  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
 
@@ -109,7 +111,8 @@ def loader():
     return torch.utils.data.DataLoader(data, batch_size=4)
 
 
-def fit(module: Net, callback: bool = True, callbacks=(), **kwargs):
+def fit(module: Net, callback: bool = True, callbacks=(), own_data: bool = False, **kwargs):
+    """Fit ``module`` on ``loader()``, or with ``own_data`` on its own ``train_dataloader``."""
     kwargs.setdefault("max_steps", 6)
     kwargs.setdefault("logger", False)
     kwargs.setdefault("enable_checkpointing", False)
@@ -121,7 +124,7 @@ def fit(module: Net, callback: bool = True, callbacks=(), **kwargs):
         callbacks=([FusedOptCallback()] if callback else []) + list(callbacks),
         **kwargs,
     )
-    trainer.fit(module, loader())
+    trainer.fit(module, None if own_data else loader())
     return trainer
 
 
@@ -371,6 +374,47 @@ def test_release_warning_names_the_callback(monkeypatch):
     monkeypatch.setattr(release_notices, "_release_warned", False)
     with pytest.warns(UserWarning, match="fusedopt.integrations.lightning.FusedOptCallback"):
         fusedopt.AdamW([torch.nn.Parameter(torch.zeros(4))], fused=True)
+
+
+class Sized(Net):
+    """``Net`` with the data loader Lightning's ``BatchSizeFinder`` resizes; a batch above ``fits`` runs out of
+    memory in backward after the head's update (the fault between the head and the layer below it)."""
+
+    def __init__(self, fits=None):
+        super().__init__(fused=True, max_grad_norm=None)
+        self.batch_size, self.fits = 2, fits
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.net[1](self.net[0](x))
+        if self.fits is not None and len(x) > self.fits:
+            OutOfMemory.armed = True
+            h = OutOfMemory.apply(h)
+        return F.mse_loss(self.net[2](h), y)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 4, generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
+
+
+def test_batch_size_finder_retries_an_out_of_memory_backward(tmp_path):
+    """``BatchSizeFinder`` tries batch sizes 2, 4, 8: at 8 a releasing backward runs out of memory after
+    updating the head. The optimizer closes that step (it says so once), Lightning restores the checkpoint
+    it saved before the trials, and the run then trains as one at batch size 4 from the start, bit for bit."""
+    finder = BatchSizeFinder(mode="power", init_val=2, max_trials=4, steps_per_trial=2)
+    found = Sized(fits=4)
+    with pytest.warns(UserWarning, match=r"stopped early.*; 2 parameter update\(s\)") as record:
+        trainer = fit(found, callbacks=[finder], default_root_dir=tmp_path, own_data=True)
+    assert sum("stopped early" in str(w.message) for w in record) == 1
+    assert finder.optimal_batch_size == 4 and found.batch_size == 4 and trainer.global_step == 6
+    assert [int(found.opt.state[p]["step"]) for p in found.net.parameters()] == [6] * 4
+    assert found.opt.num_interrupted_steps == 0  # restored from before the trials
+    plain = Sized()
+    plain.batch_size = 4
+    fit(plain, default_root_dir=tmp_path, own_data=True)
+    assert_equal(found, plain)
+    assert not list(tmp_path.glob(".scale_batch_size_*"))
 
 
 def test_importing_fusedopt_does_not_import_lightning():
