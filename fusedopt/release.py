@@ -208,7 +208,8 @@ class GradientRelease:
         self._updated = 0  # updates release launched since step()
         self._left: dict[int, tuple[weakref.ref, int]] = {}  # id(param) -> its gradient left in p.grad, its version
         self._frozen: dict[int, weakref.ref] = {}  # id(param) -> a parameter not hooked: requires_grad was False
-        weakref.finalize(optimizer, GradientRelease._remove_handles, self._handles)
+        # (not at exit: a process that ends on an uncaught failure has said enough)
+        weakref.finalize(optimizer, GradientRelease._dropped, self).atexit = False
 
     def check(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         """What ``attach`` checks before it hooks anything; returns the trainable parameters of ``params``.
@@ -227,7 +228,9 @@ class GradientRelease:
             if owner is not None and owner() is not None and owner() is not self and owner().attached:
                 raise RuntimeError(
                     f"a parameter of shape {tuple(p.shape)} already carries the gradient-release hook of another "
-                    "live fusedopt optimizer with fused=True; call remove_hooks() on that optimizer first"
+                    "live fusedopt optimizer with fused=True; call remove_hooks() on that optimizer first, or drop "
+                    "every reference to it (a retry loop: accelerate's accelerator.free_memory() drops the prepared "
+                    "ones)"
                 )
         return params
 
@@ -294,6 +297,21 @@ class GradientRelease:
         owner = _OWNERS.get(p)
         if owner is not None and owner() is self:
             del _OWNERS[p]
+
+    @staticmethod
+    def _dropped(release: GradientRelease) -> None:
+        """The optimizer is gone: its hooks go too. If a backward pass of its stopped early and nothing closed
+        that window, the updates it applied stay in the parameters unannounced: say so here (a retry that
+        builds a new optimizer over the same model starts from them)."""
+        GradientRelease._remove_handles(release._handles)
+        if release.interrupted():
+            warnings.warn(
+                f"fusedopt: an optimizer with fused=True was dropped after a backward pass that stopped early (an "
+                f"exception inside it, e.g. out of memory) and before any call closed that step: the "
+                f"{release._updated} parameter update(s) the pass had already applied stay in the parameters",
+                UserWarning,
+                stacklevel=2,
+            )
 
     @staticmethod
     def _remove_handles(handles: dict) -> None:

@@ -15,10 +15,14 @@ window each).
   ``accelerator.clip_grad_norm_`` finds no gradients; a GradientState left over from an earlier loop does not
   refuse a plain loop.
 * What ``setup`` and the routed clipping cannot do as asked is refused, naming the fix.
+* ``find_executable_batch_size`` that builds a new optimizer over the same model at each try: the dropped
+  optimizers say what their failed passes left in the parameters; without ``free_memory()`` the next one
+  is refused, naming it.
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
 import subprocess
 import sys
@@ -26,7 +30,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import tiny_llama
+from helpers import OutOfMemory, tiny_llama
 
 accelerate = pytest.importorskip("accelerate")
 
@@ -275,6 +279,53 @@ def test_setup_and_routed_clipping_refuse_what_they_cannot_do():
     setup(accelerator, opt)
     with pytest.raises(ValueError, match="clip_grad_value_ of a fusedopt optimizer with fused=True"):
         accelerator.clip_grad_value_(model.parameters(), 0.1)
+
+
+@pytest.mark.parametrize("free", [True, False])
+def test_find_executable_batch_size_with_a_new_optimizer_at_each_try(free):
+    """accelerate's retry on out of memory, the model built once and the optimizer at each try, as its memory
+    example does (with ``accelerator.free_memory()`` first): batches above 4 run out of memory in backward
+    after the head's update. Each dropped optimizer warns that its failed pass's 2 updates stay; the try at 4
+    trains. Without ``free_memory()`` the accelerator still holds the old optimizer, whose hooks the new one
+    would share: refused, naming ``free_memory()``."""
+    from accelerate.utils import find_executable_batch_size
+
+    accelerator = accelerate.Accelerator(cpu=True)
+    model, tries = mlp(), []
+
+    @find_executable_batch_size(starting_batch_size=8)
+    def inner(batch_size):
+        tries.append(batch_size)
+        if free:
+            accelerator.free_memory()
+        opt = fusedopt.AdamW(model.parameters(), lr=1e-2, fused=True, max_grad_norm=None)
+        prepared_model, prepared, data = accelerator.prepare(model, opt, loader(n=32, batch=batch_size))
+        setup(accelerator, prepared)
+        for x, y in data:
+            h = prepared_model[1](prepared_model[0](x))
+            if len(x) > 4:
+                OutOfMemory.armed = True
+                h = OutOfMemory.apply(h)
+            accelerator.backward(torch.nn.functional.mse_loss(prepared_model[2](h), y))
+            prepared.step()
+            prepared.zero_grad()
+        return opt
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        if not free:
+            with pytest.raises(RuntimeError, match=r"accelerate's accelerator.free_memory\(\)"):
+                inner()
+            assert tries == [8, 7]  # refused at the second try (no out-of-memory error: no third)
+            accelerator.free_memory()
+            gc.collect()
+            assert sum("was dropped" in str(w.message) for w in record) == 1  # try 8's optimizer, now dropped
+            return
+        opt = inner()
+    assert tries == [8, 7, 6, 5, 4]
+    dropped = [str(w.message) for w in record if "was dropped" in str(w.message)]
+    assert len(dropped) == 4 and all("the 2 parameter update(s)" in m for m in dropped)
+    assert [int(opt.state[p]["step"]) for p in model.parameters()] == [8] * 4
 
 
 def test_importing_fusedopt_does_not_import_accelerate():

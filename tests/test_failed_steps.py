@@ -11,6 +11,7 @@ of the failed batch leaked into it)."""
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
 
 import pytest
@@ -374,6 +375,33 @@ def test_a_failure_under_reentrant_checkpointing_is_closed(kind, layer, nested, 
         return
     assert loop.opt.num_interrupted_steps == 1
     _check_closed_and_resumable(loop, params, steps, updated, algorithm, dtype, mode)
+
+
+@pytest.mark.parametrize("closed", [False, True])
+def test_an_optimizer_dropped_after_a_failed_backward_says_what_the_pass_left(closed, monkeypatch):
+    """A retry loop that builds a new optimizer over the same model (accelerate's find_executable_batch_size)
+    drops the old one with its failed step never closed: the updates the pass applied stay in the parameters,
+    and the optimizer's end says so, once. Closed first (zero_grad), or after plain training, it says nothing."""
+    loop = _build(ALGORITHM["adamw"], torch.float32, "plain")
+    loop.train(_batches(2, torch.float32))
+    _fail_a_step(loop, "middle", "plain", _batches(1, torch.float32, seed=3)[0], monkeypatch)
+    if closed:
+        with pytest.warns(UserWarning, match="stopped early"):
+            loop.opt.zero_grad()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        loop.opt = None
+        gc.collect()
+    dropped = [str(w.message) for w in record if "was dropped" in str(w.message)]
+    updates = sum(_updated_by_failure("plain", "middle"))
+    assert len(dropped) == (0 if closed else 1)
+    assert all(f"the {updates} parameter update(s) the pass had already applied stay" in m for m in dropped)
+    fresh = _build(ALGORITHM["adamw"], torch.float32, "plain", model=loop.model)  # the hooks went with it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        fresh.train(_batches(2, torch.float32, seed=5))
+        fresh.opt = None
+        gc.collect()
 
 
 def test_a_float32_partial_accumulation_left_in_p_grad_is_refused_not_added_to(monkeypatch):

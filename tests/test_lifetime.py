@@ -16,6 +16,7 @@ import io
 import pickle
 import subprocess
 import sys
+import warnings
 import weakref
 
 import pytest
@@ -133,8 +134,12 @@ def test_an_optimizer_dropped_after_a_failed_backward_is_freed_at_once(name, fus
             _failing_loss(model, inputs(1, seed=5)[0]).backward()
         assert model[0].weight.grad is None  # backward stopped before the first layer
         ref = weakref.ref(opt)
-        del opt
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            del opt
         assert ref() is None
+        # a releasing optimizer says what its unclosed failed step left in the parameters
+        assert sum("was dropped" in str(w.message) for w in record) == int(fused)
         _assert_no_optimizer_hooks(model)
         _assert_a_new_releasing_optimizer_trains(model)
 
@@ -190,7 +195,8 @@ def test_a_dropped_optimizer_with_held_bucketed_kernel_updates_is_freed_at_once(
         with pytest.raises(torch.OutOfMemoryError, match="simulated"):
             _failing_loss(model, inputs(1, seed=5)[0]).backward()
         ref = weakref.ref(opt)
-        del opt
+        with pytest.warns(UserWarning, match="was dropped"):
+            del opt
         assert ref() is None
         _assert_no_optimizer_hooks(model)
         _assert_a_new_releasing_optimizer_trains(model, min_compress_numel=0)
