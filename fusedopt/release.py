@@ -304,7 +304,7 @@ class GradientRelease:
         that window, the updates it applied stay in the parameters unannounced: say so here (a retry that
         builds a new optimizer over the same model starts from them)."""
         GradientRelease._remove_handles(release._handles)
-        if release.interrupted():
+        if release.interrupted() and release._updated:  # (a pass refused at its first hook changed nothing)
             warnings.warn(
                 f"fusedopt: an optimizer with fused=True was dropped after a backward pass that stopped early (an "
                 f"exception inside it, e.g. out of memory) and before any call closed that step: the "

@@ -377,14 +377,15 @@ def test_a_failure_under_reentrant_checkpointing_is_closed(kind, layer, nested, 
     _check_closed_and_resumable(loop, params, steps, updated, algorithm, dtype, mode)
 
 
-@pytest.mark.parametrize("closed", [False, True])
-def test_an_optimizer_dropped_after_a_failed_backward_says_what_the_pass_left(closed, monkeypatch):
+@pytest.mark.parametrize("where, closed", [("middle", False), ("middle", True), ("first-update", False)])
+def test_an_optimizer_dropped_after_a_failed_backward_says_what_the_pass_left(where, closed, monkeypatch):
     """A retry loop that builds a new optimizer over the same model (accelerate's find_executable_batch_size)
     drops the old one with its failed step never closed: the updates the pass applied stay in the parameters,
-    and the optimizer's end says so, once. Closed first (zero_grad), or after plain training, it says nothing."""
+    and the optimizer's end says so, once. Closed first (zero_grad), failed in its first update (nothing
+    applied), or after plain training, it says nothing."""
     loop = _build(ALGORITHM["adamw"], torch.float32, "plain")
     loop.train(_batches(2, torch.float32))
-    _fail_a_step(loop, "middle", "plain", _batches(1, torch.float32, seed=3)[0], monkeypatch)
+    _fail_a_step(loop, where, "plain", _batches(1, torch.float32, seed=3)[0], monkeypatch)
     if closed:
         with pytest.warns(UserWarning, match="stopped early"):
             loop.opt.zero_grad()
@@ -393,8 +394,8 @@ def test_an_optimizer_dropped_after_a_failed_backward_says_what_the_pass_left(cl
         loop.opt = None
         gc.collect()
     dropped = [str(w.message) for w in record if "was dropped" in str(w.message)]
-    updates = sum(_updated_by_failure("plain", "middle"))
-    assert len(dropped) == (0 if closed else 1)
+    updates = sum(_updated_by_failure("plain", where))
+    assert len(dropped) == (0 if closed or not updates else 1)
     assert all(f"the {updates} parameter update(s) the pass had already applied stay" in m for m in dropped)
     fresh = _build(ALGORITHM["adamw"], torch.float32, "plain", model=loop.model)  # the hooks went with it
     with warnings.catch_warnings():
