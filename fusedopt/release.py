@@ -23,7 +23,7 @@ it when the pass completes and drops it, unrun, when the pass fails. A pass whos
 unrun was interrupted; the next hook of another pass, or the optimizer's next call, closes its
 window (``close_interrupted``): what was updated stays, held and accumulated gradients are dropped.
 Under reentrant activation checkpointing a segment's backward is a pass nested in the one that
-recomputes the segments; that outer pass queues a marker too (``_watch_outer_pass``), and so on outwards
+recomputes the segments; that outer pass queues a marker too (``_watch_enclosing_pass``), and so on outwards
 where checkpoints nest.
 
 References are arranged so the optimizer can be garbage-collected: hooks hold a weak
@@ -489,23 +489,20 @@ class GradientRelease:
 
     def _watch_enclosing_pass(self) -> None:
         """Where the only pass watched runs inside a reentrant checkpoint's backward, watch the pass that
-        checkpoint's node belongs to (``_watch_outer_pass``)."""
+        checkpoint's node belongs to. Reentrant checkpointing runs a segment's backward as a pass of its own,
+        nested in the pass that recomputes the segments (the outer). The outer queues no marker unless a hook
+        runs in it, so its failure after a nested pass ended (out of memory in the next segment's
+        recomputation) would go unseen and the retry would meet parameters already updated in this window:
+        the outer queues its marker as soon as the checkpoint's backward returns, in a hook the engine runs
+        right after it (``enter_outer_pass``), before it passes the gradients on."""
         if len(self._passes) == 1:
             checkpoint = _reentrant_checkpoint()
             if checkpoint is not None:
-                self._watch_outer_pass(checkpoint)
-
-    def _watch_outer_pass(self, checkpoint) -> None:
-        """Reentrant checkpointing runs a segment's backward as a pass of its own, nested in the pass that
-        recomputes the segments (the outer). The outer queues no marker unless a hook runs in it, so its
-        failure after a nested pass ended (out of memory in the next segment's recomputation) would go
-        unseen and the retry would meet parameters already updated in this window: the outer queues its
-        marker as soon as the checkpoint's backward returns, in a hook the engine runs right after it
-        (``enter_outer_pass``), before it passes the gradients on."""
-        self._outer_watch.append(checkpoint.register_hook(functools.partial(_checkpoint_returned, weakref.ref(self))))
+                hook = functools.partial(_checkpoint_returned, weakref.ref(self))
+                self._outer_watch.append(checkpoint.register_hook(hook))
 
     def enter_outer_pass(self) -> None:
-        """The watched checkpoint's backward returned to the outer pass (``_watch_outer_pass``): queue that
+        """The watched checkpoint's backward returned to the outer pass (``_watch_enclosing_pass``): queue that
         pass's end-of-pass marker."""
         self._stop_watching()
         task = torch._C._current_graph_task_id()

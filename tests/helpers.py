@@ -226,10 +226,22 @@ class OutOfMemory(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        OutOfMemory.fail()
+        return grad
+
+    @staticmethod
+    def fail():
+        """Raise the allocator's error here, once, when ``armed``."""
         if OutOfMemory.armed:
             OutOfMemory.armed = False
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
-        return grad
+
+    @staticmethod
+    def fail_in_recomputation():
+        """``fail()`` where autograd records (reentrant checkpointing's first forward runs without gradients,
+        its recomputation with them)."""
+        if torch.is_grad_enabled():
+            OutOfMemory.fail()
 
 
 def tiny_llama(dtype=torch.float32, **config):

@@ -295,24 +295,15 @@ def _checkpointed_loss(model, x, kind=None, layer=None, nested=False):
     the outermost pass)."""
     from torch.utils.checkpoint import checkpoint
 
-    def fault():
-        if OutOfMemory.armed:
-            OutOfMemory.armed = False
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
-
-    def fault_in_recomputation():
-        if torch.is_grad_enabled():  # (first forwards run without grad)
-            fault()
-
     def segment(i, t):
         if kind == "recompute" and i == layer:
-            fault_in_recomputation()
+            OutOfMemory.fail_in_recomputation()
         t = torch.tanh(model[i](t))
         return OutOfMemory.apply(t) if kind == "nested" and i == layer else t
 
     def half(first, t):
         if kind == "half" and first <= layer < first + LAYERS // 2:
-            fault_in_recomputation()
+            OutOfMemory.fail_in_recomputation()
         for i in range(first, first + LAYERS // 2):  # (the half's first forward, without grad, checkpoints nothing)
             t = checkpoint(segment, i, t, use_reentrant=True) if torch.is_grad_enabled() else segment(i, t)
         return t
@@ -325,7 +316,7 @@ def _checkpointed_loss(model, x, kind=None, layer=None, nested=False):
         for i in range(LAYERS):
             x = checkpoint(segment, i, x, use_reentrant=True)
             if kind == "hook" and i == layer:
-                x.register_hook(lambda g: fault() or g)
+                x.register_hook(lambda g: OutOfMemory.fail() or g)
     return x.float().pow(2).mean()
 
 

@@ -105,10 +105,10 @@ class Manual(Net):
         opt.step()
 
 
-def loader():
+def loader(n: int = 20, batch: int = 4):
     g = torch.Generator().manual_seed(0)
-    data = torch.utils.data.TensorDataset(torch.randn(20, 8, generator=g), torch.randn(20, 4, generator=g))
-    return torch.utils.data.DataLoader(data, batch_size=4)
+    data = torch.utils.data.TensorDataset(torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g))
+    return torch.utils.data.DataLoader(data, batch_size=batch)
 
 
 def fit(module: Net, callback: bool = True, callbacks=(), own_data: bool = False, **kwargs):
@@ -393,9 +393,7 @@ class Sized(Net):
         return F.mse_loss(self.net[2](h), y)
 
     def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 4, generator=g))
-        return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
+        return loader(64, self.batch_size)
 
 
 def test_batch_size_finder_retries_an_out_of_memory_backward(tmp_path):
