@@ -71,7 +71,7 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
 def test_readme_test_command_is_what_ci_runs():
     ci = open(os.path.join(REPO, ".ci", "run")).read()
     commands = "\n".join(_blocks("bash"))
-    for command in ('pip install -e ".[dev,plot,integrations]"', 'pytest -m "not gpu"'):
+    for command in ('pip install -e ".[dev,plot,integrations]"', 'pytest -m "not gpu" -n auto'):
         assert command in commands, command
         assert command.replace("pip install", "install") in ci or command in ci, command
     # the CPU note comes before the install commands
