@@ -39,9 +39,6 @@ from accelerate.state import GradientState  # noqa: E402
 import fusedopt  # noqa: E402
 from fusedopt.integrations.accelerate import setup  # noqa: E402
 
-# one pytest-xdist worker takes the whole module, so its module-scoped fixture is built once
-pytestmark = pytest.mark.xdist_group("accelerate")
-
 
 @pytest.fixture(autouse=True)
 def _no_accumulation_left():

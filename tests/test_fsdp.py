@@ -27,9 +27,6 @@ import fusedopt
 from fusedopt.codecs import decode_moments
 from fusedopt.sharding import as_sharded, is_sharded, local
 
-# one pytest-xdist worker takes the whole module, so its module-scoped fixture is built once
-pytestmark = pytest.mark.xdist_group("fsdp")
-
 # Loss normalisation: each rank takes the mean over its part of the global batch; FSDP2 and DDP
 # average the ranks' gradients, which is the gradient of the mean over the global batch.
 BATCH = 8

@@ -38,9 +38,6 @@ import fusedopt  # noqa: E402
 from fusedopt import release_notices  # noqa: E402
 from fusedopt.integrations.huggingface import FusedOptTrainer, fused_optimizer  # noqa: E402
 
-# one pytest-xdist worker takes the whole module, so its module-scoped fixture is built once
-pytestmark = pytest.mark.xdist_group("hf_trainer")
-
 
 @pytest.fixture(autouse=True)
 def _no_accumulation_left():

@@ -190,9 +190,9 @@ def test_the_vocabulary_slices_of_backward_are_multiples_of_8_rows(monkeypatch, 
         _assert_grad_close(actual, reference, torch.float32)
 
 
-# --- memory: vocabulary 32000, 4096 tokens ---------------------------------------------------------
+# --- memory: vocabulary 8000, 2048 tokens in chunks of 128 -----------------------------------------
 
-TOKENS, VOCAB, CHUNK = 4096, 32000, 256
+TOKENS, VOCAB, CHUNK = 2048, 8000, 128
 
 
 class LargestTensor(TorchDispatchMode):

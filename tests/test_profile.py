@@ -25,9 +25,6 @@ from fusedopt.profile.cli import _parse_gib
 from fusedopt.profile.memory import CATEGORIES, cpu_allocator_trace
 from fusedopt.profile.models import PRESETS, ModelSpec, UserError, parse_shape
 
-# one pytest-xdist worker takes the whole module, so its module-scoped fixture is built once
-pytestmark = pytest.mark.xdist_group("profile")
-
 MB = 1 << 20
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

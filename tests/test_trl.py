@@ -34,9 +34,6 @@ import fusedopt  # noqa: E402
 from fusedopt.integrations.huggingface import FusedOptTrainerMixin, fused_optimizer  # noqa: E402
 from fusedopt.integrations.trl import FusedOptSFTTrainer  # noqa: E402
 
-# one pytest-xdist worker takes the whole module, so its module-scoped fixture is built once
-pytestmark = pytest.mark.xdist_group("trl")
-
 VOCAB = 32  # <pad>, <eos> and 30 words
 
 
