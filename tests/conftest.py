@@ -14,6 +14,46 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+
+def _patch_the_language_once_per_launch() -> None:
+    """The Triton interpreter patches ``triton.language`` at every launch and again at every call of a
+    ``@triton.jit`` helper inside it (``inspect.getmembers`` over the module each time: about a third of an
+    interpreted update's time). Inside a launch, a helper whose language modules the launch has patched
+    skips the repeat; the launch's own patch applies and is restored as before. A Triton without these
+    internals is left as it is."""
+    import inspect
+
+    try:
+        from triton.runtime import interpreter
+        from triton.runtime.interpreter import GridExecutor, _LangPatchScope, _patch_lang, tl
+    except ImportError:
+        return
+    launches: list[set[int]] = []  # per launch under way, the language modules it has patched
+    run_launch = GridExecutor.__call__
+
+    def launch(self, *args, **kwargs):
+        launches.append(set())
+        try:
+            return run_launch(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    def patch_lang(fn):
+        langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        if launches and langs and langs <= launches[-1]:
+            return _LangPatchScope()
+        scope = _patch_lang(fn)
+        if launches:
+            launches[-1].update(langs)
+        return scope
+
+    GridExecutor.__call__ = launch
+    interpreter._patch_lang = patch_lang
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_the_language_once_per_launch()
+
 # Small tensors: one intra-op thread is faster than two, and far faster on a busy 2-core host
 # (pointwise ops on a few thousand elements were seen taking milliseconds with two threads).
 torch.set_num_threads(1)
