@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 
 def _patch_the_language_once_per_launch() -> None:
     """The Triton interpreter patches ``triton.language`` at every launch and again at every call of a
-    ``@triton.jit`` helper inside it (``inspect.getmembers`` over the module each time: about a third of an
+    ``@triton.jit`` helper inside it (``inspect.getmembers`` over the module each time: about a quarter of an
     interpreted update's time). Inside a launch, a helper whose language modules the launch has patched
     skips the repeat; the launch's own patch applies and is restored as before. A Triton without these
     internals is left as it is."""
