@@ -30,9 +30,10 @@ ulp: exactly what it can hold). A moment whose codec rounds between levels far a
 increments (``MomentCodec.whole_word``: the normalised first moment, the root grid) reads 23 bits
 (``top_uniform``) of a whole word instead: moment 0 the shared word itself (above a bf16 + int8
 parameter's low 8 bits; beside a bf16 parameter without a correction, which then takes the low 16
-and needs no word of its own, only its top 16: ``param_draw_bits``), moment 1 a word of its own,
-hashed under the shared word's per-step hash re-mixed (``second_step_hash``), so the kernel needs
-no other key. Moment 1 takes a 12-bit field only where moment 0 does (``encode_moments``).
+and needs no word of its own, only its top 16: ``param_draw_bits``), moment 1 the shared word
+re-mixed (``second_word``: a xor-shift and a multiplication, not a second hash of the element), whose
+top bits are as independent of the shared word's fields as another hash's by correlation and
+joint-histogram tests. Moment 1 takes a 12-bit field only where moment 0 does (``encode_moments``).
 
 Default seeds (``DefaultSeeds``). An optimizer built without ``seed`` over several parameters uses seed
 0, as before. One built without ``seed`` over ONE parameter (torchtune's optimizer-in-backward builds
@@ -67,7 +68,6 @@ STREAM_PARAM = 1  # a parameter that needs a word of its own (see the docstring)
 STREAM_SHARED = 16  # the word shared by the moments (and a bf16 + int8 parameter)
 STREAM_GRAD_ACCUM = 1 << 20  # + micro-batch index: low-precision gradient accumulation
 MOMENT_DRAW_BITS = 12  # bits of the shared word per moment
-SECOND_WORD_SALT = 0x2545F491  # the second moment's whole word: its per-step hash is the shared one's re-mixed
 
 
 def _mul32(x, c: int):
@@ -99,9 +99,10 @@ def host_key(seed: int, param_index: int, stream: int) -> int:
     return fmix32(h ^ (stream & MASK32))
 
 
-def second_step_hash(h: torch.Tensor) -> torch.Tensor:
-    """The per-step hash of the second moment's whole word, from the shared word's ``h = step_hash(...)``."""
-    return fmix32(h ^ SECOND_WORD_SALT)
+def second_word(shared):
+    """The second moment's whole word from the shared word (uint32 values in int64 tensors or Python ints): its
+    halves mixed, then multiplied by GOLDEN, whose carries spread every bit into the top bits the codecs read."""
+    return _mul32(shared ^ (shared >> 16), GOLDEN)
 
 
 def uniform_bits(key: int, step: torch.Tensor, shape: torch.Size, device: torch.device, first: int = 0) -> torch.Tensor:
@@ -233,8 +234,7 @@ class UpdateDraws:
         raise ValueError(f"only moments 0 and 1 draw a whole word, not moment {i}")
 
     def _second(self) -> torch.Tensor:
-        h = second_step_hash(self._step_hash(STREAM_SHARED))
-        return hash_bits(h, self._param.shape, self._param.device, self._first)
+        return second_word(self.shared())
 
     def param(self):
         """The parameter's bits, as a lazy callable."""

@@ -9,8 +9,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedopt import rng
-
 
 @triton.jit
 def fmix32(h):
@@ -41,13 +39,10 @@ def element_bits(h, offsets):
     return fmix32(x)
 
 
-SECOND_WORD_SALT = tl.constexpr(rng.SECOND_WORD_SALT)
-
-
 @triton.jit
-def second_step_hash(h):
-    """``fusedopt.rng.second_step_hash``: the second moment's per-step hash from the shared word's."""
-    return fmix32(h ^ SECOND_WORD_SALT)
+def second_word(shared):
+    """``fusedopt.rng.second_word``: the second moment's whole word from the shared word (uint32)."""
+    return (shared ^ (shared >> 16)) * 0x9E3779B9
 
 
 @triton.jit

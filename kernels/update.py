@@ -40,7 +40,7 @@ import triton.language as tl
 
 from fusedopt import rng
 from fusedopt.codecs.base import NO_MOMENT, Family, KernelFormat, first_draws_whole
-from fusedopt.kernels.hashing import second_step_hash, shared_word_fields, step_hash, tile_bits
+from fusedopt.kernels.hashing import second_word, shared_word_fields, step_hash, tile_bits
 from fusedopt.kernels.launcher import DirectLauncher, LaunchConfig, launch_remembered
 from fusedopt.kernels.master import decode_master, load_master_raw, store_master
 from fusedopt.kernels.moments import (
@@ -531,9 +531,8 @@ def _update_tile(
     PARAM_BITS: tl.constexpr = 0 if PARAM_OWN_DRAW else (16 if MASTER == 1 else 8)
     moment_word, param_field = shared_word_fields(shared, PARAM_BITS)
     if V_FAMILY == _ROOT_GRID:  # first: a normalised first moment is stored in units of v as stored
-        # a whole word of its own (fusedopt.rng: the root grid reads its top bits)
-        second = tile_bits(second_step_hash(shared_hash), hash_start, NB, QBLOCK)
-        v_draws = (second >> 11).to(tl.int32)  # (past the tensor's end r is 0: no draw rounds it up)
+        # a whole word of its own, the shared one re-mixed (fusedopt.rng: the root grid reads its top bits)
+        v_draws = (second_word(shared) >> 11).to(tl.int32)  # (past the tensor's end r is 0: no draw rounds it up)
         stored_roots = store_root_grid(
             tl.reshape(v, [ROOT_ROWS, _ROOT_BLOCK]), tl.reshape(v_root, [ROOT_ROWS, _ROOT_BLOCK]), v_codes, v_units,
             v_values, _as_f32(v_decay), _as_f32(v_decay_root), tl.reshape(v_draws, [ROOT_ROWS, _ROOT_BLOCK]),

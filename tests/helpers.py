@@ -118,8 +118,8 @@ def moment_draws(key: int, step: int, shape, field: int = 0, whole: bool = False
     step_t, shape, cpu = torch.tensor(float(step)), torch.Size(shape), torch.device("cpu")
     if not whole:
         return lambda: rng.moment_word(rng.uniform_bits(key, step_t, shape, cpu), field)
-    h = rng.step_hash(key, step_t)
-    return lambda: rng.hash_bits(rng.second_step_hash(h) if field else h, shape, cpu)
+    shared = lambda: rng.uniform_bits(key, step_t, shape, cpu)  # noqa: E731
+    return (lambda: rng.second_word(shared())) if field else shared
 
 
 def whole_draws(key: int, step: int, shape, field: int = 0):

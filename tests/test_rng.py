@@ -205,3 +205,38 @@ def test_default_seed_groups():
     seeds.used(first[0][1])  # a use in an earlier group changes nothing
     assert rng.default_slot(seeds.assign(Owner())[0]) == 2
     del keep
+
+
+def _joint_chi2_per_dof(a: torch.Tensor, b: torch.Tensor, bins: int = 32) -> float:
+    """Pearson's chi-square per degree of freedom of the joint histogram of uniforms ``a``, ``b`` (about 1 when
+    independent; its sd is about sqrt(2 / (bins**2 - 1)), 0.044 here)."""
+    cells = (a * bins).long() * bins + (b * bins).long()
+    counts = torch.bincount(cells, minlength=bins * bins).double()
+    expected = a.numel() / bins**2
+    return (((counts - expected) ** 2) / expected).sum().item() / (bins * bins - 1)
+
+
+def test_the_second_word_is_independent_of_the_shared_words_fields():
+    """The second moment's word is the shared word re-mixed (``second_word``): its top 21 bits (what the root grid
+    reads) are uniform and independent of every field of the shared word another rounding reads: the first
+    moment's top 23 (or 16) bits, the parameter's low 8 (or 16), and the fine bits that decide a rounding."""
+    n = 1 << 20
+    shared = rng.uniform_bits(rng.host_key(3, 1, rng.STREAM_SHARED), torch.tensor(7.0), torch.Size([n]), "cpu")
+    second = rng.second_word(shared)
+    assert int(second.min()) >= 0 and int(second.max()) < 2**32
+    assert [rng.second_word(int(s)) for s in shared[:64].tolist()] == second[:64].tolist()  # ints agree
+    v = (second >> 11).double() / 2**21
+    assert abs(v.mean().item() - 0.5) < 0.002 and abs(v.var().item() - 1 / 12) < 0.001
+    for bit in (11, 16, 24, 31):
+        assert abs(((second >> bit) & 1).double().mean().item() - 0.5) < 0.002
+    fields = {
+        "first moment, 23 bits": (shared >> 9).double() / 2**23,
+        "first moment, 16 bits": (shared >> 16).double() / 2**16,
+        "parameter, 8 bits": (shared & 0xFF).double() / 2**8,
+        "parameter, 16 bits": (shared & 0xFFFF).double() / 2**16,
+        "first moment's fine bits": ((shared >> 9).double() / 2**13) % 1.0,
+    }
+    for name, u in fields.items():
+        target = (v * 2**10) % 1.0 if "fine" in name else v
+        assert abs(torch.corrcoef(torch.stack([u, target]))[0, 1].item()) < 0.005, name
+        assert _joint_chi2_per_dof(u, target) < 1.25, name
