@@ -76,6 +76,9 @@ ROOT_GRID_TILE = (1024, 4)
 # a thread, as the issue-bound update then spends fewer per-program instructions per element (A/B of
 # step_speed.py --root-grid-tiles)
 ROOT_GRID_UNCORRECTED_TILE = (1024, 2)
+# Registers per thread of that program (Triton's maxnreg): capped, more programs stay resident, and the step is
+# shorter than with the compiler's choice (A/B of step_speed.py --constants MAX_REGISTERS=..., benchmarks/RESULTS.md)
+ROOT_GRID_UNCORRECTED_MAX_REGISTERS = 128
 # (elements, warps) of a program of 4-bit block codes with a master correction (state_bits=4's default):
 # the correction's split and join on 16 elements a thread took 130 registers; at 8 the step is shorter (A/B
 # of step_speed.py --block-tiles, benchmarks/RESULTS.md). Without a correction BLOCK, NUM_WARPS is faster.
@@ -91,7 +94,7 @@ APPROXIMATE_ROOT_GRID = True
 # the approximate denominator is on and v is not a root grid's; the A/B: SWITCH=APPROXIMATE_DIVISION bash
 # benchmarks/denominator_ab.sh (benchmarks/RESULTS.md, "How we chose").
 APPROXIMATE_DIVISION = True
-MAX_REGISTERS = None  # per thread (Triton's maxnreg); None: the compiler's choice
+MAX_REGISTERS = None  # per thread (Triton's maxnreg) of every update program; None: each tile's own choice
 CHECK_TILE = 2048  # elements per iteration of the finite check
 CHECK_TILES = 8  # iterations per check program (fewer programs: fewer ticket atomics)
 # int32 words of the per-parameter scratch buffer: non-finite flag, ticket, status, then as fp32 bit
@@ -523,7 +526,7 @@ def _update_tile(
     else:
         tl.static_assert(False, "the update kernel has no branch for this ALGO")
     # One hash per element feeds the roundings (as fusedopt.rng lays them out: moment i takes 12 bits from the
-    # top down, or whole words: moment 0 this one, moment 1 its own; a bf16 + int8 parameter the low 8, a bf16
+    # top down, or whole words: moment 0 this one, moment 1 this one re-mixed; a bf16 + int8 parameter the low 8, a bf16
     # parameter without a correction beside a whole-word moment 0 the low 16).
     shared = tile_bits(shared_hash, hash_start, NB, QBLOCK)
     # the parameter's field (rng.param_draw_bits): none with a word of its own; a bf16 parameter without a correction
@@ -916,7 +919,7 @@ class PreparedUpdate:
         self.scratch, self.step, self.skipped = scratch, step, skipped
         # plain integer division: triton.cdiv is a JIT function, ~7 us per call from Python
         self.check_programs = -(-max(n, 1) // (CHECK_TILE * CHECK_TILES))
-        block, warps = _tile(m_fmt, v_fmt, correction is not None, param.dtype == torch.float32)
+        block, warps, max_registers = _tile(m_fmt, v_fmt, correction is not None, param.dtype == torch.float32)
         self.programs = -(-n // block)
         corr_bits = 0 if correction is None else (16 if correction.dtype == torch.int16 else 8)
         self.configs = [  # [has_accum]
@@ -931,7 +934,7 @@ class PreparedUpdate:
                 v_fmt,
                 block,
                 warps,
-                MAX_REGISTERS,
+                max_registers,
                 # 64-bit indices past 2**31, and hash indices from a `first` the 32-bit tiles cannot take
                 # (a tile row must start at a multiple of its length: hashing.tile_bits)
                 first + n >= 2**31 - block or first % max(32, _tile_row(m_fmt, v_fmt)) != 0,
@@ -1047,15 +1050,18 @@ def bucket_config(config: LaunchConfig) -> LaunchConfig:
     return LaunchConfig({**config.constexprs, "BUCKET": True}, config.options)
 
 
-def _tile(m_fmt: KernelFormat, v_fmt: KernelFormat, corrected: bool, fp32_param: bool) -> tuple[int, int]:
-    """(elements, warps) of one update program for these moments (``corrected``: the parameter has a master
-    correction). Any multiple of the moments' blocks stores the same bits: the tile is a speed choice."""
+def _tile(m_fmt: KernelFormat, v_fmt: KernelFormat, corrected: bool, fp32_param: bool) -> tuple[int, int, int | None]:
+    """(elements, warps, registers per thread or None) of one update program for these moments (``corrected``: the
+    parameter has a master correction). Any multiple of the moments' blocks stores the same bits: the tile is a
+    speed choice; ``MAX_REGISTERS``, where set, caps every tile."""
     if Family.ROOT_GRID in (m_fmt.family, v_fmt.family) or Family.NORMALISED in (m_fmt.family, v_fmt.family):
         # (an fp32 parameter, with IEEE arithmetic, keeps the tile measured with a correction)
-        return ROOT_GRID_TILE if corrected or fp32_param else ROOT_GRID_UNCORRECTED_TILE
+        if corrected or fp32_param:
+            return (*ROOT_GRID_TILE, MAX_REGISTERS)
+        return (*ROOT_GRID_UNCORRECTED_TILE, MAX_REGISTERS or ROOT_GRID_UNCORRECTED_MAX_REGISTERS)
     if corrected and any(f.family == Family.BLOCK and f.bits == 4 for f in (m_fmt, v_fmt)):
-        return NIBBLE_MASTER_TILE
-    return BLOCK, NUM_WARPS
+        return (*NIBBLE_MASTER_TILE, MAX_REGISTERS)
+    return BLOCK, NUM_WARPS, MAX_REGISTERS
 
 
 def _tile_row(m_fmt: KernelFormat, v_fmt: KernelFormat) -> int:

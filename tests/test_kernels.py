@@ -168,11 +168,16 @@ def test_any_tile_of_whole_blocks_stores_the_references_bits(monkeypatch, device
         (dict(state_format="norm2-root4"), torch.float32, "ROOT_GRID_TILE"),
     ],
 )
-def test_each_format_takes_its_tile(monkeypatch, device, kwargs, dtype, tile):
+@pytest.mark.parametrize("cap", [None, 96])
+def test_each_format_takes_its_tile(monkeypatch, device, kwargs, dtype, tile, cap):
     """4-bit block codes with a correction run programs of ``NIBBLE_MASTER_TILE``; without one, and 8-bit codes,
     of ``BLOCK`` elements; norm2-root4 of ``ROOT_GRID_TILE``, on a 16-bit parameter without a correction of
-    ``ROOT_GRID_UNCORRECTED_TILE``."""
+    ``ROOT_GRID_UNCORRECTED_TILE`` with its registers capped (``ROOT_GRID_UNCORRECTED_MAX_REGISTERS``); every
+    tile under ``MAX_REGISTERS`` where it is set."""
     from fusedopt.kernels import update
+
+    monkeypatch.setattr(update, "MAX_REGISTERS", cap)
+    monkeypatch.setattr(update, "ROOT_GRID_UNCORRECTED_MAX_REGISTERS", 120)
 
     monkeypatch.setenv("FUSEDOPT_BACKEND", "triton")
     # distinct: each case tells
@@ -186,6 +191,9 @@ def test_each_format_takes_its_tile(monkeypatch, device, kwargs, dtype, tile):
     w.grad = torch.randn_like(w)
     opt.step()
     assert [p.launch.programs for p in opt._dispatch._prepared.values()] == [w.numel() // sizes[tile]]
+    registers = cap or (120 if tile == "ROOT_GRID_UNCORRECTED_TILE" else None)
+    options = [c.options for p in opt._dispatch._prepared.values() for c in p.launch.configs]
+    assert options and all(o.get("maxnreg") == registers for o in options)
 
 
 @pytest.mark.parametrize(
