@@ -534,7 +534,7 @@ def _update_tile(
     PARAM_BITS: tl.constexpr = 0 if PARAM_OWN_DRAW else (16 if MASTER == 1 else 8)
     moment_word, param_field = shared_word_fields(shared, PARAM_BITS)
     if V_FAMILY == _ROOT_GRID:  # first: a normalised first moment is stored in units of v as stored
-        # a whole word of its own, the shared one re-mixed (fusedopt.rng: the root grid reads its top bits)
+        # its whole word: the shared one re-mixed (fusedopt.rng.second_word; the root grid reads its top bits)
         v_draws = (second_word(shared) >> 11).to(tl.int32)  # (past the tensor's end r is 0: no draw rounds it up)
         stored_roots = store_root_grid(
             tl.reshape(v, [ROOT_ROWS, _ROOT_BLOCK]), tl.reshape(v_root, [ROOT_ROWS, _ROOT_BLOCK]), v_codes, v_units,
