@@ -934,7 +934,7 @@ class PreparedUpdate:
                 v_fmt,
                 block,
                 warps,
-                max_registers,
+                max_registers if MAX_REGISTERS is None else MAX_REGISTERS,
                 # 64-bit indices past 2**31, and hash indices from a `first` the 32-bit tiles cannot take
                 # (a tile row must start at a multiple of its length: hashing.tile_bits)
                 first + n >= 2**31 - block or first % max(32, _tile_row(m_fmt, v_fmt)) != 0,
@@ -1051,17 +1051,17 @@ def bucket_config(config: LaunchConfig) -> LaunchConfig:
 
 
 def _tile(m_fmt: KernelFormat, v_fmt: KernelFormat, corrected: bool, fp32_param: bool) -> tuple[int, int, int | None]:
-    """(elements, warps, registers per thread or None) of one update program for these moments (``corrected``: the
-    parameter has a master correction). Any multiple of the moments' blocks stores the same bits: the tile is a
-    speed choice; ``MAX_REGISTERS``, where set, caps every tile."""
+    """(elements, warps, registers per thread: None for the compiler's choice) of one update program for these
+    moments (``corrected``: the parameter has a master correction). Any multiple of the moments' blocks stores the
+    same bits: the tile is a speed choice."""
     if Family.ROOT_GRID in (m_fmt.family, v_fmt.family) or Family.NORMALISED in (m_fmt.family, v_fmt.family):
         # (an fp32 parameter, with IEEE arithmetic, keeps the tile measured with a correction)
         if corrected or fp32_param:
-            return (*ROOT_GRID_TILE, MAX_REGISTERS)
-        return (*ROOT_GRID_UNCORRECTED_TILE, MAX_REGISTERS or ROOT_GRID_UNCORRECTED_MAX_REGISTERS)
+            return (*ROOT_GRID_TILE, None)
+        return (*ROOT_GRID_UNCORRECTED_TILE, ROOT_GRID_UNCORRECTED_MAX_REGISTERS)
     if corrected and any(f.family == Family.BLOCK and f.bits == 4 for f in (m_fmt, v_fmt)):
-        return (*NIBBLE_MASTER_TILE, MAX_REGISTERS)
-    return BLOCK, NUM_WARPS, MAX_REGISTERS
+        return (*NIBBLE_MASTER_TILE, None)
+    return BLOCK, NUM_WARPS, None
 
 
 def _tile_row(m_fmt: KernelFormat, v_fmt: KernelFormat) -> int:

@@ -118,7 +118,10 @@ def moment_draws(key: int, step: int, shape, field: int = 0, whole: bool = False
     step_t, shape, cpu = torch.tensor(float(step)), torch.Size(shape), torch.device("cpu")
     if not whole:
         return lambda: rng.moment_word(rng.uniform_bits(key, step_t, shape, cpu), field)
-    shared = lambda: rng.uniform_bits(key, step_t, shape, cpu)  # noqa: E731
+
+    def shared():
+        return rng.uniform_bits(key, step_t, shape, cpu)
+
     return (lambda: rng.second_word(shared())) if field else shared
 
 
